@@ -1,0 +1,136 @@
+"""RFA options: one dataclass gives the `--rfa-*` flags, their help and defaults."""
+import argparse
+from dataclasses import dataclass, field, fields
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+from .ops import FEATURE_MAPS, RANDOM_MATRIX_KINDS
+
+SIGMA_MODES = ("learned", "fixed")
+
+
+@dataclass
+class RFAConfig(FairseqDataclass):
+    rfa_feature_map: ChoiceEnum(FEATURE_MAPS) = field(
+        default="sincos",
+        metadata={
+            "help": "random feature map: sincos = Gaussian random Fourier features (paper Eq. 2), "
+            "arccos = paper's phi_arccos (degree-1 arc-cosine kernel), positive = Performer FAVOR+ "
+            "positive random features (default: sincos)"
+        },
+    )
+    rfa_num_features: int = field(
+        default=64,
+        metadata={
+            "help": "number D of random vectors per head (sincos gives 2D features). Default 64 = the "
+            "head dimension of the base/big transformers, as in the paper's MT setup: the decode "
+            "state per head is then 2D x d = 128 x 64 (default: 64)"
+        },
+    )
+    rfa_random_matrix: ChoiceEnum(RANDOM_MATRIX_KINDS) = field(
+        default="orthogonal",
+        metadata={
+            "help": "random projections: gaussian = i.i.d. N(0, I) rows; orthogonal = orthogonal blocks "
+            "with chi-distributed row norms (lower-variance estimate) (default: orthogonal)"
+        },
+    )
+    rfa_sigma: ChoiceEnum(SIGMA_MODES) = field(
+        default="learned",
+        metadata={
+            "help": "sigma scaling the random projections, per head and dimension: learned (paper's "
+            "learned variance) or fixed at its initial value (default: learned)"
+        },
+    )
+    rfa_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "tau: sigma starts at tau^-1/2, so RFA starts as softmax(q.k / tau) over the "
+            "l2-normalized q and k (arccos ignores a uniform sigma) (default: 1.0)"
+        },
+    )
+    rfa_gate: bool = field(
+        default=False,
+        metadata={
+            "help": "gated RFA in the decoder self-attention (paper Eq. 7): g_t = sigmoid(w_g.x_t + b_g) "
+            "per head, S_t = g_t S_t-1 + (1 - g_t) phi(k_t) v_t^T, same for z"
+        },
+    )
+    rfa_chunk_size: int = field(
+        default=64,
+        metadata={"help": "chunk size of the causal training pass; memory is O(L) for any value (default: 64)"},
+    )
+    rfa_encoder_self_attn: bool = field(
+        default=False,
+        metadata={"help": "use RFA in the encoder self-attention too (softmax by default, as in the paper's MT setup)"},
+    )
+    rfa_softmax_cross_attn: bool = field(
+        default=False,
+        metadata={"help": "keep softmax encoder-decoder attention (ablation; RFA cross-attention by default)"},
+    )
+
+
+RFA_DEFAULTS = {f.name: f.default for f in fields(RFAConfig)}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, got {text}")
+        return value
+
+    parse.__name__ = f"positive_{kind.__name__}"
+    return parse
+
+
+def add_rfa_args(parser) -> None:
+    """Add the --rfa-* flags; positive-only values are checked by argparse, naming the flag."""
+    gen_parser_from_dataclass(parser, RFAConfig())
+    positive = {"rfa_num_features": _positive(int), "rfa_chunk_size": _positive(int), "rfa_temperature": _positive(float)}
+    for action in parser._actions:
+        if action.dest in positive:
+            action.type = positive[action.dest]
+
+
+def apply_rfa_defaults(args) -> None:
+    """Fill missing rfa_* fields (old checkpoints, Hydra configs that omit them)."""
+    for name, default in RFA_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+
+
+def validate_rfa_args(args) -> None:
+    """Reject bad or contradictory options before any model is built, naming the flag."""
+    if args.rfa_feature_map not in FEATURE_MAPS:
+        raise ValueError(f"{flag('rfa_feature_map')}={args.rfa_feature_map!r} is not one of {', '.join(FEATURE_MAPS)}")
+    if args.rfa_random_matrix not in RANDOM_MATRIX_KINDS:
+        raise ValueError(
+            f"{flag('rfa_random_matrix')}={args.rfa_random_matrix!r} is not one of {', '.join(RANDOM_MATRIX_KINDS)}"
+        )
+    if args.rfa_sigma not in SIGMA_MODES:
+        raise ValueError(f"{flag('rfa_sigma')}={args.rfa_sigma!r} is not one of {', '.join(SIGMA_MODES)}")
+    for name in ("rfa_num_features", "rfa_chunk_size"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}")
+    if not args.rfa_temperature > 0:
+        raise ValueError(f"{flag('rfa_temperature')} must be > 0, got {args.rfa_temperature!r}")
+    if getattr(args, "cross_self_attention", False):
+        raise ValueError(
+            "--cross-self-attention contradicts RFA: it makes decoder self-attention attend to the encoder "
+            "output, which the causal RFA state cannot represent; drop the flag or use --arch transformer"
+        )
+    if args.rfa_softmax_cross_attn and getattr(args, "no_cross_attention", False):
+        raise ValueError("--rfa-softmax-cross-attn contradicts --no-cross-attention: there is no cross-attention")
+    for side in ("encoder", "decoder"):
+        embed_dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
+        if embed_dim % heads:
+            raise ValueError(f"--{side}-embed-dim={embed_dim} is not divisible by --{side}-attention-heads={heads}")

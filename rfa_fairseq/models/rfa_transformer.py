@@ -1,0 +1,161 @@
+"""The `rfa_transformer` model: fairseq's transformer with RFA attention, wired through hooks.
+
+Only `build_*` hooks are overridden; every forward pass is fairseq's own.
+Defaults follow the paper's MT setup: RFA in decoder self-attention and in
+encoder-decoder attention, softmax encoder self-attention unless --rfa-encoder-self-attn.
+"""
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerDecoderBase,
+    TransformerEncoderBase,
+    TransformerModel,
+    base_architecture,
+    tiny_architecture,
+    transformer_iwslt_de_en,
+    transformer_vaswani_wmt_en_de_big,
+    transformer_vaswani_wmt_en_fr_big,
+    transformer_wmt_en_de,
+    transformer_wmt_en_de_big,
+)
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+
+from ..config import add_rfa_args, apply_rfa_defaults, validate_rfa_args
+from ..modules import RFAAttention
+
+
+def _wrap_layer(layer, cfg):
+    """Activation checkpointing / FSDP wrapping, as fairseq's own build_*_layer hooks do."""
+    checkpoint = cfg.checkpoint_activations
+    if checkpoint:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
+class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
+    def build_self_attention(self, embed_dim, cfg):
+        return RFAAttention(
+            embed_dim,
+            cfg.encoder.attention_heads,
+            cfg,
+            dropout=cfg.attention_dropout,
+            self_attention=True,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+        )
+
+
+class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("RFA decoder self-attention does not support add_bias_kv / add_zero_attn")
+        return RFAAttention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            cfg,
+            dropout=cfg.attention_dropout,
+            self_attention=True,
+            causal=True,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+        )
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        if cfg.rfa_softmax_cross_attn:
+            return super().build_encoder_attention(embed_dim, cfg)
+        return RFAAttention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            cfg,
+            kdim=cfg.encoder.embed_dim,
+            vdim=cfg.encoder.embed_dim,
+            dropout=cfg.attention_dropout,
+            encoder_decoder_attention=True,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+        )
+
+
+class RFATransformerEncoder(TransformerEncoderBase):
+    def build_encoder_layer(self, cfg):
+        if not cfg.rfa_encoder_self_attn:
+            return super().build_encoder_layer(cfg)
+        return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+
+
+class RFATransformerDecoder(TransformerDecoderBase):
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def buffered_future_mask(self, tensor):
+        # Causal RFA needs to know only *that* the pass is causal. A zero-stride
+        # (T, T) stand-in carries that without fairseq's T x T mask in memory;
+        # RFAAttention checks for it (and validates any materialized mask).
+        dim = tensor.size(0)
+        return tensor.new_zeros(()).expand(dim, dim)
+
+
+@register_model("rfa_transformer")
+class RFATransformerModel(TransformerModel):
+    """Transformer with Random Feature Attention (Peng et al., ICLR 2021)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        add_rfa_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        rfa_base_architecture(args)
+        validate_rfa_args(args)
+        model = super().build_model(args, task)
+        model.set_random_feature_seed(getattr(args, "seed", 1))
+        return model
+
+    @classmethod
+    def build_encoder(cls, cfg, src_dict, embed_tokens):
+        return RFATransformerEncoder(cfg, src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        return RFATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def rfa_modules(self):
+        return [m for m in self.modules() if isinstance(m, RFAAttention)]
+
+    def set_random_feature_seed(self, seed: int) -> None:
+        """Number the RFA modules in a fixed order so draws depend on (seed, update, layer) only."""
+        for index, module in enumerate(self.rfa_modules()):
+            module.set_random_feature_seed(seed, index)
+
+
+# ---------------------------------------------------------------- architectures
+
+
+@register_model_architecture("rfa_transformer", "rfa_transformer")
+def rfa_base_architecture(args):
+    apply_rfa_defaults(args)
+    base_architecture(args)
+
+
+def _rfa_architecture(name, transformer_architecture):
+    @register_model_architecture("rfa_transformer", name)
+    def architecture(args):
+        apply_rfa_defaults(args)
+        transformer_architecture(args)
+
+    architecture.__name__ = name
+    return architecture
+
+
+rfa_transformer_iwslt_de_en = _rfa_architecture("rfa_transformer_iwslt_de_en", transformer_iwslt_de_en)
+rfa_transformer_wmt_en_de = _rfa_architecture("rfa_transformer_wmt_en_de", transformer_wmt_en_de)
+rfa_transformer_wmt_en_de_big = _rfa_architecture("rfa_transformer_wmt_en_de_big", transformer_wmt_en_de_big)
+rfa_transformer_vaswani_wmt_en_de_big = _rfa_architecture(
+    "rfa_transformer_vaswani_wmt_en_de_big", transformer_vaswani_wmt_en_de_big
+)
+rfa_transformer_vaswani_wmt_en_fr_big = _rfa_architecture(
+    "rfa_transformer_vaswani_wmt_en_fr_big", transformer_vaswani_wmt_en_fr_big
+)
+rfa_transformer_tiny = _rfa_architecture("rfa_transformer_tiny", tiny_architecture)

@@ -1,0 +1,1 @@
+from .rfa_attention import RFAAttention  # noqa: F401

@@ -1,0 +1,252 @@
+"""RFA attention with fairseq's MultiheadAttention call signature.
+
+Inputs are T x B x C like fairseq's. Three roles, chosen at construction:
+  causal self-attention (decoder): chunked causal RFA in training, a constant-size
+      recurrent state (S and z, one (B, H, F, d + 1) tensor) in incremental decoding;
+  encoder-decoder attention: S = phi(K)^T [V, 1] computed once per source sentence and
+      cached in the incremental state;
+  non-causal self-attention (encoder, with --rfa-encoder-self-attn).
+Projection names (q_proj, k_proj, v_proj, out_proj) match fairseq's MultiheadAttention,
+so softmax transformer weights load into RFA layers unchanged.
+"""
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.modules.quant_noise import quant_noise
+from torch import Tensor, nn
+
+from ..ops import (
+    causal_rfa_chunked,
+    causal_rfa_recurrent,
+    draw_random_matrix,
+    feature_map,
+    gate_keys,
+    noncausal_rfa,
+    random_matrix_seed,
+    scale_inputs,
+)
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+# b_g starts at 2: g = sigmoid(2) = 0.88, a memory of ~8 tokens, so a fresh gated
+# model starts close to (but more local than) plain causal RFA.
+GATE_BIAS_INIT = 2.0
+# stream index for the evaluation matrices, apart from every training update >= 0
+EVAL_UPDATE = -1
+
+
+@with_incremental_state
+class RFAAttention(nn.Module):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        rfa_cfg,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        self_attention: bool = False,
+        encoder_decoder_attention: bool = False,
+        causal: bool = False,
+        q_noise: float = 0.0,
+        qn_block_size: int = 8,
+    ):
+        super().__init__()
+        if self_attention == encoder_decoder_attention:
+            raise ValueError("RFAAttention is either self-attention or encoder-decoder attention")
+        if causal and not self_attention:
+            raise ValueError("causal RFA is only defined for self-attention")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+        self.causal = causal
+        # kept for signature parity; RFA never forms attention probabilities to drop out
+        self.dropout = dropout
+
+        self.feature_map = str(rfa_cfg.rfa_feature_map)
+        self.num_features = rfa_cfg.rfa_num_features
+        self.random_matrix_kind = str(rfa_cfg.rfa_random_matrix)
+        self.chunk_size = rfa_cfg.rfa_chunk_size
+        self.gated = bool(rfa_cfg.rfa_gate) and causal
+
+        self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.v_proj = quant_noise(nn.Linear(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.q_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+
+        sigma = torch.full((num_heads, self.head_dim), rfa_cfg.rfa_temperature ** -0.5)
+        if str(rfa_cfg.rfa_sigma) == "learned":
+            self.sigma = nn.Parameter(sigma)
+        else:
+            self.register_buffer("sigma", sigma)
+        self.gate_proj = nn.Linear(embed_dim, num_heads) if self.gated else None
+
+        # fixed matrices for evaluation and generation; saved in the checkpoint
+        self.register_buffer("eval_random_matrix", torch.zeros(num_heads, self.num_features, self.head_dim))
+        self.seed = 0
+        self.module_index = 0
+        self.num_updates = 0
+        self._train_matrix: Optional[Tensor] = None
+        self._train_matrix_update: Optional[int] = None
+        self.reset_parameters()
+        self.set_random_feature_seed(0, 0)
+
+    def reset_parameters(self):
+        # same initialization as fairseq's MultiheadAttention
+        gain = 1 / math.sqrt(2) if self.kdim == self.embed_dim == self.vdim else 1.0
+        for proj in (self.k_proj, self.v_proj, self.q_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.gate_proj is not None:
+            nn.init.xavier_uniform_(self.gate_proj.weight)
+            nn.init.constant_(self.gate_proj.bias, GATE_BIAS_INIT)
+
+    # ------------------------------------------------------------ random matrices
+
+    def set_random_feature_seed(self, seed: int, module_index: int) -> None:
+        """Tie this module's draws to (seed, module_index) and redraw the eval matrix."""
+        self.seed, self.module_index = int(seed), int(module_index)
+        self._train_matrix = self._train_matrix_update = None
+        with torch.no_grad():
+            self.eval_random_matrix.copy_(self._draw(EVAL_UPDATE))
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.num_updates = int(num_updates)
+
+    def _draw(self, update: int) -> Tensor:
+        return draw_random_matrix(
+            self.num_heads,
+            self.num_features,
+            self.head_dim,
+            self.random_matrix_kind,
+            random_matrix_seed(self.seed, update, self.module_index),
+        )
+
+    def random_matrix(self) -> Tensor:
+        """(H, D, d): redrawn per training update from (seed, update, module), fixed in eval."""
+        if not self.training:
+            return self.eval_random_matrix
+        if self._train_matrix_update != self.num_updates:
+            self._train_matrix = self._draw(self.num_updates).to(self.eval_random_matrix.device)
+            self._train_matrix_update = self.num_updates
+        return self._train_matrix
+
+    # ------------------------------------------------------------ forward
+
+    def _heads(self, x: Tensor) -> Tensor:
+        """(T, B, C) -> (B, H, T, d)."""
+        T, B, _ = x.shape
+        return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+    def _phi(self, x: Tensor, w: Tensor, is_query: bool) -> Tensor:
+        """(T, B, C) projected inputs -> (B, H, T, F) fp32 features."""
+        return feature_map(scale_inputs(self._heads(x), self.sigma), w, self.feature_map, is_query)
+
+    def _check_causal_mask(self, attn_mask: Tensor, length: int) -> None:
+        # our decoder passes a zero-stride stand-in (no T x T memory); a materialized
+        # mask from elsewhere must be fairseq's future mask, the only one RFA can honor
+        if attn_mask.dim() == 2 and attn_mask.shape == (length, length) and attn_mask.stride() == (0, 0):
+            return
+        expected = torch.triu(torch.ones(length, length, dtype=torch.bool, device=attn_mask.device), 1)
+        if attn_mask.shape != (length, length) or not torch.equal(attn_mask.isinf() | (attn_mask < -1e3), expected):
+            raise ValueError("RFA causal self-attention supports only the causal future mask as attn_mask")
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query: (T, B, C); key, value: (S, B, C) -> ((T, B, C), None).
+
+        RFA never forms attention weights, so the second output is always None.
+        """
+        if before_softmax:
+            raise ValueError("RFA has no attention logits (before_softmax=True is unsupported)")
+        tgt_len, bsz, _ = query.shape
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
+        w = self.random_matrix()
+        phi_q = self._phi(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
+
+        if self.encoder_decoder_attention:
+            state = saved.get("cross_state") if static_kv else None
+            phi_k = v = None
+            if state is None:
+                phi_k = self._phi(self.k_proj(key), w, is_query=False)
+                phi_k, _ = gate_keys(phi_k, None, key_padding_mask)
+                v = self._heads(self.v_proj(value))
+            out, state = noncausal_rfa(phi_q, phi_k, v, state=state)
+            if incremental_state is not None:
+                saved["cross_state"] = state
+                self._set_input_buffer(incremental_state, saved)
+        elif self.causal and (incremental_state is not None or attn_mask is not None):
+            if attn_mask is not None:
+                self._check_causal_mask(attn_mask, tgt_len)
+            phi_k = self._phi(self.k_proj(query), w, is_query=False)
+            v = self._heads(self.v_proj(query))
+            gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
+            phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
+            if incremental_state is not None:
+                out, state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, saved.get("causal_state"))
+                saved["causal_state"] = state
+                self._set_input_buffer(incremental_state, saved)
+            else:
+                out, _ = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size)
+        else:
+            # encoder self-attention, or decoder self-attention with full context
+            if attn_mask is not None:
+                raise ValueError("non-causal RFA self-attention does not support attn_mask")
+            phi_k = self._phi(self.k_proj(key), w, is_query=False)
+            phi_k, _ = gate_keys(phi_k, None, key_padding_mask)
+            out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)))
+
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim).to(query.dtype)  # (T, B, C)
+        return self.out_proj(out), None
+
+    # ------------------------------------------------------------ incremental state
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
+        """Beam search: select rows of every cached state; new_order may also shrink the batch."""
+        buffer = self._get_input_buffer(incremental_state)
+        if buffer:
+            for name, state in buffer.items():
+                if state is not None:
+                    buffer[name] = state.index_select(0, new_order)
+            incremental_state = self._set_input_buffer(incremental_state, buffer)
+        return incremental_state
+
+    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
+        result = self.get_incremental_state(incremental_state, "rfa_state")
+        return result if result is not None else {}
+
+    def _set_input_buffer(self, incremental_state: IncrementalState, buffer: Dict[str, Optional[Tensor]]):
+        return self.set_incremental_state(incremental_state, "rfa_state", buffer)
+
+    def set_beam_size(self, beam_size: int) -> None:
+        """Nothing to do: states are per row of the (batch * beam) batch."""
+
+    def extra_repr(self) -> str:
+        role = "causal" if self.causal else ("cross" if self.encoder_decoder_attention else "self")
+        return (
+            f"role={role}, heads={self.num_heads}, head_dim={self.head_dim}, feature_map={self.feature_map}, "
+            f"D={self.num_features}, matrix={self.random_matrix_kind}, gated={self.gated}, module_index={self.module_index}"
+        )
+

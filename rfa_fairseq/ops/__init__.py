@@ -1,0 +1,21 @@
+"""Pure tensor functions of RFA: no fairseq imports here."""
+from .feature_maps import (  # noqa: F401
+    FEATURE_MAPS,
+    RANDOM_MATRIX_KINDS,
+    draw_random_matrix,
+    exact_kernel,
+    feature_map,
+    feature_map_reference,
+    num_feature_dims,
+    random_matrix_seed,
+    scale_inputs,
+)
+from .rfa import (  # noqa: F401
+    DENOMINATOR_EPS,
+    causal_rfa_chunked,
+    causal_rfa_recurrent,
+    causal_rfa_reference,
+    gate_keys,
+    noncausal_rfa,
+    noncausal_rfa_reference,
+)

@@ -1,0 +1,127 @@
+"""Random matrices and random feature maps (RFA paper, Sec. 2-3).
+
+Shapes: x is (B, H, T, d) per-head queries or keys, random matrices are (H, D, d).
+A feature map turns x into phi(x) of shape (B, H, T, F): F = 2D for sincos, D otherwise.
+
+Kernel conventions (q, k are l2-normalized first, sigma scales them per head and dim):
+  x' = sigma * x / |x|, w ~ N(0, I) (or orthogonal blocks with chi norms)
+  sincos:   E[phi(x).phi(y)] = exp(-|x'-y'|^2 / 2)   (Gaussian kernel, paper Eq. 2)
+  positive: E[phi(x).phi(y)] = exp(x'.y')            (FAVOR+, always > 0)
+  arccos:   E[phi(x).phi(y)] ~ arc-cosine kernel of degree 1 (Cho & Saul 2009)
+With |x| = 1 and a scalar sigma, both sincos and positive approximate softmax
+attention with temperature 1 / sigma^2, since the norm factors cancel in the ratio.
+"""
+import hashlib
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+FEATURE_MAPS = ("sincos", "arccos", "positive")
+RANDOM_MATRIX_KINDS = ("gaussian", "orthogonal")
+
+
+def num_feature_dims(feature_map: str, num_features: int) -> int:
+    """Size F of phi(x) for D random vectors."""
+    return 2 * num_features if feature_map == "sincos" else num_features
+
+
+def random_matrix_seed(seed: int, update: int, module_index: int) -> int:
+    """One 63-bit seed per (training seed, update number, attention module).
+
+    A hash, not arithmetic, so that nearby (seed, update, layer) triples do not
+    collide; identical on every data-parallel rank without communication.
+    """
+    digest = hashlib.sha256(f"rfa:{seed}:{update}:{module_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def draw_random_matrix(
+    num_heads: int, num_features: int, head_dim: int, kind: str, seed: int
+) -> Tensor:
+    """(H, D, d) random projections with N(0, I) marginals, drawn on the CPU in fp32.
+
+    gaussian:   i.i.d. N(0, 1) entries.
+    orthogonal: rows orthogonal within blocks of d (QR of a Gaussian matrix), each
+                row rescaled by an independent chi(d) norm so that every row still
+                has the N(0, I) distribution (Choromanski et al. 2021); lower
+                variance than i.i.d. rows.
+    """
+    if kind not in RANDOM_MATRIX_KINDS:
+        raise ValueError(f"unknown random matrix kind {kind!r}; expected one of {RANDOM_MATRIX_KINDS}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if kind == "gaussian":
+        return torch.randn(num_heads, num_features, head_dim, generator=gen)
+    num_blocks = math.ceil(num_features / head_dim)
+    gaussian = torch.randn(num_heads, num_blocks, head_dim, head_dim, generator=gen, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)  # (H, nb, d, d)
+    # sign fix makes Q Haar-distributed instead of biased by the QR convention
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    rows = q.transpose(-1, -2).reshape(num_heads, num_blocks * head_dim, head_dim)[:, :num_features]
+    chi_norms = torch.randn(num_heads, num_features, head_dim, generator=gen, dtype=torch.float64).norm(dim=-1)
+    return (rows * chi_norms.unsqueeze(-1)).float()
+
+
+def scale_inputs(x: Tensor, sigma: Tensor) -> Tensor:
+    """x' = sigma * x / |x|.   x: (B, H, T, d), sigma: (H, d) -> (B, H, T, d) fp32."""
+    x = x if x.dtype == torch.float64 else x.float()
+    x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    return x * sigma.to(x.dtype).unsqueeze(1)
+
+
+def feature_map(x_scaled: Tensor, w: Tensor, kind: str, is_query: bool = False) -> Tensor:
+    """phi(x') for x' from `scale_inputs`.   x_scaled: (B, H, T, d), w: (H, D, d) -> (B, H, T, F).
+
+    is_query only matters for "positive": a per-query constant is subtracted before
+    exp for range safety; it cancels between numerator and denominator. Keys get no
+    such shift because a per-key constant would change the attention weights.
+    """
+    num_features = w.size(1)
+    proj = torch.matmul(x_scaled, w.to(x_scaled.dtype).transpose(-1, -2))  # (B, H, T, D)
+    scale = num_features ** -0.5
+    if kind == "sincos":
+        return torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * scale
+    if kind == "arccos":
+        return torch.relu(proj) * scale
+    if kind == "positive":
+        proj = proj - 0.5 * x_scaled.pow(2).sum(-1, keepdim=True)
+        if is_query:
+            proj = proj - proj.detach().amax(dim=-1, keepdim=True)
+        return torch.exp(proj) * scale
+    raise ValueError(f"unknown feature map {kind!r}; expected one of {FEATURE_MAPS}")
+
+
+def feature_map_reference(x_scaled: Tensor, w: Tensor, kind: str) -> Tensor:
+    """One random vector at a time, straight from the formulas in the module docstring."""
+    num_features = w.size(1)
+    feats = []
+    for i in range(num_features):
+        wx = (x_scaled * w[:, i].to(x_scaled.dtype).unsqueeze(1)).sum(-1)  # (B, H, T)
+        if kind == "sincos":
+            feats.append((torch.sin(wx), torch.cos(wx)))
+        elif kind == "arccos":
+            feats.append((torch.clamp(wx, min=0),))
+        elif kind == "positive":
+            feats.append((torch.exp(wx - 0.5 * (x_scaled**2).sum(-1)),))
+        else:
+            raise ValueError(kind)
+    # sincos layout is [sin_1..sin_D, cos_1..cos_D]
+    columns = [f[j] for j in range(len(feats[0])) for f in feats]
+    return torch.stack(columns, dim=-1) / math.sqrt(num_features)
+
+
+def exact_kernel(x_scaled: Tensor, y_scaled: Tensor, kind: str) -> Optional[Tensor]:
+    """The kernel each feature map estimates, for tests. (B, H, Tq, d), (B, H, Tk, d) -> (B, H, Tq, Tk)."""
+    if kind == "sincos":
+        return torch.exp(-0.5 * torch.cdist(x_scaled, y_scaled).pow(2))
+    if kind == "positive":
+        return torch.exp(x_scaled @ y_scaled.transpose(-1, -2))
+    if kind == "arccos":
+        # degree-1 arc-cosine kernel with the E[relu(w.x) relu(w.y)] normalization
+        nx, ny = x_scaled.norm(dim=-1), y_scaled.norm(dim=-1)
+        cos = (x_scaled @ y_scaled.transpose(-1, -2)) / (nx.unsqueeze(-1) * ny.unsqueeze(-2))
+        theta = torch.acos(cos.clamp(-1, 1))
+        j1 = torch.sin(theta) + (math.pi - theta) * torch.cos(theta)
+        return nx.unsqueeze(-1) * ny.unsqueeze(-2) * j1 / (2 * math.pi)
+    return None

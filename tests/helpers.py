@@ -1,0 +1,63 @@
+"""Build small rfa_transformer models the way fairseq-train does (same parser, same registry)."""
+import os
+import types
+
+import torch
+from fairseq import options
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_MODEL_REGISTRY
+
+from conftest import PLUGIN_DIR
+
+TINY_ARGS = [
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--dropout", "0.0", "--max-target-positions", "1024", "--max-source-positions", "1024",
+]
+
+
+def make_dictionary(num_words: int = 40) -> Dictionary:
+    d = Dictionary()
+    for i in range(num_words):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def parse_args(extra=(), arch="rfa_transformer", seed=1):
+    parser = options.get_training_parser()
+    argv = ["/nonexistent-data", "--user-dir", PLUGIN_DIR, "--arch", arch, "--seed", str(seed), *TINY_ARGS, *extra]
+    return options.parse_args_and_arch(parser, argv)
+
+
+def build_model_from_args(args, dictionary=None):
+    dictionary = dictionary or make_dictionary()
+    task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    torch.manual_seed(args.seed)
+    return ARCH_MODEL_REGISTRY[args.arch].build_model(args, task), dictionary
+
+
+def build_model(extra=(), arch="rfa_transformer", seed=1, dictionary=None):
+    """A tiny model built exactly like fairseq-train builds it; parameters seeded by `seed`."""
+    return build_model_from_args(parse_args(extra, arch, seed), dictionary)
+
+
+def random_batch(dictionary, bsz=3, src_len=9, tgt_len=7, seed=0):
+    """Left-padded sources of varying length (as fairseq batches them) and decoder inputs."""
+    g = torch.Generator().manual_seed(seed)
+    nspecial = dictionary.nspecial
+    src = torch.randint(nspecial, len(dictionary), (bsz, src_len), generator=g)
+    lengths = torch.tensor([src_len - (i % 3) for i in range(bsz)])
+    for i, length in enumerate(lengths):
+        src[i, : src_len - length] = dictionary.pad()
+        src[i, -1] = dictionary.eos()
+    prev = torch.randint(nspecial, len(dictionary), (bsz, tgt_len), generator=g)
+    prev[:, 0] = dictionary.eos()
+    return src, lengths, prev
+
+
+def plugin_env():
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

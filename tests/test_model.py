@@ -1,0 +1,218 @@
+"""rfa_transformer in fairseq: incremental decoding, beam reorder, state size, random matrices."""
+import io
+
+import pytest
+import torch
+from helpers import build_model, build_model_from_args, parse_args, random_batch
+
+from rfa_fairseq.modules import RFAAttention
+
+VARIANTS = [
+    pytest.param(fm, gate, enc, id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
+    for fm in ("sincos", "arccos", "positive")
+    for gate in (False, True)
+    for enc in (False, True)
+]
+
+
+def _flags(feature_map, gate, rfa_encoder, chunk=4):
+    flags = ["--rfa-feature-map", feature_map, "--rfa-chunk-size", str(chunk)]
+    return flags + (["--rfa-gate"] if gate else []) + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
+
+
+def _decode_incrementally(model, encoder_out, prev, incremental_state, start=0):
+    outs = []
+    for t in range(start, prev.size(1)):
+        logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=incremental_state)
+        outs.append(logits)
+    return torch.cat(outs, dim=1)
+
+
+def _state_tensors(incremental_state):
+    return [t for buf in incremental_state.values() for t in buf.values() if t is not None]
+
+
+def test_modules_are_where_the_options_say():
+    model, _ = build_model()
+    enc_layer, dec_layer = model.encoder.layers[0], model.decoder.layers[0]
+    assert not isinstance(enc_layer.self_attn, RFAAttention)  # softmax encoder by default
+    assert isinstance(dec_layer.self_attn, RFAAttention) and dec_layer.self_attn.causal
+    assert isinstance(dec_layer.encoder_attn, RFAAttention) and dec_layer.encoder_attn.encoder_decoder_attention
+    model, _ = build_model(["--rfa-encoder-self-attn", "--rfa-softmax-cross-attn"])
+    assert isinstance(model.encoder.layers[0].self_attn, RFAAttention)
+    assert not isinstance(model.decoder.layers[0].encoder_attn, RFAAttention)
+    indices = [m.module_index for m in model.rfa_modules()]
+    assert indices == list(range(len(indices)))
+
+
+@pytest.mark.parametrize("feature_map,gate,rfa_encoder", VARIANTS)
+def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder):
+    model, d = build_model(_flags(feature_map, gate, rfa_encoder))
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
+    with torch.no_grad():
+        full, _ = model(src, src_lengths, prev)
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        incremental = _decode_incrementally(model, encoder_out, prev, {})
+    diff = (full - incremental).abs().max().item()
+    print(f"max |full - incremental| = {diff:.2e}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
+def test_beam_reorder_equals_decoding_the_reordered_batch(gate):
+    model, d = build_model(_flags("sincos", gate, False))
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
+    k = 4
+    for new_order in (torch.tensor([2, 0, 3, 1]), torch.tensor([3, 3, 0, 1]), torch.tensor([2, 0])):
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            state = {}
+            _decode_incrementally(model, encoder_out, prev[:, :k], state)
+            model.decoder.reorder_incremental_state_scripting(state, new_order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+            continued = _decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
+
+            fresh_out = model.encoder(src[new_order], src_lengths=src_lengths[new_order])
+            scratch = _decode_incrementally(model, fresh_out, prev[new_order], {})[:, k:]
+        assert continued.shape == scratch.shape
+        torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("feature_map,gate", [("sincos", False), ("positive", True)])
+def test_incremental_state_size_does_not_grow(feature_map, gate):
+    model, d = build_model(_flags(feature_map, gate, False))
+    model.eval()
+    src, src_lengths, _ = random_batch(d, bsz=2, src_len=6, tgt_len=1)
+    prev = torch.randint(d.nspecial, len(d), (2, 501))
+    state, sizes = {}, {}
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        for t in range(500):
+            logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            if t + 1 in (10, 500):
+                sizes[t + 1] = sum(x.numel() for x in _state_tensors(state))
+    assert torch.isfinite(logits).all()
+    assert sizes[10] == sizes[500] > 0
+    # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
+    attn = model.decoder.layers[0].self_attn
+    F_ = 2 * attn.num_features if feature_map == "sincos" else attn.num_features
+    assert attn._get_input_buffer(state)["causal_state"].shape == (2, attn.num_heads, F_, attn.head_dim + 1)
+
+
+def test_cross_attention_state_is_computed_once_per_source():
+    model, d = build_model()
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=5)
+    cross = model.decoder.layers[0].encoder_attn
+    calls = []
+    hook = cross.k_proj.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+    hook.remove()
+    assert len(calls) == 1
+
+
+def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval():
+    a, _ = build_model(seed=7)
+    b, _ = build_model(seed=7)
+    torch.nn.init.normal_(b.decoder.layers[0].self_attn.q_proj.weight)  # other weights don't matter
+    for m in (a, b):
+        m.train()
+        m.set_num_updates(5)
+    draws_a = [m.random_matrix().clone() for m in a.rfa_modules()]
+    draws_b = [m.random_matrix().clone() for m in b.rfa_modules()]
+    assert all(torch.equal(x, y) for x, y in zip(draws_a, draws_b))
+    # different layers draw different matrices
+    assert not torch.equal(draws_a[0], draws_a[1])
+    a.set_num_updates(6)
+    assert all(not torch.equal(x, m.random_matrix()) for x, m in zip(draws_a, a.rfa_modules()))
+    # another seed, other draws
+    c, _ = build_model(seed=8)
+    c.train()
+    c.set_num_updates(5)
+    assert not torch.equal(draws_a[0], c.rfa_modules()[0].random_matrix())
+    # eval: the saved matrices, whatever the update
+    a.eval()
+    fixed = [m.random_matrix().clone() for m in a.rfa_modules()]
+    a.set_num_updates(1000)
+    assert all(torch.equal(x, m.random_matrix()) for x, m in zip(fixed, a.rfa_modules()))
+    assert all(torch.equal(x, m.eval_random_matrix) for x, m in zip(fixed, a.rfa_modules()))
+
+
+def test_checkpointed_model_generates_identical_hypotheses():
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, d = build_model(["--rfa-gate"], seed=3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict()}, buf)
+    buf.seek(0)
+    reloaded, _ = build_model(["--rfa-gate"], seed=99, dictionary=d)  # other seed: other eval matrices
+    reloaded.load_state_dict(torch.load(buf)["model"])  # weights_only load
+    src, src_lengths, _ = random_batch(d, bsz=3, src_len=7)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+    hyps = []
+    for m in (model, reloaded):
+        m.eval()
+        gen = SequenceGenerator([m], d, beam_size=4, max_len_b=12)
+        with torch.no_grad():
+            hyps.append([[h["tokens"].tolist() for h in sent] for sent in gen.generate([m], sample)])
+    assert hyps[0] == hyps[1]
+
+
+def test_bf16_model_keeps_fp32_states_and_finite_outputs():
+    model, d = build_model(["--rfa-gate", "--rfa-encoder-self-attn"])
+    model.eval().to(torch.bfloat16)
+    src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=6)
+    state = {}
+    with torch.no_grad():
+        full, _ = model(src, src_lengths, prev)
+        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+    assert full.dtype == torch.bfloat16 and torch.isfinite(full.float()).all()
+    assert all(t.dtype == torch.float32 for t in _state_tensors(state))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--rfa-num-features", "0"], "argument --rfa-num-features: must be a positive integer, got 0"),
+        (["--rfa-chunk-size", "-2"], "argument --rfa-chunk-size: must be a positive integer, got -2"),
+        (["--rfa-temperature", "0"], "argument --rfa-temperature: must be a positive number, got 0"),
+        (["--rfa-num-features", "many"], "argument --rfa-num-features: expected a positive int, got 'many'"),
+        (["--rfa-feature-map", "gaussian"], "argument --rfa-feature-map: invalid choice: 'gaussian'"),
+    ],
+)
+def test_bad_flags_are_argparse_errors_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ({"rfa_num_features": 0}, "--rfa-num-features must be a positive integer"),
+        ({"rfa_chunk_size": 0}, "--rfa-chunk-size must be a positive integer"),
+        ({"rfa_temperature": -1.0}, "--rfa-temperature must be > 0"),
+        ({"rfa_feature_map": "gaussian"}, "--rfa-feature-map='gaussian' is not one of"),
+        ({"cross_self_attention": True}, "--cross-self-attention contradicts RFA"),
+        ({"rfa_softmax_cross_attn": True, "no_cross_attention": True}, "contradicts --no-cross-attention"),
+    ],
+)
+def test_bad_options_from_configs_are_rejected_before_building(override, message):
+    """Hydra configs and checkpoints bypass argparse: build_model validates again."""
+    args = parse_args()
+    for name, value in override.items():
+        setattr(args, name, value)
+    with pytest.raises(ValueError, match=message):
+        build_model_from_args(args)
+
+
+def test_plain_transformer_weights_load_into_rfa_model():
+    """Projection names match fairseq's MultiheadAttention: softmax weights drop in."""
+    softmax, d = build_model(arch="transformer")
+    rfa, _ = build_model(dictionary=d)
+    missing, unexpected = rfa.load_state_dict(softmax.state_dict(), strict=False)
+    assert not unexpected
+    assert all(k.endswith(("sigma", "eval_random_matrix")) for k in missing), missing

@@ -1,0 +1,248 @@
+"""The pure RFA math: feature maps, random matrices, chunked causal vs the references."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rfa_fairseq.ops import (
+    DENOMINATOR_EPS,
+    FEATURE_MAPS,
+    causal_rfa_chunked,
+    causal_rfa_recurrent,
+    causal_rfa_reference,
+    draw_random_matrix,
+    exact_kernel,
+    feature_map,
+    feature_map_reference,
+    gate_keys,
+    noncausal_rfa,
+    noncausal_rfa_reference,
+    random_matrix_seed,
+    scale_inputs,
+)
+
+
+def _unit(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------- feature maps and matrices
+
+
+@pytest.mark.parametrize("kind", FEATURE_MAPS)
+def test_feature_map_matches_reference(kind):
+    x = scale_inputs(torch.randn(2, 3, 5, 8), torch.rand(3, 8) + 0.5)
+    w = draw_random_matrix(3, 12, 8, "gaussian", seed=3)
+    torch.testing.assert_close(feature_map(x, w, kind), feature_map_reference(x, w, kind), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", FEATURE_MAPS)
+def test_feature_inner_products_converge_to_the_kernel(kind):
+    torch.manual_seed(0)
+    x = scale_inputs(torch.randn(1, 2, 6, 8), torch.full((2, 8), 0.8))
+    y = scale_inputs(torch.randn(1, 2, 7, 8), torch.full((2, 8), 0.8))
+    exact = exact_kernel(x, y, kind)
+
+    def error(num_features):
+        errs = []
+        for seed in range(8):
+            w = draw_random_matrix(2, num_features, 8, "gaussian", seed=seed)
+            approx = feature_map(x, w, kind) @ feature_map(y, w, kind).transpose(-1, -2)
+            errs.append((approx - exact).abs().mean())
+        return torch.stack(errs).mean().item()
+
+    small, large = error(8), error(2048)
+    print(f"{kind}: mean |phi.phi - k| D=8: {small:.4f}  D=2048: {large:.4f}")
+    assert large < 0.25 * small
+
+
+def test_orthogonal_matrix_rows_are_orthogonal_within_blocks_and_gaussian_in_norm():
+    w = draw_random_matrix(4, 24, 8, "orthogonal", seed=0)  # 3 blocks of 8
+    assert w.shape == (4, 24, 8)
+    block = w[:, :8]
+    gram = block @ block.transpose(-1, -2)
+    off_diag = gram - torch.diag_embed(torch.diagonal(gram, dim1=-2, dim2=-1))
+    assert off_diag.abs().max() < 1e-4
+    # chi(d) norms: E|w|^2 = d, like N(0, I) rows
+    norms2 = draw_random_matrix(64, 64, 8, "orthogonal", seed=1).pow(2).sum(-1)
+    assert abs(norms2.mean().item() - 8) < 0.5
+
+
+def test_random_matrix_seed_separates_updates_and_modules():
+    seeds = {random_matrix_seed(1, u, m) for u in range(-1, 50) for m in range(12)}
+    assert len(seeds) == 51 * 12
+    assert random_matrix_seed(1, 5, 2) == random_matrix_seed(1, 5, 2)
+    a = draw_random_matrix(2, 4, 8, "orthogonal", random_matrix_seed(1, 5, 2))
+    b = draw_random_matrix(2, 4, 8, "orthogonal", random_matrix_seed(1, 5, 2))
+    c = draw_random_matrix(2, 4, 8, "orthogonal", random_matrix_seed(1, 6, 2))
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+# ---------------------------------------------------------------- approximation of softmax
+
+
+@pytest.mark.parametrize("kind", ["sincos", "positive"])
+def test_rfa_approaches_softmax_attention_as_D_grows(kind):
+    """With l2-normalized q, k and sigma = tau^-1/2, RFA estimates softmax(q.k / tau) attention."""
+    tau = 0.5
+    B, H, Tq, Tk, d = 2, 2, 5, 11, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = _unit(torch.randn(B, H, Tq, d, generator=g)), _unit(torch.randn(B, H, Tk, d, generator=g))
+    v = torch.randn(B, H, Tk, d, generator=g)
+    exact = torch.softmax(q @ k.transpose(-1, -2) / tau, dim=-1) @ v
+    sigma = torch.full((H, d), tau**-0.5)
+
+    def error(num_features):
+        errs = []
+        for seed in range(6):
+            w = draw_random_matrix(H, num_features, d, "orthogonal", seed=seed)
+            phi_q = feature_map(scale_inputs(q, sigma), w, kind, is_query=True)
+            phi_k = feature_map(scale_inputs(k, sigma), w, kind)
+            out, _ = noncausal_rfa(phi_q, phi_k, v)
+            errs.append((out - exact).abs().mean())
+        return torch.stack(errs).mean().item()
+
+    small, large = error(4), error(1024)
+    print(f"{kind}: mean |RFA - softmax| D=4: {small:.4f}  D=1024: {large:.4f}")
+    assert large < 0.3 * small
+    assert large < 0.1
+
+
+# ---------------------------------------------------------------- causal: chunked vs references
+
+
+def _rfa_from_raw(fn, q, k, v, gate_logits, sigma, w, kind, pad_mask, **kw):
+    phi_q = feature_map(scale_inputs(q, sigma), w, kind, is_query=True)
+    phi_k = feature_map(scale_inputs(k, sigma), w, kind)
+    phi_k, log_gate = gate_keys(phi_k, gate_logits, pad_mask)
+    return fn(phi_q, phi_k, v, log_gate, **kw)
+
+
+@pytest.mark.parametrize("kind", FEATURE_MAPS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("length,chunk", [(37, 8), (16, 16), (5, 64), (50, 7)])
+def test_chunked_causal_equals_reference_outputs_and_gradients(kind, gated, length, chunk):
+    B, H, d = 3, 2, 8
+    g = torch.Generator().manual_seed(length * 31 + chunk)
+    f64 = dict(generator=g, dtype=torch.float64)  # exact comparison; fp32 is covered by the model tests
+    leaves = {
+        "q": torch.randn(B, H, length, d, **f64),
+        "k": torch.randn(B, H, length, d, **f64),
+        "v": torch.randn(B, H, length, d, **f64),
+        "gate": torch.randn(B, H, length, **f64) if gated else None,
+        "sigma": torch.rand(H, d, **f64) + 0.5,
+    }
+    w = draw_random_matrix(H, 6, d, "orthogonal", seed=length).double()
+    pad_mask = torch.zeros(B, length, dtype=torch.bool)
+    pad_mask[1, -3:] = True  # right padding
+    pad_mask[2, :2] = True  # left padding
+
+    results = {}
+    for name, fn, kw in [
+        ("reference", causal_rfa_reference, {}),
+        ("recurrent", causal_rfa_recurrent, {}),
+        ("chunked", causal_rfa_chunked, {"chunk_size": chunk}),
+    ]:
+        inputs = {n: (t.clone().requires_grad_(True) if t is not None else None) for n, t in leaves.items()}
+        out, state = _rfa_from_raw(
+            fn, inputs["q"], inputs["k"], inputs["v"], inputs["gate"], inputs["sigma"], w, kind, pad_mask, **kw
+        )
+        # padded query positions are never used downstream; compare only real ones
+        weight = (~pad_mask).double()[:, None, :, None] * torch.linspace(-1, 1, d, dtype=torch.float64)
+        (out * weight).sum().add((state**2).sum() * 1e-3).backward()
+        grads = {n: t.grad for n, t in inputs.items() if t is not None}
+        results[name] = (out.masked_fill(pad_mask[:, None, :, None], 0), state, grads)
+
+    ref_out, ref_state, ref_grads = results["reference"]
+    for name in ("recurrent", "chunked"):
+        out, state, grads = results[name]
+        torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name} output: {m}")
+        torch.testing.assert_close(state, ref_state, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name} state: {m}")
+        for n in ref_grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-8, atol=1e-10, msg=lambda m: f"{name} grad {n}: {m}")
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_chunked_causal_continues_from_a_state(gated):
+    """Splitting a sequence and carrying the state equals one pass (what decoding relies on)."""
+    B, H, T, Fdim, d = 2, 3, 29, 10, 4
+    g = torch.Generator().manual_seed(1)
+    phi_q, phi_k = torch.rand(B, H, T, Fdim, generator=g), torch.rand(B, H, T, Fdim, generator=g)
+    v = torch.randn(B, H, T, d, generator=g)
+    log_gate = F.logsigmoid(torch.randn(B, H, T, generator=g)) if gated else None
+    full, full_state = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=4)
+    split = 13
+    lg = (lambda s: log_gate[..., s]) if gated else (lambda s: None)
+    first, state = causal_rfa_chunked(phi_q[:, :, :split], phi_k[:, :, :split], v[:, :, :split], lg(slice(0, split)), chunk_size=4)
+    second, state = causal_rfa_chunked(
+        phi_q[:, :, split:], phi_k[:, :, split:], v[:, :, split:], lg(slice(split, None)), state=state, chunk_size=5
+    )
+    torch.testing.assert_close(torch.cat([first, second], dim=2), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, full_state, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_causal_memory_is_linear_not_quadratic():
+    """The largest intermediate grows like T (chunk states), never like T^2 or T x F x d."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def peak_alloc(T):
+        phi = torch.rand(1, 1, T, 16)
+        v = torch.randn(1, 1, T, 8)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            causal_rfa_chunked(phi, phi, v, torch.full((1, 1, T), -0.1), chunk_size=32)
+        return max(e.cpu_memory_usage for e in prof.key_averages())
+
+    small, large = peak_alloc(1024), peak_alloc(8192)
+    print(f"largest single allocation: T=1024 {small} B, T=8192 {large} B")
+    assert large < 12 * small  # 8x longer: linear would be ~8x, quadratic ~64x
+    assert large < 8192 * 8192 * 4 / 8  # far below one T x T fp32 matrix
+
+
+# ---------------------------------------------------------------- non-causal
+
+
+@pytest.mark.parametrize("kind", FEATURE_MAPS)
+def test_noncausal_excludes_padded_keys_and_matches_reference(kind):
+    B, H, Tq, Tk, d = 2, 2, 4, 9, 8
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(B, H, Tq, d, generator=g), torch.randn(B, H, Tk, d, generator=g), torch.randn(B, H, Tk, d, generator=g)
+    sigma, w = torch.ones(H, d), draw_random_matrix(H, 16, d, "orthogonal", seed=0)
+    pad = torch.zeros(B, Tk, dtype=torch.bool)
+    pad[0, :3] = True
+    out, state = _rfa_from_raw(noncausal_rfa, q, k, v, None, sigma, w, kind, pad)
+    ref, ref_state = _rfa_from_raw(noncausal_rfa_reference, q, k, v, None, sigma, w, kind, pad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # changing padded keys/values changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, :3] += 5
+    v2[0, :, :3] -= 7
+    out2, _ = _rfa_from_raw(noncausal_rfa, q, k2, v2, None, sigma, w, kind, pad)
+    torch.testing.assert_close(out2, out)
+    # reusing the cached state gives the same outputs (cross-attention decoding)
+    phi_q = feature_map(scale_inputs(q, sigma), w, kind, is_query=True)
+    cached, _ = noncausal_rfa(phi_q, None, None, state=state)
+    torch.testing.assert_close(cached, out)
+
+
+# ---------------------------------------------------------------- the denominator guard
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_outputs_stay_finite_when_the_sincos_denominator_fails(gated):
+    """Large sigma makes sin/cos estimates noisy: phi(q).z goes near zero or negative."""
+    B, H, T, d = 2, 4, 300, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, d, generator=g) for _ in range(3))
+    sigma = torch.full((H, d), 6.0).requires_grad_(True)
+    w = draw_random_matrix(H, 4, d, "gaussian", seed=0)
+    gate = torch.randn(B, H, T, generator=g) if gated else None
+    phi_q = feature_map(scale_inputs(q, sigma), w, "sincos", is_query=True)
+    phi_k, log_gate = gate_keys(feature_map(scale_inputs(k, sigma), w, "sincos"), gate, None)
+    if not gated:
+        # the scenario is real: some causal denominators phi(q_t).z_t fall below the guard
+        den = (phi_q * phi_k.cumsum(dim=2)).sum(-1)
+        assert (den < DENOMINATOR_EPS).any()
+    out, _ = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=32)
+    cross, _ = noncausal_rfa(phi_q, phi_k, v)
+    assert torch.isfinite(out).all() and torch.isfinite(cross).all()
+    (out.sum() + cross.sum()).backward()
+    assert torch.isfinite(sigma.grad).all()
