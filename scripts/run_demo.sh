@@ -12,7 +12,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${RFA_DEMO_DIR:-$REPO/outputs/demo}"
-MAX_UPDATE="${RFA_DEMO_UPDATES:-500}"
+MAX_UPDATE="${RFA_DEMO_UPDATES:-300}"
 BEAM=4
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
