@@ -9,6 +9,7 @@ from rfa_fairseq.ops import (
     causal_rfa_chunked,
     causal_rfa_recurrent,
     causal_rfa_reference,
+    causal_rfa_step_,
     draw_random_matrix,
     exact_kernel,
     feature_map,
@@ -246,3 +247,23 @@ def test_outputs_stay_finite_when_the_sincos_denominator_fails(gated):
     assert torch.isfinite(out).all() and torch.isfinite(cross).all()
     (out.sum() + cross.sum()).backward()
     assert torch.isfinite(sigma.grad).all()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_inplace_decoding_step_equals_the_recurrence(gated):
+    B, H, T, Fdim, d = 3, 2, 6, 10, 4
+    g = torch.Generator().manual_seed(4)
+    phi_q, phi_k = torch.rand(B, H, T, Fdim, generator=g), torch.rand(B, H, T, Fdim, generator=g)
+    v = torch.randn(B, H, T, d, generator=g)
+    log_gate = F.logsigmoid(torch.randn(B, H, T, generator=g)) if gated else None
+    ref, ref_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate)
+    state, outs = None, []
+    with torch.no_grad():
+        for t in range(T):
+            lg = log_gate[..., t : t + 1] if gated else None
+            out, new_state = causal_rfa_step_(phi_q[:, :, t : t + 1], phi_k[:, :, t : t + 1], v[:, :, t : t + 1], lg, state)
+            assert state is None or new_state is state  # updated in place, no new allocation
+            state = new_state
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)

@@ -4,6 +4,9 @@ Only `build_*` hooks are overridden; every forward pass is fairseq's own.
 Defaults follow the paper's MT setup: RFA in decoder self-attention and in
 encoder-decoder attention, softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
+import argparse
+import os
+
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -20,9 +23,11 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from omegaconf import OmegaConf
 
 from ..config import add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention
+from ..modules.rfa_attention import DEBUG_LOG_ENV, debug_log
 
 
 def _wrap_layer(layer, cfg):
@@ -107,6 +112,10 @@ class RFATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        if OmegaConf.is_config(args):
+            # fairseq-hydra-train passes a DictConfig; TransformerConfig.from_namespace would
+            # drop every field it does not know (all rfa_* options) from it, not from a Namespace
+            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
         rfa_base_architecture(args)
         validate_rfa_args(args)
         model = super().build_model(args, task)
@@ -120,6 +129,12 @@ class RFATransformerModel(TransformerModel):
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return RFATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def set_num_updates(self, num_updates):
+        super().set_num_updates(num_updates)
+        if os.environ.get(DEBUG_LOG_ENV):
+            checksum = sum(p.detach().double().sum().item() for p in self.parameters())
+            debug_log(f"params update={num_updates} sum={checksum:.12e}")
 
     def rfa_modules(self):
         return [m for m in self.modules() if isinstance(m, RFAAttention)]

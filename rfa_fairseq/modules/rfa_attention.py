@@ -10,6 +10,7 @@ Projection names (q_proj, k_proj, v_proj, out_proj) match fairseq's MultiheadAtt
 so softmax transformer weights load into RFA layers unchanged.
 """
 import math
+import os
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -20,15 +21,30 @@ from torch import Tensor, nn
 from ..ops import (
     causal_rfa_chunked,
     causal_rfa_recurrent,
+    causal_rfa_step_,
     draw_random_matrix,
     feature_map,
     gate_keys,
     noncausal_rfa,
+    noncausal_rfa_state,
     random_matrix_seed,
     scale_inputs,
 )
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+# set RFA_DEBUG_LOG=path to record every random-matrix draw (and, in the model, a
+# parameter checksum per update), one line per event and rank: used by the
+# multi-process tests to show that ranks agree without communicating
+DEBUG_LOG_ENV = "RFA_DEBUG_LOG"
+
+
+def debug_log(message: str) -> None:
+    path = os.environ.get(DEBUG_LOG_ENV)
+    if not path:
+        return
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    with open(path, "a") as f:
+        f.write(f"rank={rank} {message}\n")
 
 # b_g starts at 2: g = sigmoid(2) = 0.88, a memory of ~8 tokens, so a fresh gated
 # model starts close to (but more local than) plain causal RFA.
@@ -95,6 +111,7 @@ class RFAAttention(nn.Module):
         self.seed = 0
         self.module_index = 0
         self.num_updates = 0
+        self.beam_size = 1  # set by fairseq's SequenceGenerator through set_beam_size
         self._train_matrix: Optional[Tensor] = None
         self._train_matrix_update: Optional[int] = None
         self.reset_parameters()
@@ -140,6 +157,7 @@ class RFAAttention(nn.Module):
         if self._train_matrix_update != self.num_updates:
             self._train_matrix = self._draw(self.num_updates).to(self.eval_random_matrix.device)
             self._train_matrix_update = self.num_updates
+            debug_log(f"draw update={self.num_updates} module={self.module_index} sum={self._train_matrix.double().sum().item():.12e}")
         return self._train_matrix
 
     # ------------------------------------------------------------ forward
@@ -187,16 +205,12 @@ class RFAAttention(nn.Module):
         phi_q = self._phi(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
 
         if self.encoder_decoder_attention:
-            state = saved.get("cross_state") if static_kv else None
-            phi_k = v = None
-            if state is None:
-                phi_k = self._phi(self.k_proj(key), w, is_query=False)
-                phi_k, _ = gate_keys(phi_k, None, key_padding_mask)
-                v = self._heads(self.v_proj(value))
-            out, state = noncausal_rfa(phi_q, phi_k, v, state=state)
-            if incremental_state is not None:
-                saved["cross_state"] = state
+            if incremental_state is not None and static_kv:
+                out = self._cross_attention_step(phi_q, key, value, key_padding_mask, w, saved)
                 self._set_input_buffer(incremental_state, saved)
+            else:
+                phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
+                out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)))
         elif self.causal and (incremental_state is not None or attn_mask is not None):
             if attn_mask is not None:
                 self._check_causal_mask(attn_mask, tgt_len)
@@ -205,7 +219,8 @@ class RFAAttention(nn.Module):
             gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
             phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
             if incremental_state is not None:
-                out, state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, saved.get("causal_state"))
+                step = causal_rfa_step_ if tgt_len == 1 and not torch.is_grad_enabled() else causal_rfa_recurrent
+                out, state = step(phi_q, phi_k, v, log_gate, saved.get("causal_state"))
                 saved["causal_state"] = state
                 self._set_input_buffer(incremental_state, saved)
             else:
@@ -223,15 +238,61 @@ class RFAAttention(nn.Module):
 
     # ------------------------------------------------------------ incremental state
 
+    def _cross_attention_step(self, phi_q, key, value, key_padding_mask, w, saved) -> Tensor:
+        """Cross-attention while decoding: S = phi(K)^T [V, 1] once per source sentence.
+
+        Beam search feeds every source sentence `beam_size` times (identical rows), so
+        the state is kept once per sentence, (B_src, H, F, d + 1), with `cross_rows`
+        mapping each decoder row to its sentence; queries of a sentence's beams share
+        one batched matmul and beam reorders cost nothing.
+        """
+        if "cross_state" not in saved:
+            bsz = key.size(1)
+            beam = self.beam_size if self.beam_size > 1 and bsz % self.beam_size == 0 else 1
+            key, value = key[:, ::beam], value[:, ::beam]
+            mask = key_padding_mask[::beam] if key_padding_mask is not None else None
+            phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, mask)
+            saved["cross_state"] = noncausal_rfa_state(phi_k, self._heads(self.v_proj(value)))
+            saved["cross_rows"] = torch.arange(bsz // beam, device=phi_q.device).repeat_interleave(beam)
+        state, rows = saved["cross_state"], saved["cross_rows"]
+        B, H, T, F_ = phi_q.shape
+        n_src = state.size(0)
+        if B % n_src == 0 and torch.equal(rows, torch.arange(n_src, device=rows.device).repeat_interleave(B // n_src)):
+            beam = B // n_src
+            q = phi_q.view(n_src, beam, H, T, F_).transpose(1, 2).reshape(n_src, H, beam * T, F_)
+            out, _ = noncausal_rfa(q, None, None, state=state)  # (B_src, H, beam * T, d)
+            return out.view(n_src, H, beam, T, -1).transpose(1, 2).reshape(B, H, T, -1)
+        out, _ = noncausal_rfa(phi_q, None, None, state=state.index_select(0, rows))
+        return out
+
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
-        """Beam search: select rows of every cached state; new_order may also shrink the batch."""
+        """Beam search: select rows of the cached states; new_order may also shrink the batch.
+
+        Identity orders are skipped; the causal state is gathered into a spare buffer of
+        the same shape (double buffering, no allocation per step); the cross state only
+        moves when whole sentences leave the batch.
+        """
         buffer = self._get_input_buffer(incremental_state)
-        if buffer:
-            for name, state in buffer.items():
-                if state is not None:
-                    buffer[name] = state.index_select(0, new_order)
-            incremental_state = self._set_input_buffer(incremental_state, buffer)
-        return incremental_state
+        if not buffer:
+            return incremental_state
+        state = buffer.get("causal_state")
+        if state is not None and not _is_identity(new_order, state.size(0)):
+            spare = buffer.get("causal_state_spare")
+            if spare is None or spare.shape[0] != new_order.numel() or spare.requires_grad or state.requires_grad:
+                spare = state.new_empty((new_order.numel(),) + state.shape[1:])
+            torch.index_select(state, 0, new_order, out=spare)
+            buffer["causal_state"], buffer["causal_state_spare"] = spare, state
+        if "cross_rows" in buffer:
+            rows = buffer["cross_rows"].index_select(0, new_order)
+            beam = self.beam_size if self.beam_size > 1 and rows.numel() % self.beam_size == 0 else 1
+            groups = rows.view(-1, beam)
+            if bool((groups == groups[:, :1]).all()):
+                sentences = groups[:, 0]
+                if not _is_identity(sentences, buffer["cross_state"].size(0)):
+                    buffer["cross_state"] = buffer["cross_state"].index_select(0, sentences)
+                rows = torch.arange(sentences.numel(), device=rows.device).repeat_interleave(beam)
+            buffer["cross_rows"] = rows
+        return self._set_input_buffer(incremental_state, buffer)
 
     def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
         result = self.get_incremental_state(incremental_state, "rfa_state")
@@ -241,7 +302,7 @@ class RFAAttention(nn.Module):
         return self.set_incremental_state(incremental_state, "rfa_state", buffer)
 
     def set_beam_size(self, beam_size: int) -> None:
-        """Nothing to do: states are per row of the (batch * beam) batch."""
+        self.beam_size = int(beam_size)
 
     def extra_repr(self) -> str:
         role = "causal" if self.causal else ("cross" if self.encoder_decoder_attention else "self")
@@ -250,3 +311,6 @@ class RFAAttention(nn.Module):
             f"D={self.num_features}, matrix={self.random_matrix_kind}, gated={self.gated}, module_index={self.module_index}"
         )
 
+
+def _is_identity(order: Tensor, size: int) -> bool:
+    return order.numel() == size and torch.equal(order, torch.arange(size, device=order.device))

@@ -15,7 +15,9 @@ from .rfa import (  # noqa: F401
     causal_rfa_chunked,
     causal_rfa_recurrent,
     causal_rfa_reference,
+    causal_rfa_step_,
     gate_keys,
     noncausal_rfa,
+    noncausal_rfa_state,
     noncausal_rfa_reference,
 )

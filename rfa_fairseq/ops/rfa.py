@@ -116,6 +116,28 @@ def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None):
     return _normalize(torch.stack(outs, dim=2)), state
 
 
+def causal_rfa_step_(phi_q, phi_k, v, log_gate=None, state=None):
+    """One decoding step (T = 1) that updates `state` in place: no autograd, no new state.
+
+    Same result as `causal_rfa_recurrent` (its reference); one batched outer-product
+    update and one batched matmul for all heads.
+    """
+    B, H, T, F_ = phi_q.shape
+    if T != 1:
+        raise ValueError(f"causal_rfa_step_ takes one position, got {T}")
+    va = _with_ones(v)  # (B, H, 1, d + 1)
+    d1 = va.size(-1)
+    if state is None:
+        state = va.new_zeros(B, H, F_, d1)
+    flat = state.view(B * H, F_, d1)
+    if log_gate is not None:
+        flat.mul_(torch.exp(log_gate.to(state.dtype)).view(B * H, 1, 1))
+    k = phi_k.to(state.dtype).reshape(B * H, F_, 1)
+    flat.baddbmm_(k, va.view(B * H, 1, d1))
+    out = torch.bmm(phi_q.to(state.dtype).reshape(B * H, 1, F_), flat)  # (B * H, 1, d + 1)
+    return _normalize(out.view(B, H, 1, d1)), state
+
+
 # ---------------------------------------------------------------- causal, chunked
 
 
@@ -186,6 +208,11 @@ def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None):
     return _normalize(out), k.transpose(-1, -2) @ va
 
 
+def noncausal_rfa_state(phi_k: Tensor, v: Tensor) -> Tensor:
+    """S = phi(K)^T [V, 1].   (B, H, Tk, F), (B, H, Tk, d) -> (B, H, F, d + 1)."""
+    return accumulation_dtype(phi_k).transpose(-1, -2) @ _with_ones(v)
+
+
 def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None):
     """S = phi(K)^T [V, 1] once (or reused from `state`), then phi(q) S per query.
 
@@ -195,5 +222,5 @@ def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None):
     if log_gate is not None:
         raise ValueError("gating is only defined for causal RFA")
     if state is None:
-        state = accumulation_dtype(phi_k).transpose(-1, -2) @ _with_ones(v)  # (B, H, F, d + 1)
+        state = noncausal_rfa_state(phi_k, v)
     return _normalize(accumulation_dtype(phi_q) @ state.to(accumulation_dtype(phi_q).dtype)), state
