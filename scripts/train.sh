@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Train one recipe with fairseq-train: the command-line twin of configs/<RECIPE>.yaml (MODEL=rfa)
+# and configs/<RECIPE>_softmax.yaml (MODEL=softmax). Same model, optimizer, schedule and batch;
+# tests/test_configs.py checks that the two agree field by field.
+#
+#   DATA=/path/to/data-bin RECIPE=iwslt14_de_en MODEL=rfa scripts/train.sh [fairseq-train args ...]
+#
+# Extra arguments go to fairseq-train after the recipe's flags, so they override them (fairseq's
+# argparse keeps the last occurrence), e.g.  scripts/train.sh --dropout 0.2 --rfa-gate
+#
+# Resumable: fairseq-train restores SAVE_DIR/checkpoint_last.pt (model, optimizer, scheduler, data
+# position, elapsed time) when it exists, so re-running the same command continues the run; a run
+# that already reached MAX_UPDATE stops at once. The log of every run is appended to
+# SAVE_DIR/train.log. Keep SAVE_DIR per recipe and model: a checkpoint of another architecture
+# cannot be resumed.
+#
+# Numbers and their sources are documented in the configs/*.yaml files.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# ------------------------------------------------------------------ settings (environment)
+DATA="${DATA:-}"                      # binarized data (fairseq-preprocess --destdir); required
+RECIPE="${RECIPE:-iwslt14_de_en}"     # iwslt14_de_en | wmt14_en_de | wmt14_en_de_big | wmt14_en_fr_big | multi30k_en_de
+MODEL="${MODEL:-rfa}"                 # rfa | softmax (the baseline of the same size)
+ARCH="${ARCH:-}"                      # default: the recipe's architecture for MODEL
+SAVE_DIR="${SAVE_DIR:-}"              # default: checkpoints/<config name>, as the config
+SRC_LANG="${SRC_LANG:-}"              # default: the recipe's language pair
+TGT_LANG="${TGT_LANG:-}"
+MAX_UPDATE="${MAX_UPDATE:-}"          # default: the recipe's number of updates
+MAX_TIME_HOURS="${MAX_TIME_HOURS:-0}" # > 0: stop after this much training time (summed over resumes)
+UPDATE_FREQ="${UPDATE_FREQ:-1}"       # gradient accumulation; WMT recipes assume 8 GPUs (on N GPUs: 8/N)
+FP16="${FP16:-}"                      # 1 | 0; default: 1 for the WMT recipes (scaling_nmt), needs a GPU
+USER_DIR="${USER_DIR:-$REPO/rfa_fairseq}"  # the plugin; loaded for softmax runs too (checkpoint loading)
+DRY_RUN="${DRY_RUN:-0}"               # 1: check the inputs, print the fairseq-train command, exit
+
+die() { echo "train.sh: error: $*" >&2; exit 1; }
+
+# ------------------------------------------------------------------ recipes
+# Flags shared by all recipes (fairseq examples/translation and scaling_nmt READMEs, Vaswani et al.).
+COMMON_ARGS=(
+    --task translation
+    --optimizer adam --adam-betas "(0.9,0.98)" --adam-eps 1e-08 --clip-norm 0.0
+    --lr-scheduler inverse_sqrt --warmup-updates 4000
+    --criterion label_smoothed_cross_entropy --label-smoothing 0.1
+    --max-source-positions 1024 --max-target-positions 1024
+    --seed 1 --log-format simple --log-interval 100
+)
+WMT_ARGS=(--share-all-embeddings --share-decoder-input-output-embed --weight-decay 0.0 --warmup-init-lr 1e-07 --stop-min-lr 1e-09 --max-tokens 3584)
+
+case "$RECIPE" in
+    iwslt14_de_en)
+        rfa_arch=rfa_transformer_iwslt_de_en; softmax_arch=transformer_iwslt_de_en
+        src=de; tgt=en; max_update=50000; fp16=0
+        RECIPE_ARGS=(--share-decoder-input-output-embed --dropout 0.3 --weight-decay 0.0001 --lr 0.0005
+                     --max-tokens 4096) ;;
+    wmt14_en_de)
+        rfa_arch=rfa_transformer_wmt_en_de; softmax_arch=transformer_wmt_en_de
+        src=en; tgt=de; max_update=100000; fp16=1
+        RECIPE_ARGS=("${WMT_ARGS[@]}" --dropout 0.1 --lr 0.0007) ;;
+    wmt14_en_de_big)
+        rfa_arch=rfa_transformer_vaswani_wmt_en_de_big; softmax_arch=transformer_vaswani_wmt_en_de_big
+        src=en; tgt=de; max_update=300000; fp16=1
+        RECIPE_ARGS=("${WMT_ARGS[@]}" --dropout 0.3 --lr 0.0005) ;;
+    wmt14_en_fr_big)
+        rfa_arch=rfa_transformer_vaswani_wmt_en_fr_big; softmax_arch=transformer_vaswani_wmt_en_fr_big
+        src=en; tgt=fr; max_update=300000; fp16=1
+        RECIPE_ARGS=("${WMT_ARGS[@]}" --dropout 0.1 --lr 0.0005) ;;
+    multi30k_en_de)
+        rfa_arch=rfa_transformer; softmax_arch=transformer
+        src=en; tgt=de; max_update=10000; fp16=0
+        RECIPE_ARGS=(--encoder-embed-dim 256 --encoder-ffn-embed-dim 1024 --encoder-layers 3 --encoder-attention-heads 4
+                     --decoder-embed-dim 256 --decoder-ffn-embed-dim 1024 --decoder-layers 3 --decoder-attention-heads 4
+                     --share-all-embeddings --share-decoder-input-output-embed --dropout 0.3 --weight-decay 0.0001 --lr 0.0005 --max-tokens 4096) ;;
+    *) die "unknown RECIPE='$RECIPE' (one of: iwslt14_de_en wmt14_en_de wmt14_en_de_big wmt14_en_fr_big multi30k_en_de)" ;;
+esac
+
+case "$MODEL" in
+    rfa) config_name="$RECIPE"; ARCH="${ARCH:-$rfa_arch}" ;;
+    softmax) config_name="${RECIPE}_softmax"; ARCH="${ARCH:-$softmax_arch}" ;;
+    *) die "unknown MODEL='$MODEL' (rfa or softmax)" ;;
+esac
+SAVE_DIR="${SAVE_DIR:-checkpoints/$config_name}"
+SRC_LANG="${SRC_LANG:-$src}"
+TGT_LANG="${TGT_LANG:-$tgt}"
+MAX_UPDATE="${MAX_UPDATE:-$max_update}"
+FP16="${FP16:-$fp16}"
+
+# ------------------------------------------------------------------ checks
+[[ -n "$DATA" ]] || die "DATA is not set: DATA=/path/to/data-bin (the fairseq-preprocess --destdir)"
+[[ -d "$DATA" ]] || die "data directory DATA='$DATA' does not exist"
+for lang in "$SRC_LANG" "$TGT_LANG"; do
+    if [[ ! -f "$DATA/dict.$lang.txt" ]]; then
+        found=$(cd "$DATA" && ls dict.*.txt 2>/dev/null | paste -sd ' ' - || true)
+        die "no dictionary '$DATA/dict.$lang.txt' for the $SRC_LANG-$TGT_LANG pair of RECIPE=$RECIPE" \
+            "(found: ${found:-none}); binarize with fairseq-preprocess, or set SRC_LANG/TGT_LANG"
+    fi
+done
+for split in train valid; do
+    [[ -f "$DATA/$split.$SRC_LANG-$TGT_LANG.$SRC_LANG.idx" || -f "$DATA/$split.$TGT_LANG-$SRC_LANG.$SRC_LANG.idx" ]] ||
+        die "no '$split' split for $SRC_LANG-$TGT_LANG in DATA='$DATA' (expected $split.$SRC_LANG-$TGT_LANG.$SRC_LANG.idx)"
+done
+[[ -f "$USER_DIR/__init__.py" ]] || die "USER_DIR='$USER_DIR' is not the rfa_fairseq plugin package"
+[[ "$MAX_UPDATE" =~ ^[0-9]+$ ]] || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
+[[ "$FP16" == 0 || "$FP16" == 1 ]] || die "FP16 must be 0 or 1, got '$FP16'"
+
+CMD=(
+    fairseq-train "$DATA" --user-dir "$USER_DIR" --arch "$ARCH"
+    --source-lang "$SRC_LANG" --target-lang "$TGT_LANG"
+    "${COMMON_ARGS[@]}" "${RECIPE_ARGS[@]}"
+    --update-freq "$UPDATE_FREQ" --max-update "$MAX_UPDATE" --stop-time-hours "$MAX_TIME_HOURS"
+    --save-dir "$SAVE_DIR"
+)
+if [[ "$FP16" == 1 ]]; then CMD+=(--fp16); fi
+CMD+=("$@")
+
+if [[ "$DRY_RUN" == 1 ]]; then
+    printf '%q ' "${CMD[@]}"
+    echo
+    exit 0
+fi
+
+command -v fairseq-train >/dev/null 2>&1 || die "fairseq-train not found on PATH (activate the environment: scripts/setup_env.sh)"
+mkdir -p "$SAVE_DIR"
+if [[ -f "$SAVE_DIR/checkpoint_last.pt" ]]; then
+    echo "train.sh: resuming from $SAVE_DIR/checkpoint_last.pt" | tee -a "$SAVE_DIR/train.log"
+fi
+{ printf 'train.sh: %s: ' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"; printf '%q ' "${CMD[@]}"; echo; } | tee -a "$SAVE_DIR/train.log"
+"${CMD[@]}" 2>&1 | tee -a "$SAVE_DIR/train.log"
