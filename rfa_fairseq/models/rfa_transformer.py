@@ -130,6 +130,10 @@ class RFATransformerModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return RFATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
+    def set_beam_size(self, beam_size: int) -> None:
+        """Called by fairseq's SequenceGenerator: RFA cross-attention keeps one state per sentence."""
+        self.decoder.set_beam_size(beam_size)
+
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)
         if os.environ.get(DEBUG_LOG_ENV):

@@ -78,7 +78,10 @@ def feature_map(x_scaled: Tensor, w: Tensor, kind: str, is_query: bool = False) 
     such shift because a per-key constant would change the attention weights.
     """
     num_features = w.size(1)
-    proj = torch.matmul(x_scaled, w.to(x_scaled.dtype).transpose(-1, -2))  # (B, H, T, D)
+    B, H, T, d = x_scaled.shape
+    # one (H)-batched matmul; broadcasting (B, H, T, d) @ (H, d, D) would copy w B times
+    proj = torch.bmm(x_scaled.transpose(0, 1).reshape(H, B * T, d), w.to(x_scaled.dtype).transpose(-1, -2))
+    proj = proj.view(H, B, T, num_features).transpose(0, 1)  # (B, H, T, D)
     scale = num_features ** -0.5
     if kind == "sincos":
         return torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * scale

@@ -1,0 +1,127 @@
+"""Shared pieces of the benchmarks: model building, memory readings, table/CSV/plot output."""
+import csv
+import os
+import resource
+import sys
+import types
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN_DIR = os.path.join(REPO, "rfa_fairseq")
+
+# model sizes: (layers, embed dim, ffn dim, heads)
+DIMS = {
+    "small": (3, 256, 1024, 4),
+    "base": (6, 512, 2048, 8),  # transformer_wmt_en_de
+    "big": (6, 1024, 4096, 16),  # transformer_wmt_en_de_big
+}
+
+# name -> (fairseq arch, extra flags)
+MODELS = {
+    "softmax": ("transformer", []),
+    "rfa": ("rfa_transformer", []),
+    "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
+    "floor": ("transformer", []),  # attention replaced by NoAttention below
+}
+
+
+def make_dictionary(vocab: int):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(vocab - d.nspecial):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def build_model(name: str, dims: str, dictionary, max_positions: int, device: str):
+    """Random-weight model of the given size, built through fairseq's own parser and registry."""
+    from fairseq import options
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    arch, extra = MODELS[name]
+    layers, embed, ffn, heads = DIMS[dims]
+    argv = [
+        "/unused", "--user-dir", PLUGIN_DIR, "--arch", arch, "--share-all-embeddings",
+        "--encoder-layers", str(layers), "--decoder-layers", str(layers),
+        "--encoder-embed-dim", str(embed), "--decoder-embed-dim", str(embed),
+        "--encoder-ffn-embed-dim", str(ffn), "--decoder-ffn-embed-dim", str(ffn),
+        "--encoder-attention-heads", str(heads), "--decoder-attention-heads", str(heads),
+        "--max-source-positions", str(max_positions), "--max-target-positions", str(max_positions),
+        *extra,
+    ]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    torch.manual_seed(0)
+    model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
+    if name == "floor":
+        for layer in model.decoder.layers:
+            layer.self_attn = NoAttention(layer.self_attn)
+            layer.encoder_attn = NoAttention(layer.encoder_attn)
+    return model.to(device).eval()
+
+
+class NoAttention(torch.nn.Module):
+    """Attention skipped (zeros out, no state): the decoder's 'attention-free floor'."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.num_heads, self.head_dim = attn.num_heads, attn.head_dim
+
+    def forward(self, query, key, value, **kwargs):
+        return torch.zeros_like(query), None
+
+    def _get_input_buffer(self, incremental_state):
+        return {}
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def machine_description(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    cpu = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def write_csv(path: str, rows) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def print_table(rows, columns) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+    sys.stdout.flush()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return "" if value is None else str(value)

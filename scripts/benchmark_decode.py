@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Decoding speed and memory vs output length: RFA vs fairseq's softmax transformer.
+
+Runs fairseq's real beam search (SequenceGenerator) with forced output lengths
+(min = max length) on random-weight models of identical size and vocabulary, one
+fresh process per configuration so that peak memory is that configuration's own.
+Reports per length: ms per decoding step, total time, tokens/s, peak memory (RSS on
+CPU, max allocated on CUDA), the attention state size (KV cache vs RFA state) and
+RFA / softmax ratios; writes CSV and a log-log PNG.
+
+    python scripts/benchmark_decode.py                                # defaults below
+    python scripts/benchmark_decode.py --lengths 32 64 128 --batch-sizes 8 32
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_common import (  # noqa: E402
+    DIMS,
+    MODELS,
+    build_model,
+    machine_description,
+    make_dictionary,
+    peak_memory_mb,
+    print_table,
+    tensor_bytes,
+    write_csv,
+)
+
+DEFAULT_LENGTHS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def run_one(args) -> dict:
+    """One (model, batch size, length) in this process."""
+    import torch
+    from fairseq.sequence_generator import SequenceGenerator
+
+    torch.set_num_threads(args.threads)
+    device = args.device
+    dictionary = make_dictionary(args.vocab)
+    model = build_model(args.model, args.dims, dictionary, max_positions=args.length + 8, device=device)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(dictionary.nspecial, len(dictionary), (args.batch_size, args.src_len), generator=g)
+    src[:, -1] = dictionary.eos()
+    sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((args.batch_size,), args.src_len, device=device)}}
+
+    # capture the incremental state to measure what attention keeps between steps
+    captured = {}
+
+    decoder_forward = model.decoder.forward  # SequenceGenerator calls .forward directly: no hooks
+
+    def forward_and_grab_state(*fargs, **fkwargs):
+        captured["state"] = fkwargs.get("incremental_state")
+        return decoder_forward(*fargs, **fkwargs)
+
+    model.decoder.forward = forward_and_grab_state
+
+    def generate(length):
+        gen = SequenceGenerator([model], dictionary, beam_size=args.beam, min_len=length, max_len_a=0, max_len_b=length)
+        with torch.inference_mode():
+            hyps = gen.generate([model], sample)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return hyps
+
+    generate(min(8, args.length))  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    hyps = generate(args.length)
+    total = time.perf_counter() - start
+    out_len = sum(len(h[0]["tokens"]) for h in hyps) / len(hyps)
+    state = captured.get("state") or {}
+    attn_state = {k: v for k, v in state.items() if k.endswith(("attn_state", "rfa_state"))}
+    steps = args.length + 1  # the extra step is EOS
+    return {
+        "model": args.model,
+        "batch": args.batch_size,
+        "length": args.length,
+        "out_len": out_len,
+        "total_s": total,
+        "ms_per_step": 1000 * total / steps,
+        "tokens_per_s": args.batch_size * args.length / total,
+        "peak_mem_mb": peak_memory_mb(device),
+        "attn_state_mb": tensor_bytes(attn_state) / 2**20,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["softmax", "rfa", "rfa_gated", "floor"], choices=sorted(MODELS))
+    p.add_argument("--lengths", nargs="+", type=int, default=DEFAULT_LENGTHS)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[8])
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--dims", choices=sorted(DIMS), default="base", help="model size (default: base = wmt_en_de)")
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--src-len", type=int, default=32)
+    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor above this length (time)")
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "bench"))
+    # worker mode: one configuration, JSON on stdout
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    for name in ("beam", "vocab", "src_len", "threads"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if any(x <= 0 for x in args.lengths + args.batch_sizes):
+        p.error("--lengths and --batch-sizes must be positive")
+
+    if args.model:
+        print("RESULT " + json.dumps(run_one(args)))
+        return 0
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"# benchmark_decode on {args.device}: {machine_description_for(args)}; dims={args.dims} vocab={args.vocab} "
+          f"beam={args.beam} src_len={args.src_len}", flush=True)
+    rows = []
+    for batch in args.batch_sizes:
+        for length in args.lengths:
+            for model in args.models:
+                if model in ("softmax", "floor") and length > args.softmax_max_length:
+                    continue
+                cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--length", str(length),
+                       "--batch-size", str(batch), "--beam", str(args.beam), "--dims", args.dims,
+                       "--vocab", str(args.vocab), "--src-len", str(args.src_len), "--device", args.device,
+                       "--threads", str(args.threads)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                if proc.returncode != 0 or not lines:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"benchmark worker failed: {' '.join(cmd)}")
+                row = json.loads(lines[-1][len("RESULT "):])
+                rows.append(row)
+                print_row(row)
+    add_ratios(rows)
+    csv_path = os.path.join(args.out_dir, f"decode_{args.device.split(':')[0]}_{args.dims}.csv")
+    write_csv(csv_path, rows)
+    print()
+    print_table(rows, ["model", "batch", "length", "ms_per_step", "total_s", "tokens_per_s", "peak_mem_mb",
+                       "attn_state_mb", "time_vs_softmax", "state_vs_softmax", "step_vs_floor"])
+    print(f"\nwrote {csv_path}")
+    png = plot(rows, csv_path[:-4] + ".png", args)
+    if png:
+        print(f"wrote {png}")
+    return 0
+
+
+def machine_description_for(args) -> str:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return machine_description(args.device)
+
+
+def print_row(row) -> None:
+    print(f"{row['model']:>10} batch {row['batch']:>3} len {row['length']:>5}: {row['ms_per_step']:8.2f} ms/step "
+          f"{row['total_s']:8.2f} s  peak {row['peak_mem_mb']:7.0f} MB  attn state {row['attn_state_mb']:8.2f} MB", flush=True)
+
+
+def add_ratios(rows) -> None:
+    index = {(r["model"], r["batch"], r["length"]): r for r in rows}
+    for r in rows:
+        soft = index.get(("softmax", r["batch"], r["length"]))
+        floor = index.get(("floor", r["batch"], r["length"]))
+        r["time_vs_softmax"] = r["total_s"] / soft["total_s"] if soft else None
+        r["state_vs_softmax"] = r["attn_state_mb"] / soft["attn_state_mb"] if soft and soft["attn_state_mb"] else None
+        r["step_vs_floor"] = r["ms_per_step"] / floor["ms_per_step"] if floor else None
+
+
+def plot(rows, path, args):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install -e .[bench])")
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):
+        rs = sorted((r for r in rows if r["model"] == model and r["batch"] == batch), key=lambda r: r["length"])
+        x = [r["length"] for r in rs]
+        label = f"{model} (batch {batch})"
+        axes[0].plot(x, [r["ms_per_step"] for r in rs], marker="o", label=label)
+        axes[1].plot(x, [r["total_s"] for r in rs], marker="o", label=label)
+        if model != "floor":
+            axes[2].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], marker="o", label=label)
+    for ax, title in zip(axes, ["ms per decoding step", "total decoding time (s)", "attention state (MB)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("output length (tokens)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"beam {args.beam}, {args.dims} dims, vocab {args.vocab}, {args.device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
