@@ -9,6 +9,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_DIR = os.path.join(REPO, "rfa_fairseq")
+if REPO not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, REPO)
 
 # model sizes: (layers, embed dim, ffn dim, heads)
 DIMS = {
