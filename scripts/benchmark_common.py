@@ -1,7 +1,9 @@
 """Shared pieces of the benchmarks: model building, memory readings, table/CSV/plot output."""
 import csv
+import json
 import os
 import resource
+import subprocess
 import sys
 import types
 
@@ -104,6 +106,16 @@ def machine_description(device: str) -> str:
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_worker(cmd) -> dict:
+    """Run one benchmark point in a fresh process; it prints `RESULT {json}` on success."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
+        raise RuntimeError(f"benchmark worker failed: {' '.join(cmd)}: {tail}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def write_csv(path: str, rows) -> None:

@@ -14,7 +14,6 @@ RFA / softmax ratios; writes CSV and a log-log PNG.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,7 @@ from benchmark_common import (  # noqa: E402
     make_dictionary,
     peak_memory_mb,
     print_table,
+    run_worker,
     tensor_bytes,
     write_csv,
 )
@@ -131,12 +131,7 @@ def main() -> int:
                        "--batch-size", str(batch), "--beam", str(args.beam), "--dims", args.dims,
                        "--vocab", str(args.vocab), "--src-len", str(args.src_len), "--device", args.device,
                        "--threads", str(args.threads)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
-                    print(proc.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"benchmark worker failed: {' '.join(cmd)}")
-                row = json.loads(lines[-1][len("RESULT "):])
+                row = run_worker(cmd)
                 rows.append(row)
                 print_row(row)
     add_ratios(rows)

@@ -21,7 +21,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import DIMS, PLUGIN_DIR, REPO, machine_description, peak_memory_mb, print_table, write_csv  # noqa: E402
+from benchmark_common import (  # noqa: E402
+    DIMS,
+    PLUGIN_DIR,
+    REPO,
+    machine_description,
+    peak_memory_mb,
+    print_table,
+    run_worker,
+    write_csv,
+)
 
 DEFAULT_LENGTHS = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
@@ -147,12 +156,11 @@ def main() -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--kind", kind, "--length", str(length), "--batch", str(args.batch),
                    "--dims", args.dims, "--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats),
                    "--device", args.device, "--threads", str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                print(f"{kind} at {length}: failed ({proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})")
+            try:
+                row = run_worker(cmd)
+            except RuntimeError as exc:  # e.g. softmax running out of memory at long lengths
+                print(f"{kind} at {length}: {exc}")
                 continue
-            row = json.loads(lines[-1][len("RESULT "):])
             rows.append(row)
             print(f"{kind:>10} len {length:>5}: {row['ms_fwd_bwd']:10.2f} ms fwd+bwd, peak {row['peak_mem_mb']:8.0f} MB", flush=True)
     if not rows:
