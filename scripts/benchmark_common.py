@@ -39,12 +39,12 @@ def make_dictionary(vocab: int):
     return d
 
 
-def build_model(name: str, dims: str, dictionary, max_positions: int, device: str):
+def build_model(name: str, dims: str, dictionary, max_positions: int, device: str, extra=()):
     """Random-weight model of the given size, built through fairseq's own parser and registry."""
     from fairseq import options
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    arch, extra = MODELS[name]
+    arch, model_flags = MODELS[name]
     layers, embed, ffn, heads = DIMS[dims]
     argv = [
         "/unused", "--user-dir", PLUGIN_DIR, "--arch", arch, "--share-all-embeddings",
@@ -53,7 +53,8 @@ def build_model(name: str, dims: str, dictionary, max_positions: int, device: st
         "--encoder-ffn-embed-dim", str(ffn), "--decoder-ffn-embed-dim", str(ffn),
         "--encoder-attention-heads", str(heads), "--decoder-attention-heads", str(heads),
         "--max-source-positions", str(max_positions), "--max-target-positions", str(max_positions),
-        *extra,
+        *model_flags,
+        *(extra if arch == "rfa_transformer" else ()),
     ]
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)

@@ -42,7 +42,8 @@ def run_one(args) -> dict:
     torch.set_num_threads(args.threads)
     device = args.device
     dictionary = make_dictionary(args.vocab)
-    model = build_model(args.model, args.dims, dictionary, max_positions=args.length + 8, device=device)
+    extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
+    model = build_model(args.model, args.dims, dictionary, max_positions=args.length + 8, device=device, extra=extra)
     g = torch.Generator().manual_seed(0)
     src = torch.randint(dictionary.nspecial, len(dictionary), (args.batch_size, args.src_len), generator=g)
     src[:, -1] = dictionary.eos()
@@ -99,6 +100,7 @@ def main() -> int:
     p.add_argument("--dims", choices=sorted(DIMS), default="base", help="model size (default: base = wmt_en_de)")
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--src-len", type=int, default=32)
+    p.add_argument("--num-features", type=int, default=0, help="RFA D (default: the plugin's default, 64)")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor above this length (time)")
@@ -108,6 +110,8 @@ def main() -> int:
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.num_features < 0:
+        p.error("--num-features must be positive (0: the plugin default)")
     for name in ("beam", "vocab", "src_len", "threads"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -130,7 +134,7 @@ def main() -> int:
                 cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--length", str(length),
                        "--batch-size", str(batch), "--beam", str(args.beam), "--dims", args.dims,
                        "--vocab", str(args.vocab), "--src-len", str(args.src_len), "--device", args.device,
-                       "--threads", str(args.threads)]
+                       "--threads", str(args.threads), "--num-features", str(args.num_features)]
                 row = run_worker(cmd)
                 rows.append(row)
                 print_row(row)

@@ -6,6 +6,7 @@ import torch
 from helpers import build_model, build_model_from_args, parse_args, random_batch
 
 from rfa_fairseq.modules import RFAAttention
+from rfa_fairseq.ops import num_feature_dims
 
 VARIANTS = [
     pytest.param(fm, gate, enc, id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
@@ -97,7 +98,7 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     assert sizes[10] == sizes[500] > 0
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
-    F_ = 2 * attn.num_features if feature_map == "sincos" else attn.num_features
+    F_ = num_feature_dims(feature_map, attn.num_features)
     assert attn._get_input_buffer(state)["causal_state"].shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
