@@ -49,7 +49,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 # torch first and pinned: an unpinned torch would pull the CUDA build (several GB)
 "${PIP[@]}" "$TORCH_PIN" || die "pip could not install $TORCH_PIN"
-"${PIP[@]}" -e "$REPO[test]" || die "pip could not install rfa-fairseq and its pinned dependencies (setup.cfg)"
+"${PIP[@]}" -e "$REPO[test,bench]" || die "pip could not install rfa-fairseq and its pinned dependencies (setup.cfg)"
 "${PIP[@]}" --no-deps "$FAIRSEQ_PIN" || die "pip could not install $FAIRSEQ_PIN"
 
 "$VENV/bin/python" - <<'EOF' || die "the environment does not import fairseq + rfa_fairseq"
