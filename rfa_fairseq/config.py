@@ -72,6 +72,19 @@ class RFAConfig(FairseqDataclass):
 
 RFA_DEFAULTS = {f.name: f.default for f in fields(RFAConfig)}
 
+# Options a trained model's weights depend on: changing one when loading a checkpoint (for example
+# with fairseq-generate --model-overrides) either fails on parameter shapes or silently computes
+# something the weights were not trained for. The others only matter in training (chunk size,
+# random-matrix kind: evaluation uses the saved eval_random_matrix) or at initialization
+# (temperature, sigma mode: sigma is loaded).
+WEIGHT_DEFINING_RFA_OPTIONS = (
+    "rfa_feature_map", "rfa_num_features", "rfa_gate", "rfa_encoder_self_attn", "rfa_softmax_cross_attn",
+)
+
+
+class RFAOptionMismatchError(ValueError):
+    """A checkpoint was trained with other RFA options than the model it is loaded into."""
+
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -123,6 +136,12 @@ def validate_rfa_args(args) -> None:
             raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}")
     if not args.rfa_temperature > 0:
         raise ValueError(f"{flag('rfa_temperature')} must be > 0, got {args.rfa_temperature!r}")
+    if args.rfa_feature_map == "arccos" and args.rfa_temperature != RFA_DEFAULTS["rfa_temperature"]:
+        # sigma starts uniform, and phi_arccos(s * x) = s * phi_arccos(x) cancels in the ratio
+        raise ValueError(
+            f"{flag('rfa_temperature')}={args.rfa_temperature} has no effect with {flag('rfa_feature_map')}=arccos "
+            "(the arc-cosine kernel is scale-invariant for the uniform initial sigma); drop it or use sincos/positive"
+        )
     if getattr(args, "cross_self_attention", False):
         raise ValueError(
             "--cross-self-attention contradicts RFA: it makes decoder self-attention attend to the encoder "

@@ -143,6 +143,68 @@ class RFATransformerModel(TransformerModel):
     def rfa_modules(self):
         return [m for m in self.modules() if isinstance(m, RFAAttention)]
 
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        if strict:  # strict=False callers (weight conversion) expect missing RFA entries
+            self.check_rfa_state_dict(state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+    def check_rfa_state_dict(self, state_dict) -> None:
+        """Name the RFA option when a checkpoint was trained with other RFA options than this model
+        was built with (fairseq-generate --model-overrides, a changed fairseq-train command line),
+        instead of torch's size mismatch or missing/unexpected keys."""
+        from ..config import RFAOptionMismatchError, flag
+
+        suffix = ".eval_random_matrix"
+        own = {k[: -len(suffix)]: v.shape for k, v in self.state_dict().items() if k.endswith(suffix)}
+        saved = {k[: -len(suffix)]: tuple(v.shape) for k, v in state_dict.items() if k.endswith(suffix)}
+        if own and not saved:
+            raise RFAOptionMismatchError(
+                "the checkpoint has no RFA attention (no *.eval_random_matrix entries): it is a softmax transformer "
+                "checkpoint. Convert it first: rfa-convert-transformer --input CKPT --output RFA_CKPT "
+                "(scripts/convert_transformer_to_rfa.py), then fine-tune with --finetune-from-model RFA_CKPT"
+            )
+        problems = []
+
+        def has(modules, role):
+            return any(name.endswith(role) for name in modules)
+
+        # (option, role of the attention module, whether the option being set means that role uses RFA)
+        for option, role, rfa_when_set in (
+            ("rfa_encoder_self_attn", "self_attn", True),
+            ("rfa_softmax_cross_attn", "encoder_attn", False),
+        ):
+            side = "encoder." if option == "rfa_encoder_self_attn" else "decoder."
+            in_ckpt = has([n for n in saved if n.startswith(side)], role)
+            in_model = has([n for n in own if n.startswith(side)], role)
+            if in_ckpt != in_model:
+                trained_with = in_ckpt == rfa_when_set
+                problems.append(
+                    f"{flag(option)}: the checkpoint was trained {'with' if trained_with else 'without'} it, "
+                    f"the model was built {'without' if trained_with else 'with'} it"
+                )
+        for name in sorted(set(own) & set(saved)):
+            (heads, model_d, head_dim), (c_heads, ckpt_d, c_head_dim) = own[name], saved[name]
+            if (heads, head_dim) == (c_heads, c_head_dim) and model_d != ckpt_d:
+                problems.append(
+                    f"{flag('rfa_num_features')}: the checkpoint was trained with {ckpt_d}, the model was built with "
+                    f"{model_d} ({name}{suffix}: {tuple(saved[name])} vs {tuple(own[name])})"
+                )
+                break
+        gate_key = ".gate_proj.weight"
+        ckpt_gated = any(k.endswith(gate_key) for k in state_dict)
+        model_gated = any(m.gate_proj is not None for m in self.rfa_modules())
+        if ckpt_gated != model_gated:
+            problems.append(
+                f"{flag('rfa_gate')}: the checkpoint was trained {'with' if ckpt_gated else 'without'} it, "
+                f"the model was built {'without' if ckpt_gated else 'with'} it"
+            )
+        if problems:
+            raise RFAOptionMismatchError(
+                "the checkpoint was trained with other RFA options than this model: " + "; ".join(problems)
+                + ". Use the options the checkpoint was trained with (drop them from --model-overrides or "
+                "the command line)."
+            )
+
     def set_random_feature_seed(self, seed: int) -> None:
         """Number the RFA modules in a fixed order so draws depend on (seed, update, layer) only."""
         for index, module in enumerate(self.rfa_modules()):

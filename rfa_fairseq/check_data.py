@@ -1,0 +1,272 @@
+"""Check a parallel corpus before fairseq sees it; every problem is reported as FILE:LINE: message.
+
+Console script `rfa-check-data` (also `python -m rfa_fairseq.check_data`):
+
+  rfa-check-data raw -s de -t en data/train data/valid        # data/train.de + data/train.en, ...
+  rfa-check-data bin data-bin -s de -t en [--splits train valid test]
+
+raw (the text given to fairseq-preprocess): both files exist and are UTF-8; same number of lines;
+no empty lines; no carriage return inside a line (fairseq reads files with universal newlines, so
+a stray \\r splits the line and shifts every later line against the other side); no line longer
+than --max-positions tokens including the end-of-sentence token.
+
+bin (a fairseq-preprocess --destdir): dict.<lang>.txt present and well-formed (`<token> <count>
+[#fairseq:overwrite]`, no duplicates); for each split, the .idx/.bin pair of both languages;
+the same number of sentences on both sides; no empty or too long sentence (reported as the
+sentence's line in the text it was binarized from); no token id outside the dictionary.
+
+Why: fairseq-preprocess binarizes each side separately and never compares them; fairseq-train
+silently drops too-long training pairs, fails on the first too-long validation pair, trains on
+empty lines, and reports misaligned sides only as "Source and target must contain the same
+number of examples" with no file name. This tool only reads; it never writes anything.
+Exit status: 0 when clean, 1 when it found problems, 2 on usage errors.
+"""
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+# fairseq's default --max-source-positions / --max-target-positions
+DEFAULT_MAX_POSITIONS = 1024
+DEFAULT_MAX_ERRORS = 10
+
+
+class Report:
+    """Collects problems, printing at most max_errors of each kind per file."""
+
+    def __init__(self, max_errors=DEFAULT_MAX_ERRORS):
+        self.max_errors = max_errors
+        self.counts = defaultdict(int)
+        self.total = 0
+
+    def problem(self, path, line, kind, message):
+        self.total += 1
+        key = (path, kind)
+        self.counts[key] += 1
+        if self.counts[key] <= self.max_errors:
+            where = f"{path}:{line}" if line is not None else path
+            print(f"{where}: {message}", file=sys.stderr)
+
+    def finish(self):
+        for (path, kind), count in sorted(self.counts.items()):
+            if count > self.max_errors:
+                print(f"{path}: ... and {count - self.max_errors} more: {kind}", file=sys.stderr)
+        return self.total
+
+
+# ---------------------------------------------------------------- raw text
+
+
+def read_lines(path, report):
+    """Lines as fairseq-preprocess will see them (split at \\n; \\r\\n ends a line too).
+    Returns a list of str (None for undecodable lines), or None when the file is missing."""
+    if not os.path.isfile(path):
+        report.problem(path, None, "missing", "file not found")
+        return None
+    lines = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                report.problem(path, number, "invalid UTF-8",
+                               f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                lines.append(None)
+                continue
+            if "\r" in text:
+                report.problem(path, number, "carriage return",
+                               "carriage return (\\r) inside the line: fairseq-preprocess reads it as a line break, "
+                               "which shifts every later line against the other language")
+            lines.append(text)
+    return lines
+
+
+def check_raw_pair(prefix, source_lang, target_lang, max_positions, report):
+    """Check PREFIX.SRC and PREFIX.TGT; returns the number of pairs (0 when unreadable)."""
+    paths = {lang: f"{prefix}.{lang}" for lang in (source_lang, target_lang)}
+    sides = {lang: read_lines(path, report) for lang, path in paths.items()}
+    if any(lines is None for lines in sides.values()):
+        return 0
+    for lang, lines in sides.items():
+        path = paths[lang]
+        for number, text in enumerate(lines, start=1):
+            if text is None:
+                continue
+            tokens = len(text.split())  # fairseq's tokenize_line: whitespace-separated
+            if tokens == 0:
+                report.problem(path, number, "empty line", "empty line (fairseq would train on an empty sentence)")
+            elif tokens + 1 > max_positions:
+                report.problem(path, number, "too long",
+                               f"{tokens} tokens (+1 end-of-sentence = {tokens + 1}) > --max-positions {max_positions} "
+                               "(fairseq-train drops such training pairs silently and fails on validation ones)")
+    src, tgt = sides[source_lang], sides[target_lang]
+    if len(src) != len(tgt):
+        longer, shorter = (target_lang, source_lang) if len(tgt) > len(src) else (source_lang, target_lang)
+        report.problem(paths[longer], min(len(src), len(tgt)) + 1, "line count",
+                       f"no counterpart in {paths[shorter]}, which ends after {len(sides[shorter])} lines "
+                       f"({paths[source_lang]}: {len(src)} lines, {paths[target_lang]}: {len(tgt)} lines)")
+    return min(len(src), len(tgt))
+
+
+# ---------------------------------------------------------------- binarized data
+
+
+def check_dictionary(path, report):
+    """Parse dict.<lang>.txt as fairseq's Dictionary.add_from_file does; returns its size or None."""
+    if not os.path.isfile(path):
+        report.problem(path, None, "missing dictionary",
+                       "dictionary not found (fairseq-preprocess writes dict.<lang>.txt into --destdir)")
+        return None
+    from fairseq.data import Dictionary
+
+    seen = {}
+    ok = True
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.rstrip()
+            overwrite = line.endswith(" #fairseq:overwrite")
+            if overwrite:
+                line = line[: -len(" #fairseq:overwrite")]
+            token, _, count = line.rpartition(" ")
+            if not token or not count.lstrip("-").isdigit():
+                report.problem(path, number, "dictionary format", f"expected '<token> <count> [#fairseq:overwrite]', got {line!r}")
+                ok = False
+                continue
+            if token in seen and not overwrite:
+                report.problem(path, number, "duplicate token",
+                               f"token {token!r} already on line {seen[token]} (fairseq refuses duplicates)")
+                ok = False
+            seen.setdefault(token, number)
+    if not ok:
+        return None
+    return len(Dictionary.load(path))
+
+
+def _split_prefix(data_dir, split, source_lang, target_lang):
+    for pair in (f"{source_lang}-{target_lang}", f"{target_lang}-{source_lang}"):
+        prefix = os.path.join(data_dir, f"{split}.{pair}.")
+        if os.path.isfile(prefix + source_lang + ".idx"):
+            return prefix
+    return None
+
+
+def _token_ids_max(dataset):
+    """Largest token id in an MMapIndexedDataset, vectorized over its .bin (private fields of
+    fairseq's class; None when they are not there)."""
+    import numpy as np
+
+    index = getattr(dataset, "_index", None)
+    buffer = getattr(dataset, "_bin_buffer", None)
+    if index is None or buffer is None or len(dataset) == 0:
+        return None
+    tokens = np.frombuffer(buffer, dtype=index.dtype)
+    return int(tokens.max()) if tokens.size else None
+
+
+def check_binarized_split(data_dir, split, source_lang, target_lang, dict_sizes, max_positions, report, required):
+    prefix = _split_prefix(data_dir, split, source_lang, target_lang)
+    if prefix is None:
+        if required:
+            report.problem(os.path.join(data_dir, f"{split}.{source_lang}-{target_lang}.{source_lang}.idx"), None,
+                           "missing split", f"no '{split}' split for {source_lang}-{target_lang} (run fairseq-preprocess "
+                           f"with --{split}pref, or check --source-lang/--target-lang)")
+        return 0
+    from fairseq.data import indexed_dataset
+
+    sizes = {}
+    for lang in (source_lang, target_lang):
+        base = prefix + lang
+        missing = [base + ext for ext in (".idx", ".bin") if not os.path.isfile(base + ext)]
+        if missing:
+            for path in missing:
+                report.problem(path, None, "missing file", f"missing (the {split} split needs {base}.idx and .bin)")
+            continue
+        try:
+            dataset = indexed_dataset.make_dataset(base, impl=indexed_dataset.infer_dataset_impl(base))
+            if dataset is None:
+                raise ValueError("unknown format")
+        except Exception as exc:  # a damaged index is a data problem to report, not a crash
+            report.problem(base + ".idx", None, "unreadable", f"cannot read the binarized data: {exc}")
+            continue
+        sizes[lang] = dataset.sizes
+        bin_path = base + ".bin"
+        for sentence in [int(i) for i in (dataset.sizes <= 1).nonzero()[0]]:
+            report.problem(bin_path, sentence + 1, "empty sentence",
+                           f"sentence {sentence} (line {sentence + 1} of the text it was binarized from) is empty")
+        for sentence in [int(i) for i in (dataset.sizes > max_positions).nonzero()[0]]:
+            report.problem(bin_path, sentence + 1, "too long",
+                           f"sentence {sentence} (line {sentence + 1} of the text it was binarized from) has "
+                           f"{int(dataset.sizes[sentence])} tokens with end-of-sentence > --max-positions {max_positions}")
+        top = _token_ids_max(dataset)
+        if top is not None and dict_sizes.get(lang) is not None and top >= dict_sizes[lang]:
+            report.problem(bin_path, None, "token ids",
+                           f"contains token id {top} but dict.{lang}.txt gives only {dict_sizes[lang]} symbols: "
+                           "it was binarized with another dictionary")
+    if len(sizes) == 2 and len(sizes[source_lang]) != len(sizes[target_lang]):
+        report.problem(prefix + target_lang + ".idx", None, "sentence count",
+                       f"{len(sizes[target_lang])} sentences, but {prefix + source_lang}.idx has "
+                       f"{len(sizes[source_lang])}: the two sides were binarized from files with different line counts "
+                       f"(check the text with: rfa-check-data raw)")
+    return min((len(s) for s in sizes.values()), default=0)
+
+
+def check_binarized(data_dir, source_lang, target_lang, splits, max_positions, report):
+    if not os.path.isdir(data_dir):
+        report.problem(data_dir, None, "missing directory", "data directory not found")
+        return {}
+    dict_sizes = {lang: check_dictionary(os.path.join(data_dir, f"dict.{lang}.txt"), report)
+                  for lang in (source_lang, target_lang)}
+    counts = {}
+    for split in splits or ("train", "valid", "test"):
+        counts[split] = check_binarized_split(data_dir, split, source_lang, target_lang, dict_sizes, max_positions,
+                                              report, required=bool(splits) or split != "test")
+    return counts
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="rfa-check-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    raw = sub.add_parser("raw", help="check text files PREFIX.SRC / PREFIX.TGT")
+    raw.add_argument("prefixes", nargs="+", metavar="PREFIX", help="e.g. data/train data/valid")
+    binarized = sub.add_parser("bin", help="check a fairseq-preprocess --destdir")
+    binarized.add_argument("data_dir")
+    binarized.add_argument("--splits", nargs="+", default=None,
+                           help="splits that must exist (default: train and valid, and test if present)")
+    for p in (raw, binarized):
+        p.add_argument("-s", "--source-lang", required=True)
+        p.add_argument("-t", "--target-lang", required=True)
+        p.add_argument("--max-positions", type=int, default=DEFAULT_MAX_POSITIONS,
+                       help=f"longest sentence in tokens, end-of-sentence included (default: {DEFAULT_MAX_POSITIONS})")
+        p.add_argument("--max-errors", type=int, default=DEFAULT_MAX_ERRORS,
+                       help=f"problems of one kind shown per file (default: {DEFAULT_MAX_ERRORS})")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.max_positions <= 0:
+        print(f"rfa-check-data: error: --max-positions must be positive, got {args.max_positions}", file=sys.stderr)
+        return 2
+    report = Report(args.max_errors)
+    if args.mode == "raw":
+        counts = {prefix: check_raw_pair(prefix, args.source_lang, args.target_lang, args.max_positions, report)
+                  for prefix in args.prefixes}
+    else:
+        counts = check_binarized(args.data_dir, args.source_lang, args.target_lang, args.splits, args.max_positions, report)
+    problems = report.finish()
+    summary = ", ".join(f"{name}: {count} pairs" for name, count in counts.items())
+    if problems:
+        print(f"rfa-check-data: {problems} problem(s) found ({summary})", file=sys.stderr)
+        return 1
+    print(f"rfa-check-data: OK ({summary})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
