@@ -33,7 +33,8 @@ class AveragingError(Exception):
 def _allowlist_checkpoint_classes():
     try:
         from rfa_fairseq.checkpoint_safety import allowlist_fairseq_checkpoint_classes
-    except ImportError:
+    except ImportError:  # run as a plain file without the package on the path
+        torch.serialization.add_safe_globals(_FALLBACK_SAFE_GLOBALS)
         return
     allowlist_fairseq_checkpoint_classes()
 
@@ -44,8 +45,7 @@ def load_checkpoint(path):
         raise AveragingError(f"checkpoint not found: {path}")
     _allowlist_checkpoint_classes()
     try:
-        with torch.serialization.safe_globals(_FALLBACK_SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu")
+        return torch.load(path, map_location="cpu")
     except pickle.UnpicklingError as exc:
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)

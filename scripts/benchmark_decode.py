@@ -103,6 +103,7 @@ def main() -> int:
     p.add_argument("--num-features", type=int, default=0, help="RFA D (default: the plugin's default, 64)")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--resume", action="store_true", help="keep the points already in the CSV of --out-dir, measure the rest")
     p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor above this length (time)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "bench"))
     # worker mode: one configuration, JSON on stdout
@@ -125,11 +126,13 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"# benchmark_decode on {args.device}: {machine_description_for(args)}; dims={args.dims} vocab={args.vocab} "
           f"beam={args.beam} src_len={args.src_len}", flush=True)
-    rows = []
+    csv_path = os.path.join(args.out_dir, f"decode_{args.device.split(':')[0]}_{args.dims}.csv")
+    rows = read_csv_rows(csv_path) if args.resume and os.path.exists(csv_path) else []
+    done = {(r["model"], r["batch"], r["length"]) for r in rows}
     for batch in args.batch_sizes:
         for length in args.lengths:
             for model in args.models:
-                if model in ("softmax", "floor") and length > args.softmax_max_length:
+                if model in ("softmax", "floor") and length > args.softmax_max_length or (model, batch, length) in done:
                     continue
                 cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--length", str(length),
                        "--batch-size", str(batch), "--beam", str(args.beam), "--dims", args.dims,
@@ -138,8 +141,9 @@ def main() -> int:
                 row = run_worker(cmd)
                 rows.append(row)
                 print_row(row)
+                add_ratios(rows)
+                write_csv(csv_path, rows)  # after every point: a long run stopped early keeps its rows
     add_ratios(rows)
-    csv_path = os.path.join(args.out_dir, f"decode_{args.device.split(':')[0]}_{args.dims}.csv")
     write_csv(csv_path, rows)
     print()
     print_table(rows, ["model", "batch", "length", "ms_per_step", "total_s", "tokens_per_s", "peak_mem_mb",
@@ -156,6 +160,20 @@ def machine_description_for(args) -> str:
 
     torch.set_num_threads(args.threads)
     return machine_description(args.device)
+
+
+def read_csv_rows(path):
+    """Rows of an earlier run, numbers parsed back (ratio columns are recomputed)."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for key in ("batch", "length"):
+            r[key] = int(r[key])
+        for key in ("out_len", "total_s", "ms_per_step", "tokens_per_s", "peak_mem_mb", "attn_state_mb"):
+            r[key] = float(r[key])
+    return rows
 
 
 def print_row(row) -> None:
