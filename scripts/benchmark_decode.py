@@ -201,14 +201,18 @@ def plot(rows, path, args):
         print("matplotlib not installed: no PNG (pip install -e .[bench])")
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue"}
+    styles = ["-", "--", ":", "-."]
+    batches = sorted({r["batch"] for r in rows})
     for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):
+        style = dict(color=colors.get(model), linestyle=styles[batches.index(batch) % len(styles)], marker="o")
         rs = sorted((r for r in rows if r["model"] == model and r["batch"] == batch), key=lambda r: r["length"])
         x = [r["length"] for r in rs]
         label = f"{model} (batch {batch})"
-        axes[0].plot(x, [r["ms_per_step"] for r in rs], marker="o", label=label)
-        axes[1].plot(x, [r["total_s"] for r in rs], marker="o", label=label)
+        axes[0].plot(x, [r["ms_per_step"] for r in rs], label=label, **style)
+        axes[1].plot(x, [r["total_s"] for r in rs], label=label, **style)
         if model != "floor":
-            axes[2].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], marker="o", label=label)
+            axes[2].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], label=label, **style)
     for ax, title in zip(axes, ["ms per decoding step", "total decoding time (s)", "attention state (MB)"]):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
