@@ -43,6 +43,7 @@ import sys
 
 import torch
 
+from .average_checkpoints import save_atomic
 from .checkpoint_safety import CheckpointLoadError, mark_rfa_checkpoint, safe_load
 from .config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
 
@@ -326,18 +327,6 @@ def converted_checkpoint(state, model_options, storage, model, info):
     new["extra_state"] = {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0, "version": 2}, "val_loss": None}
     new["rfa_conversion"] = info
     return mark_rfa_checkpoint(new)
-
-
-def save_atomic(state, output):
-    directory = os.path.dirname(os.path.abspath(output))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{output}.tmp{os.getpid()}"
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ---------------------------------------------------------------- command line
