@@ -58,5 +58,13 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 assert "rfa_transformer" in ARCH_MODEL_REGISTRY
 print(f"setup_env.sh: fairseq {fairseq.__version__}, torch {torch.__version__}, rfa_fairseq {rfa_fairseq.__version__}")
 EOF
+# Build the fused C++ decoding step now (once; cached under TORCH_EXTENSIONS_DIR, default
+# ~/.cache/torch_extensions) so the first fairseq-generate does not pause for it. Without a C++
+# compiler decoding still works on the torch path (same results, slower): a warning, not an error.
+if "$VENV/bin/python" -c 'import sys; from rfa_fairseq.ops import load_fused_extension; sys.exit(load_fused_extension() is None)'; then
+    echo "setup_env.sh: fused C++ decoding step built"
+else
+    echo "setup_env.sh: warning: the fused C++ decoding step was not built (no C++ compiler?); decoding uses the slower torch path" >&2
+fi
 stamp_value >"$STAMP"
 echo "setup_env.sh: ready: $VENV"

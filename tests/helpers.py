@@ -61,3 +61,24 @@ def plugin_env():
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def use_decoding_step(path: str, monkeypatch) -> None:
+    """Select the decoding step for a test: "fused" (the C++ step; skipped, with the reason,
+    only where no C++ toolchain exists or RFA_FUSED_DECODE=0) or "torch" (the fallback)."""
+    import shutil
+
+    import pytest
+
+    from rfa_fairseq.ops import fused_step
+
+    if path == "torch":
+        monkeypatch.setattr(fused_step, "load_fused_extension", lambda: None)
+        return
+    if fused_step.load_fused_extension() is None:
+        if os.environ.get(fused_step.FUSED_DECODE_ENV) == "0":
+            pytest.skip(f"{fused_step.FUSED_DECODE_ENV}=0 disables the fused decoding step")
+        missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+        if missing:
+            pytest.skip(f"the fused decoding step cannot be built here: {', '.join(missing)} not on PATH")
+        pytest.fail("a C++ toolchain is present but the fused decoding step did not build (see the warning above)")

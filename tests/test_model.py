@@ -3,7 +3,7 @@ import io
 
 import pytest
 import torch
-from helpers import build_model, build_model_from_args, parse_args, random_batch
+from helpers import build_model, build_model_from_args, parse_args, random_batch, use_decoding_step
 
 from rfa_fairseq.modules import RFAAttention
 from rfa_fairseq.ops import num_feature_dims
@@ -60,8 +60,10 @@ def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder
     assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("step", ["fused", "torch"])
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
-def test_beam_reorder_equals_decoding_the_reordered_batch(gate):
+def test_beam_reorder_equals_decoding_the_reordered_batch(gate, step, monkeypatch):
+    use_decoding_step(step, monkeypatch)
     model, d = build_model(_flags("sincos", gate, False))
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
@@ -252,11 +254,15 @@ def test_beam_grouped_cross_state_and_shrinking_batch():
         assert cross._get_input_buffer(state)["cross_state"].size(0) == 2  # compacted after the shrink
 
 
+@pytest.mark.parametrize("step", ["fused", "torch"])
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
-def test_beam_search_scores_equal_full_forward_rescoring(gate):
-    """Real fairseq beam search (incremental states, beam reorders, finishing sentences):
-    every hypothesis' per-token scores equal a teacher-forced full forward pass."""
+def test_beam_search_scores_equal_full_forward_rescoring(gate, step, monkeypatch):
+    """Real fairseq beam search (incremental states, beam reorders folded into the next
+    step, finishing sentences): every hypothesis' per-token scores equal a teacher-forced
+    full forward pass, with the fused C++ decoding step and with the torch fallback."""
     from fairseq.sequence_generator import SequenceGenerator
+
+    use_decoding_step(step, monkeypatch)
 
     model, d = build_model(_flags("sincos", gate, False), seed=4)
     model.eval()

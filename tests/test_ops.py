@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import use_decoding_step
 
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
@@ -10,6 +11,7 @@ from rfa_fairseq.ops import (
     causal_rfa_recurrent,
     causal_rfa_reference,
     causal_rfa_step_,
+    causal_rfa_step_fused,
     draw_random_matrix,
     exact_kernel,
     feature_map,
@@ -267,3 +269,43 @@ def test_inplace_decoding_step_equals_the_recurrence(gated):
             outs.append(out)
     torch.testing.assert_close(torch.cat(outs, dim=2), ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("step", ["fused", "torch"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_step_with_pending_reorder_equals_the_recurrence_on_reordered_state(step, gated, monkeypatch):
+    """causal_rfa_step_fused(..., state, order) == causal_rfa_recurrent(..., state[order]):
+    beam reorders with duplicated rows and a shrinking batch, interleaved with plain steps."""
+    use_decoding_step(step, monkeypatch)
+    H, Fdim, d = 3, 10, 5
+    g = torch.Generator().manual_seed(7)
+    orders = [None, None, torch.tensor([1, 1, 0, 5, 3, 4]), None, torch.tensor([2, 0, 3, 3]),
+              torch.tensor([3, 2, 1, 0]), torch.tensor([1, 0, 3, 3])]
+    rows, state, spare, ref_state = 6, None, None, None
+    with torch.no_grad():
+        for order in orders:
+            rows = rows if order is None else order.numel()
+            phi_q, phi_k = torch.rand(rows, H, 1, Fdim, generator=g), torch.rand(rows, H, 1, Fdim, generator=g)
+            v = torch.randn(rows, H, 1, d, generator=g)
+            log_gate = F.logsigmoid(torch.randn(rows, H, 1, generator=g)) if gated else None
+            ref_in = None if ref_state is None or order is None else ref_state[order]
+            ref_out, ref_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, ref_state if order is None else ref_in)
+            out, new_state = causal_rfa_step_fused(phi_q, phi_k, v, log_gate, state, order, out_state=spare)
+            if order is None and state is not None:
+                assert new_state is state  # updated in place
+            if order is not None:
+                assert new_state is not state  # never overwrites rows another row still reads
+                if spare is not None and spare.shape == new_state.shape:
+                    assert new_state is spare  # the spare buffer is reused, no allocation
+                spare = state
+            state = new_state
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_step_rejects_an_out_of_range_order(monkeypatch):
+    use_decoding_step("fused", monkeypatch)
+    state = torch.zeros(2, 1, 4, 3)
+    phi = torch.rand(2, 1, 1, 4)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="out of range"):
+        causal_rfa_step_fused(phi, phi, torch.rand(2, 1, 1, 2), None, state, torch.tensor([0, 2]))

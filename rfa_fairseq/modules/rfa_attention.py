@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..ops import (
     causal_rfa_chunked,
     causal_rfa_recurrent,
-    causal_rfa_step_,
+    causal_rfa_step_fused,
     draw_random_matrix,
     feature_map,
     gate_keys,
@@ -219,9 +219,19 @@ class RFAAttention(nn.Module):
             gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
             phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
             if incremental_state is not None:
-                step = causal_rfa_step_ if tgt_len == 1 and not torch.is_grad_enabled() else causal_rfa_recurrent
-                out, state = step(phi_q, phi_k, v, log_gate, saved.get("causal_state"))
-                saved["causal_state"] = state
+                state, order = saved.get("causal_state"), saved.pop("causal_order", None)
+                if tgt_len == 1 and not torch.is_grad_enabled():
+                    # reorder + update + read-out in one pass; the old state becomes the spare buffer
+                    out, new_state = causal_rfa_step_fused(
+                        phi_q, phi_k, v, log_gate, state, order, out_state=saved.get("causal_state_spare")
+                    )
+                    if state is not None and new_state is not state:
+                        saved["causal_state_spare"] = state
+                else:
+                    if order is not None:
+                        state = state.index_select(0, order)
+                    out, new_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, state)
+                saved["causal_state"] = new_state
                 self._set_input_buffer(incremental_state, saved)
             else:
                 out, _ = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size)
@@ -268,20 +278,23 @@ class RFAAttention(nn.Module):
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
         """Beam search: select rows of the cached states; new_order may also shrink the batch.
 
-        Identity orders are skipped; the causal state is gathered into a spare buffer of
-        the same shape (double buffering, no allocation per step); the cross state only
-        moves when whole sentences leave the batch.
+        The causal state is not gathered here: the order is kept (composed with any
+        pending one) and applied by the next decoding step while it reads the state
+        anyway (causal_rfa_step_fused), so a reorder costs no pass over the state.
+        Identity orders are dropped; the cross state only moves when whole sentences
+        leave the batch.
         """
         buffer = self._get_input_buffer(incremental_state)
         if not buffer:
             return incremental_state
         state = buffer.get("causal_state")
-        if state is not None and not _is_identity(new_order, state.size(0)):
-            spare = buffer.get("causal_state_spare")
-            if spare is None or spare.shape[0] != new_order.numel() or spare.requires_grad or state.requires_grad:
-                spare = state.new_empty((new_order.numel(),) + state.shape[1:])
-            torch.index_select(state, 0, new_order, out=spare)
-            buffer["causal_state"], buffer["causal_state_spare"] = spare, state
+        if state is not None:
+            pending = buffer.get("causal_order")
+            order = new_order if pending is None else pending.index_select(0, new_order)
+            if _is_identity(order, state.size(0)):
+                buffer.pop("causal_order", None)
+            else:
+                buffer["causal_order"] = order
         if "cross_rows" in buffer:
             rows = buffer["cross_rows"].index_select(0, new_order)
             beam = self.beam_size if self.beam_size > 1 and rows.numel() % self.beam_size == 0 else 1

@@ -10,6 +10,7 @@ from .feature_maps import (  # noqa: F401
     random_matrix_seed,
     scale_inputs,
 )
+from .fused_step import causal_rfa_step_fused, load_fused_extension  # noqa: F401
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,
     causal_rfa_chunked,
