@@ -64,6 +64,7 @@ def build_model(name: str, dims: str, dictionary, max_positions: int, device: st
         for layer in model.decoder.layers:
             layer.self_attn = NoAttention(layer.self_attn)
             layer.encoder_attn = NoAttention(layer.encoder_attn)
+    model.build_args = args  # the parsed fairseq args (the CTranslate2 conversion saves them)
     return model.to(device).eval()
 
 
