@@ -27,6 +27,7 @@ MODELS = {
     "rfa": ("rfa_transformer", []),
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
     "floor": ("transformer", []),  # attention replaced by NoAttention below
+    "floor_proj": ("transformer", []),  # attention replaced by ProjectionsOnly below
 }
 
 
@@ -60,10 +61,11 @@ def build_model(name: str, dims: str, dictionary, max_positions: int, device: st
     task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     torch.manual_seed(0)
     model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
-    if name == "floor":
+    if name in ("floor", "floor_proj"):
+        stand_in = NoAttention if name == "floor" else ProjectionsOnly
         for layer in model.decoder.layers:
-            layer.self_attn = NoAttention(layer.self_attn)
-            layer.encoder_attn = NoAttention(layer.encoder_attn)
+            layer.self_attn = stand_in(layer.self_attn)
+            layer.encoder_attn = stand_in(layer.encoder_attn)
     model.build_args = args  # the parsed fairseq args (the CTranslate2 conversion saves them)
     return model.to(device).eval()
 
@@ -80,6 +82,25 @@ class NoAttention(torch.nn.Module):
 
     def _get_input_buffer(self, incremental_state):
         return {}
+
+
+class ProjectionsOnly(NoAttention):
+    """Attention's linear projections without attention: the per-step matmuls any attention
+    needs (self: q, k, v and out; cross: q and out, k and v being computed once per source
+    and ignored here), output out_proj(v) or out_proj(q), no state. A floor that includes
+    the projections RFA and softmax both need."""
+
+    def __init__(self, attn):
+        super().__init__(attn)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj
+        self.cross = bool(getattr(attn, "encoder_decoder_attention", False))
+
+    def forward(self, query, key, value, **kwargs):
+        q = self.q_proj(query)
+        if self.cross:
+            return self.out_proj(q), None
+        self.k_proj(query)
+        return self.out_proj(self.v_proj(query)), None
 
 
 def peak_memory_mb(device: str) -> float:

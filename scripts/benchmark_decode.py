@@ -185,7 +185,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--resume", action="store_true", help="keep the points already in the CSV of --out-dir, measure the rest")
-    p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor/ct2 above this length (time)")
+    p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor*/ct2 above this length (time)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "bench"))
     # worker mode: one configuration, JSON on stdout
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -216,7 +216,7 @@ def main() -> int:
     for batch in args.batch_sizes:
         for length in args.lengths:
             for model in args.models:
-                if model in ("softmax", "floor", "ct2") and length > args.softmax_max_length or (model, batch, length) in done:
+                if model in ("softmax", "floor", "floor_proj", "ct2") and length > args.softmax_max_length or (model, batch, length) in done:
                     continue
                 cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--length", str(length),
                        "--batch-size", str(batch), "--beam", str(args.beam), "--dims", args.dims,
@@ -233,7 +233,7 @@ def main() -> int:
     write_csv(csv_path, rows)
     print()
     print_table(rows, ["model", "batch", "length", "ms_per_step", "total_s", "tokens_per_s", "peak_mem_mb",
-                       "attn_state_mb", "time_vs_softmax", "state_vs_softmax", "step_vs_floor"])
+                       "attn_state_mb", "time_vs_softmax", "state_vs_softmax", "step_vs_floor", "step_vs_floor_proj"])
     print(f"\nwrote {csv_path}")
     png = plot(rows, csv_path[:-4] + ".png", args)
     if png:
@@ -275,6 +275,8 @@ def add_ratios(rows) -> None:
         r["time_vs_softmax"] = r["total_s"] / soft["total_s"] if soft else None
         r["state_vs_softmax"] = r["attn_state_mb"] / soft["attn_state_mb"] if soft and soft["attn_state_mb"] else None
         r["step_vs_floor"] = r["ms_per_step"] / floor["ms_per_step"] if floor else None
+        floor_proj = index.get(("floor_proj", r["batch"], r["length"]))
+        r["step_vs_floor_proj"] = r["ms_per_step"] / floor_proj["ms_per_step"] if floor_proj else None
 
 
 def plot(rows, path, args):
@@ -287,7 +289,7 @@ def plot(rows, path, args):
         print("matplotlib not installed: no PNG (pip install -e .[bench])")
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "ct2": "tab:purple"}
+    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan", "ct2": "tab:purple"}
     styles = ["-", "--", ":", "-."]
     batches = sorted({r["batch"] for r in rows})
     for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):
@@ -297,7 +299,7 @@ def plot(rows, path, args):
         label = f"{model} (batch {batch})"
         axes[0].plot(x, [r["ms_per_step"] for r in rs], label=label, **style)
         axes[1].plot(x, [r["total_s"] for r in rs], label=label, **style)
-        if model not in ("floor", "ct2"):
+        if model not in ("floor", "floor_proj", "ct2"):
             axes[2].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], label=label, **style)
     for ax, title in zip(axes, ["ms per decoding step", "total decoding time (s)", "attention state (MB)"]):
         ax.set_xscale("log", base=2)
