@@ -16,6 +16,7 @@ needed; the build is cached under TORCH_EXTENSIONS_DIR, by default
 RFA_FUSED_DECODE=0, the torch path runs instead: index_select into out_state, then
 `causal_rfa_step_`. Both are tested against `causal_rfa_recurrent` on state[order].
 """
+import contextlib
 import functools
 import logging
 import os
@@ -44,7 +45,8 @@ def load_fused_extension():
         from torch.utils.cpp_extension import load
 
         logger.info("building/loading the fused C++ RFA decoding step (%s; built once, then cached)", SOURCE.name)
-        return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
+        with _pinned_ninja_first_on_path():
+            return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
     except Exception as error:  # no compiler, no ninja, read-only cache, ...
         first_line = (str(error).strip().splitlines() or [""])[0]
         warnings.warn(
@@ -52,6 +54,26 @@ def load_fused_extension():
             f"decoding uses the torch path instead (same results, slower). Set {FUSED_DECODE_ENV}=0 to skip the build."
         )
         return None
+
+
+@contextlib.contextmanager
+def _pinned_ninja_first_on_path():
+    """Build with the same ninja in every process: the pinned `ninja` package when installed.
+    Ninja versions keep incompatible build logs (1.11 and 1.13 hash commands differently), so
+    a process finding the system ninja and the next one the package's would each rebuild."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        yield
+        return
+    old_path = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + old_path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old_path
 
 
 def _fused_applies(phi_q: Tensor, state: Optional[Tensor]) -> bool:
