@@ -7,8 +7,8 @@ The same step as `causal_rfa_step_` (rfa.py), except that the state entering it 
 state[order]: beam search's reorder is not applied when fairseq asks for it but folded
 into the next step, so the state is read once and written once per step (reorder,
 gated decay, update and read-out in one pass; csrc/rfa_decode_step.cpp) instead of
-four or five times. new_state is `state` itself when there is no reorder, else
-`out_state` (a spare buffer of the right shape, reused between steps) or a new tensor.
+four or five times. new_state is `out_state` (a spare buffer of the right shape, reused
+between steps: double buffering) or a new tensor, never `state` itself.
 
 The C++ step is built once with torch.utils.cpp_extension (a C++ compiler and ninja are
 needed; the build is cached under TORCH_EXTENSIONS_DIR, by default
@@ -30,7 +30,7 @@ from torch import Tensor
 from .rfa import DENOMINATOR_EPS, causal_rfa_step_
 
 FUSED_DECODE_ENV = "RFA_FUSED_DECODE"  # "0": never build or use the C++ step
-EXTENSION_NAME = "rfa_fairseq_decode_step_v1"  # bump when the C++ source changes incompatibly
+EXTENSION_NAME = "rfa_fairseq_decode_step_v2"  # bump when the C++ source changes incompatibly
 SOURCE = Path(__file__).with_name("csrc") / "rfa_decode_step.cpp"
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ def load_fused_extension():
 
         logger.info("building/loading the fused C++ RFA decoding step (%s; built once, then cached)", SOURCE.name)
         with _pinned_ninja_first_on_path():
-            return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
+            return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no ninja, read-only cache, ...
         first_line = (str(error).strip().splitlines() or [""])[0]
         warnings.warn(
@@ -110,7 +111,7 @@ def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None
     d = v.size(-1)
     if state is None:
         state = phi_q.new_zeros(B, H, F_, d + 1)
-    new_state = state if order is None else spare(B)
+    new_state = spare(B)  # never in place: the kernel's pointers must not alias (vectorization)
     decay = torch.exp(log_gate.float()).reshape(B, H).contiguous() if log_gate is not None else phi_q.new_empty(0)
     out = ext.decode_step(
         state,
