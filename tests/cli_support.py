@@ -33,14 +33,15 @@ def env(**extra):
             **{k: str(v) for k, v in extra.items()}}
 
 
-def run(tool, *args, check=True, timeout=600, cwd=None, **env_extra):
-    """Run a console script of this environment (fairseq-train, ...), a python file, or a program on PATH."""
+def run(tool, *args, check=True, timeout=600, cwd=None, stdin=None, **env_extra):
+    """Run a console script of this environment (fairseq-train, ...), a python file, or a program on PATH;
+    `stdin` (text) is fed to its standard input."""
     if tool.endswith(".py"):
         command = [sys.executable, tool]
     else:
         command = [os.path.join(BIN, tool) if os.path.exists(os.path.join(BIN, tool)) else tool]
-    proc = subprocess.run([*command, *map(str, args)], capture_output=True, text=True, env=env(**env_extra),
-                          timeout=timeout, cwd=cwd)
+    proc = subprocess.run([*command, *map(str, args)], input=stdin, capture_output=True, text=True,
+                          env=env(**env_extra), timeout=timeout, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

@@ -1,12 +1,8 @@
 """End to end through the real CLIs: preprocess -> train -> generate / interactive -> sacrebleu."""
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import PLUGIN_DIR, REPO
+from cli_support import run, synthetic_data
+from conftest import PLUGIN_DIR
 
-BIN = os.path.dirname(sys.executable)
 TINY_MODEL = [
     "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "2",
     "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
@@ -21,16 +17,6 @@ TRAIN = [
 ]
 
 
-def run(tool, *args, stdin=None, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [os.path.join(BIN, tool), *map(str, args)], input=stdin, capture_output=True, text=True, env=env, timeout=600
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 def hypotheses(generate_stdout):
     rows = [line.split("\t") for line in generate_stdout.splitlines() if line.startswith("H-")]
     return [text for _, text in sorted((int(r[0][2:]), r[2]) for r in rows)]
@@ -38,17 +24,11 @@ def hypotheses(generate_stdout):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    """This module's work directory (checkpoints, hypotheses) over the session's shared corpus."""
+    corpus = synthetic_data(tmp_path_factory)
     root = tmp_path_factory.mktemp("cli")
-    subprocess.run(
-        [sys.executable, os.path.join(REPO, "data-prep", "make_synthetic_corpus.py"), root / "raw",
-         "--train", "1500", "--valid", "60", "--test", "40"],
-        check=True, capture_output=True,
-    )
-    run(
-        "fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
-        "--trainpref", root / "raw/train", "--validpref", root / "raw/valid", "--testpref", root / "raw/test",
-        "--destdir", root / "bin", "--joined-dictionary", "--workers", "1",
-    )
+    for name in ("raw", "bin"):
+        (root / name).symlink_to(corpus / name, target_is_directory=True)
     return root
 
 
