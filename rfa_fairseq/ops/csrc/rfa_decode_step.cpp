@@ -8,7 +8,8 @@
 //   S'[b, h]     = g[b, h] * S[src, h] + phi_k[b, h] (x) [v[b, h], 1]      (g = 1 when ungated)
 //   acc          = phi_q[b, h] . S'[b, h]                                   (d + 1 values)
 //   out[b, h]    = acc[:d] / max(acc[d], eps)
-// The Python wrapper (fused_step.py) checks shapes and dtypes; reference: ops/rfa.py
+// The Python wrapper (fused_step.py) decides when this applies (CPU, fp32, no autograd) and passes
+// contiguous inputs; row counts are checked here. Reference: ops/rfa.py
 // causal_rfa_recurrent applied to S[order].
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
