@@ -5,9 +5,9 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .ops import FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
-SIGMA_MODES = ("learned", "fixed")
+SIGMA_MODES = ("learned", "fixed", "log")
 
 
 @dataclass
@@ -17,7 +17,9 @@ class RFAConfig(FairseqDataclass):
         metadata={
             "help": "random feature map: sincos = Gaussian random Fourier features (paper Eq. 2), "
             "arccos = paper's phi_arccos (degree-1 arc-cosine kernel), positive = Performer FAVOR+ "
-            "positive random features (default: sincos)"
+            "positive random features; learned deterministic maps (no random matrix, phi >= 0): hedgehog = "
+            "[softmax(Wx+b), softmax(-(Wx+b))] (2D features), relu = T2R's relu(Wx+b) (D features), elu = elu(x)+1 "
+            "(head_dim features) (default: sincos)"
         },
     )
     rfa_num_features: int = field(
@@ -35,12 +37,21 @@ class RFAConfig(FairseqDataclass):
             "with chi-distributed row norms (lower-variance estimate) (default: orthogonal)"
         },
     )
+    rfa_fixed_random_matrix: bool = field(
+        default=False,
+        metadata={"help": "train with the fixed evaluation matrices instead of redrawing them at every update (ablation)"},
+    )
     rfa_sigma: ChoiceEnum(SIGMA_MODES) = field(
         default="learned",
         metadata={
             "help": "sigma scaling the random projections, per head and dimension: learned (paper's "
-            "learned variance) or fixed at its initial value (default: learned)"
+            "learned variance), log (learned as exp(m * theta): --rfa-sigma-lr-multiplier m speeds up its "
+            "learning) or fixed at its initial value (default: learned)"
         },
+    )
+    rfa_sigma_lr_multiplier: float = field(
+        default=10.0,
+        metadata={"help": "with --rfa-sigma log: m in sigma = exp(m * theta), a learning-rate multiplier for log sigma (default: 10)"},
     )
     rfa_temperature: float = field(
         default=1.0,
@@ -107,7 +118,8 @@ def _positive(kind):
 def add_rfa_args(parser) -> None:
     """Add the --rfa-* flags; positive-only values are checked by argparse, naming the flag."""
     gen_parser_from_dataclass(parser, RFAConfig())
-    positive = {"rfa_num_features": _positive(int), "rfa_chunk_size": _positive(int), "rfa_temperature": _positive(float)}
+    positive = {"rfa_num_features": _positive(int), "rfa_chunk_size": _positive(int), "rfa_temperature": _positive(float),
+                "rfa_sigma_lr_multiplier": _positive(float)}
     for action in parser._actions:
         if action.dest in positive:
             action.type = positive[action.dest]
@@ -134,8 +146,14 @@ def validate_rfa_args(args) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}")
-    if not args.rfa_temperature > 0:
-        raise ValueError(f"{flag('rfa_temperature')} must be > 0, got {args.rfa_temperature!r}")
+    for name in ("rfa_temperature", "rfa_sigma_lr_multiplier"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"{flag(name)} must be > 0, got {getattr(args, name)!r}")
+    if args.rfa_feature_map in LEARNED_FEATURE_MAPS and args.rfa_temperature != RFA_DEFAULTS["rfa_temperature"]:
+        raise ValueError(
+            f"{flag('rfa_temperature')}={args.rfa_temperature} has no effect with {flag('rfa_feature_map')}="
+            f"{args.rfa_feature_map}: a learned map has no sigma (it learns its own scale); drop the flag"
+        )
     if args.rfa_feature_map == "arccos" and args.rfa_temperature != RFA_DEFAULTS["rfa_temperature"]:
         # sigma starts uniform, and phi_arccos(s * x) = s * phi_arccos(x) cancels in the ratio
         raise ValueError(

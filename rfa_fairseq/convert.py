@@ -46,6 +46,7 @@ import torch
 from .average_checkpoints import save_atomic
 from .checkpoint_safety import CheckpointLoadError, mark_rfa_checkpoint, safe_load
 from .config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
+from .ops import LEARNED_FEATURE_MAPS
 
 # softmax architecture -> its RFA twin (same sizes); rfa_fairseq/models/rfa_transformer.py
 ARCH_MAP = {
@@ -63,7 +64,9 @@ SIGMA_GRID = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), 31))
 # the gate starts at g = sigmoid(4) = 0.982: a memory of ~55 tokens, nearly the softmax average
 DEFAULT_GATE_BIAS = 4.0
 # RFA parameters that a softmax checkpoint lacks (everything else must come from it)
-RFA_PARAMETER_SUFFIXES = (".sigma", ".eval_random_matrix", ".gate_proj.weight", ".gate_proj.bias")
+RFA_PARAMETER_SUFFIXES = (
+    ".sigma", ".log_sigma", ".eval_random_matrix", ".gate_proj.weight", ".gate_proj.bias", ".feature_weight", ".feature_bias",
+)
 RFA_OPTIONS = [name for name in RFA_DEFAULTS if name.startswith("rfa_")]
 
 
@@ -260,12 +263,12 @@ def calibrate_sigma(rfa_model, captured, method):
             else:
                 errors = torch.zeros(len(SIGMA_GRID), module.num_heads)
                 for g, candidate in enumerate(SIGMA_GRID):
-                    module.sigma.fill_(float(candidate))
+                    module.set_sigma_(torch.full_like(module.current_sigma(), float(candidate)))
                     for item, target in zip(items, targets):
                         squared = (rfa_head_outputs(module, item) - target).pow(2).sum(-1)  # (B, H, T)
                         errors[g] += (squared * item["query_valid"][:, None, :]).sum(dim=(0, 2))
                 scale = SIGMA_GRID[errors.argmin(dim=0)]
-            module.sigma.copy_(scale.to(module.sigma.dtype).unsqueeze(-1).expand_as(module.sigma))
+            module.set_sigma_(scale.to(module.current_sigma().dtype).unsqueeze(-1).expand_as(module.current_sigma()))
             chosen[name] = scale.tolist()
     return chosen
 
@@ -360,6 +363,9 @@ def convert(args, log=print):
     sigma_init = args.sigma_init or ("fit" if args.calibration_data else "temperature")
     if sigma_init != "temperature" and not args.calibration_data:
         raise ConversionError(f"--sigma-init {sigma_init} needs --calibration-data (sentences to measure q and k on)")
+    if args.rfa_feature_map in LEARNED_FEATURE_MAPS and sigma_init != "temperature":
+        log(f"rfa-convert-transformer: {args.rfa_feature_map} is a learned map without sigma; --sigma-init {sigma_init} -> temperature")
+        sigma_init = "temperature"
     if args.rfa_feature_map == "arccos" and sigma_init != "temperature":
         log(f"rfa-convert-transformer: arccos is scale-invariant for a uniform sigma; --sigma-init {sigma_init} -> temperature")
         sigma_init = "temperature"

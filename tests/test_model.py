@@ -10,7 +10,7 @@ from rfa_fairseq.ops import num_feature_dims
 
 VARIANTS = [
     pytest.param(fm, gate, enc, id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
-    for fm in ("sincos", "arccos", "positive")
+    for fm in ("sincos", "arccos", "positive", "hedgehog", "relu", "elu")
     for gate in (False, True)
     for enc in (False, True)
 ]
@@ -83,7 +83,7 @@ def test_beam_reorder_equals_decoding_the_reordered_batch(gate, step, monkeypatc
         torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("feature_map,gate", [("sincos", False), ("positive", True)])
+@pytest.mark.parametrize("feature_map,gate", [("sincos", False), ("positive", True), ("hedgehog", True)])
 def test_incremental_state_size_does_not_grow(feature_map, gate):
     model, d = build_model(_flags(feature_map, gate, False))
     model.eval()
@@ -100,7 +100,7 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     assert sizes[10] == sizes[500] > 0
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
-    F_ = num_feature_dims(feature_map, attn.num_features)
+    F_ = num_feature_dims(feature_map, attn.num_features, attn.head_dim)
     assert attn._get_input_buffer(state)["causal_state"].shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 

@@ -7,6 +7,9 @@ from helpers import use_decoding_step
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
     FEATURE_MAPS,
+    LEARNED_FEATURE_MAPS,
+    POSITIVE_EPS,
+    RANDOM_FEATURE_MAPS,
     causal_rfa_chunked,
     causal_rfa_recurrent,
     causal_rfa_reference,
@@ -16,7 +19,10 @@ from rfa_fairseq.ops import (
     exact_kernel,
     feature_map,
     feature_map_reference,
+    denominator_eps,
     gate_keys,
+    learned_feature_map,
+    learned_feature_map_reference,
     noncausal_rfa,
     noncausal_rfa_reference,
     random_matrix_seed,
@@ -31,14 +37,29 @@ def _unit(x):
 # ---------------------------------------------------------------- feature maps and matrices
 
 
-@pytest.mark.parametrize("kind", FEATURE_MAPS)
+@pytest.mark.parametrize("kind", RANDOM_FEATURE_MAPS)
 def test_feature_map_matches_reference(kind):
     x = scale_inputs(torch.randn(2, 3, 5, 8), torch.rand(3, 8) + 0.5)
     w = draw_random_matrix(3, 12, 8, "gaussian", seed=3)
     torch.testing.assert_close(feature_map(x, w, kind), feature_map_reference(x, w, kind), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", FEATURE_MAPS)
+@pytest.mark.parametrize("kind", LEARNED_FEATURE_MAPS)
+def test_learned_feature_map_matches_reference_and_is_nonnegative(kind):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 5, 8, generator=g) * 2
+    w, b = torch.randn(3, 12, 8, generator=g), torch.randn(3, 12, generator=g)
+    phi = learned_feature_map(x, w, b, kind)
+    torch.testing.assert_close(phi.double(), learned_feature_map_reference(x, w, b, kind), rtol=1e-5, atol=1e-6)
+    assert (phi >= 0).all()
+    # gradients reach the learned weight and bias (none exist for elu)
+    if kind != "elu":
+        w.requires_grad_(True), b.requires_grad_(True)
+        learned_feature_map(x, w, b, kind).pow(2).sum().backward()
+        assert w.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", RANDOM_FEATURE_MAPS)
 def test_feature_inner_products_converge_to_the_kernel(kind):
     torch.manual_seed(0)
     x = scale_inputs(torch.randn(1, 2, 6, 8), torch.full((2, 8), 0.8))
@@ -113,11 +134,19 @@ def test_rfa_approaches_softmax_attention_as_D_grows(kind):
 # ---------------------------------------------------------------- causal: chunked vs references
 
 
+def _phi(x, sigma, w, kind, is_query=False):
+    """Random maps: w is the random matrix; learned maps: w is the weight, bias fixed from w."""
+    if kind in LEARNED_FEATURE_MAPS:
+        bias = torch.linspace(-0.5, 0.5, w.size(1), dtype=w.dtype).expand(w.shape[:2])
+        return learned_feature_map(x, w, bias, kind)
+    return feature_map(scale_inputs(x, sigma), w, kind, is_query=is_query)
+
+
 def _rfa_from_raw(fn, q, k, v, gate_logits, sigma, w, kind, pad_mask, **kw):
-    phi_q = feature_map(scale_inputs(q, sigma), w, kind, is_query=True)
-    phi_k = feature_map(scale_inputs(k, sigma), w, kind)
+    phi_q = _phi(q, sigma, w, kind, is_query=True)
+    phi_k = _phi(k, sigma, w, kind)
     phi_k, log_gate = gate_keys(phi_k, gate_logits, pad_mask)
-    return fn(phi_q, phi_k, v, log_gate, **kw)
+    return fn(phi_q, phi_k, v, log_gate, eps=denominator_eps(kind), **kw)
 
 
 @pytest.mark.parametrize("kind", FEATURE_MAPS)
@@ -221,8 +250,8 @@ def test_noncausal_excludes_padded_keys_and_matches_reference(kind):
     out2, _ = _rfa_from_raw(noncausal_rfa, q, k2, v2, None, sigma, w, kind, pad)
     torch.testing.assert_close(out2, out)
     # reusing the cached state gives the same outputs (cross-attention decoding)
-    phi_q = feature_map(scale_inputs(q, sigma), w, kind, is_query=True)
-    cached, _ = noncausal_rfa(phi_q, None, None, state=state)
+    phi_q = _phi(q, sigma, w, kind, is_query=True)
+    cached, _ = noncausal_rfa(phi_q, None, None, state=state, eps=denominator_eps(kind))
     torch.testing.assert_close(cached, out)
 
 
@@ -249,6 +278,34 @@ def test_outputs_stay_finite_when_the_sincos_denominator_fails(gated):
     assert torch.isfinite(out).all() and torch.isfinite(cross).all()
     (out.sum() + cross.sum()).backward()
     assert torch.isfinite(sigma.grad).all()
+
+
+@pytest.mark.parametrize("sigma", [1.0, 2.0, 2.5, 3.0, 4.0])
+def test_guard_never_touches_a_healthy_positive_denominator(sigma):
+    """FAVOR+ denominators are sums of positive terms, scaled by the per-query shift
+    exp(-max_i w_i.q): at large sigma, with few keys (early causal positions), they fall
+    below 1e-3 while perfectly healthy. The positive-map guard leaves them alone (out = the
+    exact ratio); the absolute sincos guard would have shrunk the output (checked real)."""
+    B, H, T, d, D = 1, 2, 16, 16, 256
+    g = torch.Generator().manual_seed(int(sigma * 10))
+    q, k, v = (torch.randn(B, H, T, d, generator=g, dtype=torch.float64) for _ in range(3))
+    sig = torch.full((H, d), sigma, dtype=torch.float64)
+    w = draw_random_matrix(H, D, d, "orthogonal", seed=1).double()
+    phi_q = feature_map(scale_inputs(q, sig), w, "positive", is_query=True)
+    phi_k = feature_map(scale_inputs(k, sig), w, "positive")
+    assert denominator_eps("positive") == POSITIVE_EPS
+    out, _ = causal_rfa_chunked(phi_q, phi_k, v, eps=denominator_eps("positive"), chunk_size=5)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    weights = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0)  # (B, H, T, T), all >= 0
+    exact_ratio = (weights @ v) / weights.sum(-1, keepdim=True)
+    torch.testing.assert_close(out, exact_ratio, rtol=1e-10, atol=1e-12)
+    cross, _ = noncausal_rfa(phi_q, phi_k, v, eps=denominator_eps("positive"))
+    full = phi_q @ phi_k.transpose(-1, -2)
+    torch.testing.assert_close(cross, (full @ v) / full.sum(-1, keepdim=True), rtol=1e-10, atol=1e-12)
+    if sigma >= 2.5:
+        assert (weights.sum(-1) < DENOMINATOR_EPS).any()  # the absolute guard would clip these
+        clipped, _ = causal_rfa_chunked(phi_q, phi_k, v, eps=DENOMINATOR_EPS, chunk_size=5)
+        assert not torch.allclose(clipped, exact_ratio)
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -19,12 +19,16 @@ from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor, nn
 
 from ..ops import (
+    LEARNED_FEATURE_MAPS,
     causal_rfa_chunked,
     causal_rfa_recurrent,
     causal_rfa_step_fused,
+    denominator_eps,
     draw_random_matrix,
     feature_map,
     gate_keys,
+    learned_feature_map,
+    learned_feature_weight_shape,
     noncausal_rfa,
     noncausal_rfa_state,
     random_matrix_seed,
@@ -89,8 +93,11 @@ class RFAAttention(nn.Module):
         self.dropout = dropout
 
         self.feature_map = str(rfa_cfg.rfa_feature_map)
+        self.learned_map = self.feature_map in LEARNED_FEATURE_MAPS
+        self.eps = denominator_eps(self.feature_map)
         self.num_features = rfa_cfg.rfa_num_features
         self.random_matrix_kind = str(rfa_cfg.rfa_random_matrix)
+        self.fixed_random_matrix = bool(getattr(rfa_cfg, "rfa_fixed_random_matrix", False))
         self.chunk_size = rfa_cfg.rfa_chunk_size
         self.gated = bool(rfa_cfg.rfa_gate) and causal
 
@@ -100,13 +107,23 @@ class RFAAttention(nn.Module):
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
 
         sigma = torch.full((num_heads, self.head_dim), rfa_cfg.rfa_temperature ** -0.5)
-        if str(rfa_cfg.rfa_sigma) == "learned":
+        self.sigma_mode = str(rfa_cfg.rfa_sigma)
+        if self.sigma_mode == "log":
+            # sigma = exp(m * log_sigma): Adam moves log_sigma by ~lr per step, so log sigma moves by
+            # ~m * lr, a learning-rate multiplier m for sigma without a separate optimizer group
+            self.sigma_lr_multiplier = float(rfa_cfg.rfa_sigma_lr_multiplier)
+            self.log_sigma = nn.Parameter(sigma.log() / self.sigma_lr_multiplier)
+        elif self.sigma_mode == "learned":
             self.sigma = nn.Parameter(sigma)
         else:
             self.register_buffer("sigma", sigma)
         self.gate_proj = nn.Linear(embed_dim, num_heads) if self.gated else None
+        shapes = learned_feature_weight_shape(self.feature_map, num_heads, self.num_features, self.head_dim)
+        self.feature_weight = nn.Parameter(torch.empty(shapes[0])) if shapes else None  # (H, D, d)
+        self.feature_bias = nn.Parameter(torch.empty(shapes[1])) if shapes else None  # (H, D)
 
-        # fixed matrices for evaluation and generation; saved in the checkpoint
+        # fixed matrices for evaluation and generation; saved in the checkpoint (drawn for the
+        # learned maps too, which do not use them, so every RFA checkpoint has the same layout)
         self.register_buffer("eval_random_matrix", torch.zeros(num_heads, self.num_features, self.head_dim))
         self.seed = 0
         self.module_index = 0
@@ -128,6 +145,29 @@ class RFAAttention(nn.Module):
         if self.gate_proj is not None:
             nn.init.xavier_uniform_(self.gate_proj.weight)
             nn.init.constant_(self.gate_proj.bias, GATE_BIAS_INIT)
+        if self.feature_weight is not None:
+            with torch.no_grad():
+                if self.feature_map == "hedgehog":
+                    # identity rows (repeated when D > d): phi starts as [softmax(x), softmax(-x)]
+                    eye = torch.eye(self.head_dim).repeat(-(-self.num_features // self.head_dim), 1)
+                    self.feature_weight.copy_(eye[: self.num_features].expand_as(self.feature_weight))
+                else:
+                    nn.init.normal_(self.feature_weight, std=self.head_dim ** -0.5)
+                self.feature_bias.zero_()
+
+    def current_sigma(self) -> Tensor:
+        """(H, d) sigma scaling the random projections."""
+        if self.sigma_mode == "log":
+            return torch.exp(self.log_sigma * self.sigma_lr_multiplier)
+        return self.sigma
+
+    def set_sigma_(self, sigma: Tensor) -> None:
+        """Set sigma (H, d) in place, whatever its parametrization (weight conversion)."""
+        with torch.no_grad():
+            if self.sigma_mode == "log":
+                self.log_sigma.copy_(sigma.log() / self.sigma_lr_multiplier)
+            else:
+                self.sigma.copy_(sigma)
 
     # ------------------------------------------------------------ random matrices
 
@@ -150,9 +190,12 @@ class RFAAttention(nn.Module):
             random_matrix_seed(self.seed, update, self.module_index),
         )
 
-    def random_matrix(self) -> Tensor:
-        """(H, D, d): redrawn per training update from (seed, update, module), fixed in eval."""
-        if not self.training:
+    def random_matrix(self) -> Optional[Tensor]:
+        """(H, D, d): redrawn per training update from (seed, update, module), fixed in eval
+        (and in training with --rfa-fixed-random-matrix); None for the learned maps."""
+        if self.learned_map:
+            return None
+        if not self.training or self.fixed_random_matrix:
             return self.eval_random_matrix
         if self._train_matrix_update != self.num_updates:
             self._train_matrix = self._draw(self.num_updates).to(self.eval_random_matrix.device)
@@ -167,9 +210,11 @@ class RFAAttention(nn.Module):
         T, B, _ = x.shape
         return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def _phi(self, x: Tensor, w: Tensor, is_query: bool) -> Tensor:
+    def _phi(self, x: Tensor, w: Optional[Tensor], is_query: bool) -> Tensor:
         """(T, B, C) projected inputs -> (B, H, T, F) fp32 features."""
-        return feature_map(scale_inputs(self._heads(x), self.sigma), w, self.feature_map, is_query)
+        if self.learned_map:
+            return learned_feature_map(self._heads(x), self.feature_weight, self.feature_bias, self.feature_map)
+        return feature_map(scale_inputs(self._heads(x), self.current_sigma()), w, self.feature_map, is_query)
 
     def _check_causal_mask(self, attn_mask: Tensor, length: int) -> None:
         # our decoder passes a zero-stride stand-in (no T x T memory); a materialized
@@ -210,7 +255,7 @@ class RFAAttention(nn.Module):
                 self._set_input_buffer(incremental_state, saved)
             else:
                 phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
-                out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)))
+                out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)), eps=self.eps)
         elif self.causal and (incremental_state is not None or attn_mask is not None):
             if attn_mask is not None:
                 self._check_causal_mask(attn_mask, tgt_len)
@@ -223,25 +268,25 @@ class RFAAttention(nn.Module):
                 if tgt_len == 1 and not torch.is_grad_enabled():
                     # reorder + update + read-out in one pass; the old state becomes the spare buffer
                     out, new_state = causal_rfa_step_fused(
-                        phi_q, phi_k, v, log_gate, state, order, out_state=saved.get("causal_state_spare")
+                        phi_q, phi_k, v, log_gate, state, order, out_state=saved.get("causal_state_spare"), eps=self.eps
                     )
                     if state is not None and new_state is not state:
                         saved["causal_state_spare"] = state
                 else:
                     if order is not None:
                         state = state.index_select(0, order)
-                    out, new_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, state)
+                    out, new_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, state, eps=self.eps)
                 saved["causal_state"] = new_state
                 self._set_input_buffer(incremental_state, saved)
             else:
-                out, _ = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size)
+                out, _ = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps)
         else:
             # encoder self-attention, or decoder self-attention with full context
             if attn_mask is not None:
                 raise ValueError("non-causal RFA self-attention does not support attn_mask")
             phi_k = self._phi(self.k_proj(key), w, is_query=False)
             phi_k, _ = gate_keys(phi_k, None, key_padding_mask)
-            out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)))
+            out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)), eps=self.eps)
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim).to(query.dtype)  # (T, B, C)
         return self.out_proj(out), None
@@ -270,9 +315,9 @@ class RFAAttention(nn.Module):
         if B % n_src == 0 and torch.equal(rows, torch.arange(n_src, device=rows.device).repeat_interleave(B // n_src)):
             beam = B // n_src
             q = phi_q.view(n_src, beam, H, T, F_).transpose(1, 2).reshape(n_src, H, beam * T, F_)
-            out, _ = noncausal_rfa(q, None, None, state=state)  # (B_src, H, beam * T, d)
+            out, _ = noncausal_rfa(q, None, None, state=state, eps=self.eps)  # (B_src, H, beam * T, d)
             return out.view(n_src, H, beam, T, -1).transpose(1, 2).reshape(B, H, T, -1)
-        out, _ = noncausal_rfa(phi_q, None, None, state=state.index_select(0, rows))
+        out, _ = noncausal_rfa(phi_q, None, None, state=state.index_select(0, rows), eps=self.eps)
         return out
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
@@ -321,7 +366,8 @@ class RFAAttention(nn.Module):
         role = "causal" if self.causal else ("cross" if self.encoder_decoder_attention else "self")
         return (
             f"role={role}, heads={self.num_heads}, head_dim={self.head_dim}, feature_map={self.feature_map}, "
-            f"D={self.num_features}, matrix={self.random_matrix_kind}, gated={self.gated}, module_index={self.module_index}"
+            f"D={self.num_features}, matrix={self.random_matrix_kind}, sigma={self.sigma_mode}, gated={self.gated}, "
+            f"module_index={self.module_index}"
         )
 
 

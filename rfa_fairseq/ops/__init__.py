@@ -1,11 +1,17 @@
 """Pure tensor functions of RFA: no fairseq imports here."""
 from .feature_maps import (  # noqa: F401
     FEATURE_MAPS,
+    LEARNED_FEATURE_MAPS,
+    POSITIVE_FEATURE_MAPS,
+    RANDOM_FEATURE_MAPS,
     RANDOM_MATRIX_KINDS,
     draw_random_matrix,
     exact_kernel,
     feature_map,
     feature_map_reference,
+    learned_feature_map,
+    learned_feature_map_reference,
+    learned_feature_weight_shape,
     num_feature_dims,
     random_matrix_seed,
     scale_inputs,
@@ -13,10 +19,12 @@ from .feature_maps import (  # noqa: F401
 from .fused_step import causal_rfa_step_fused, load_fused_extension  # noqa: F401
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,
+    POSITIVE_EPS,
     causal_rfa_chunked,
     causal_rfa_recurrent,
     causal_rfa_reference,
     causal_rfa_step_,
+    denominator_eps,
     gate_keys,
     noncausal_rfa,
     noncausal_rfa_state,

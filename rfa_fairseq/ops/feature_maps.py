@@ -10,21 +10,49 @@ Kernel conventions (q, k are l2-normalized first, sigma scales them per head and
   arccos:   E[phi(x).phi(y)] ~ arc-cosine kernel of degree 1 (Cho & Saul 2009)
 With |x| = 1 and a scalar sigma, both sincos and positive approximate softmax
 attention with temperature 1 / sigma^2, since the norm factors cancel in the ratio.
+
+Learned (deterministic) maps, beyond the paper: no random matrix, no estimator noise, and
+phi >= 0 so the denominator never goes negative. They take the raw per-head q or k (no
+l2 normalization: the norm carries information they can use), and w is a learned (H, D, d)
+weight with a learned (H, D) bias, shared by queries and keys (so phi(q).phi(k) is a kernel):
+  hedgehog: phi(x) = [softmax(w x + b), softmax(-(w x + b))]   F = 2D (Zhang et al. 2024)
+  relu:     phi(x) = relu(w x + b) / sqrt(D)                    F = D  (T2R, Kasai et al. 2021)
+  elu:      phi(x) = elu(x) + 1 (no weight)                     F = d  (Katharopoulos et al. 2020)
 """
 import hashlib
 import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-FEATURE_MAPS = ("sincos", "arccos", "positive")
+RANDOM_FEATURE_MAPS = ("sincos", "arccos", "positive")
+LEARNED_FEATURE_MAPS = ("hedgehog", "relu", "elu")
+FEATURE_MAPS = RANDOM_FEATURE_MAPS + LEARNED_FEATURE_MAPS
+# maps whose features are > 0 (exp or softmax based): phi(q).z is a sum of positive terms, never a
+# noisy estimate, and is zero only by underflow. (arccos and relu features are >= 0 but sparse:
+# a query whose active features meet no key's has phi(q).z = 0 exactly, so they keep the floor.)
+POSITIVE_FEATURE_MAPS = ("positive", "hedgehog", "elu")
 RANDOM_MATRIX_KINDS = ("gaussian", "orthogonal")
 
 
-def num_feature_dims(feature_map: str, num_features: int) -> int:
-    """Size F of phi(x) for D random vectors."""
-    return 2 * num_features if feature_map == "sincos" else num_features
+def num_feature_dims(feature_map: str, num_features: int, head_dim: Optional[int] = None) -> int:
+    """Size F of phi(x) for D random (or learned) vectors."""
+    if feature_map in ("sincos", "hedgehog"):
+        return 2 * num_features
+    if feature_map == "elu":
+        if head_dim is None:
+            raise ValueError("the elu feature map has F = head_dim: pass head_dim")
+        return head_dim
+    return num_features
+
+
+def learned_feature_weight_shape(feature_map: str, num_heads: int, num_features: int, head_dim: int):
+    """Shapes of (weight, bias) of a learned map, or None for maps without parameters."""
+    if feature_map in ("hedgehog", "relu"):
+        return (num_heads, num_features, head_dim), (num_heads, num_features)
+    return None
 
 
 def random_matrix_seed(seed: int, update: int, module_index: int) -> int:
@@ -93,6 +121,44 @@ def feature_map(x_scaled: Tensor, w: Tensor, kind: str, is_query: bool = False) 
             proj = proj - proj.detach().amax(dim=-1, keepdim=True)
         return torch.exp(proj) * scale
     raise ValueError(f"unknown feature map {kind!r}; expected one of {FEATURE_MAPS}")
+
+
+def learned_feature_map(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], kind: str) -> Tensor:
+    """phi(x) of a learned map.   x: (B, H, T, d) raw, w: (H, D, d), b: (H, D) -> (B, H, T, F) fp32."""
+    x = x if x.dtype == torch.float64 else x.float()
+    if kind == "elu":
+        return F.elu(x) + 1
+    B, H, T, d = x.shape
+    num_features = w.size(1)
+    proj = torch.bmm(x.transpose(0, 1).reshape(H, B * T, d), w.to(x.dtype).transpose(-1, -2))  # (H, B*T, D)
+    proj = (proj + b.to(x.dtype).unsqueeze(1)).view(H, B, T, num_features).transpose(0, 1)  # (B, H, T, D)
+    if kind == "hedgehog":
+        return torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+    if kind == "relu":
+        return torch.relu(proj) * num_features ** -0.5
+    raise ValueError(f"unknown learned feature map {kind!r}; expected one of {LEARNED_FEATURE_MAPS}")
+
+
+def learned_feature_map_reference(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], kind: str) -> Tensor:
+    """One position and head at a time, straight from the formulas in the module docstring."""
+    x = x.double()
+    B, H, T, d = x.shape
+    out = []
+    for bi in range(B):
+        for h in range(H):
+            for t in range(T):
+                xi = x[bi, h, t]
+                if kind == "elu":
+                    out.append(torch.where(xi > 0, xi + 1, torch.exp(xi)))
+                    continue
+                z = w[h].double() @ xi + b[h].double()
+                if kind == "hedgehog":
+                    out.append(torch.cat([torch.exp(z) / torch.exp(z).sum(), torch.exp(-z) / torch.exp(-z).sum()]))
+                elif kind == "relu":
+                    out.append(torch.clamp(z, min=0) / math.sqrt(z.numel()))
+                else:
+                    raise ValueError(kind)
+    return torch.stack(out).view(B, H, T, -1)
 
 
 def feature_map_reference(x_scaled: Tensor, w: Tensor, kind: str) -> Tensor:

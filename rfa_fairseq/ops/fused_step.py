@@ -86,7 +86,8 @@ def _fused_applies(phi_q: Tensor, state: Optional[Tensor]) -> bool:
     )
 
 
-def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None):
+def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None,
+                          eps: float = DENOMINATOR_EPS):
     """phi_q, phi_k: (B, H, 1, F)   v: (B, H, 1, d)   log_gate: (B, H, 1)
     state: (B0, H, F, d + 1) or None   order: (B,) int64 rows of state, or None (identity)
     -> out (B, H, 1, d) fp32, new_state (B, H, F, d + 1) fp32
@@ -106,7 +107,7 @@ def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None
     if ext is None:
         if order is not None:
             state = torch.index_select(state, 0, order, out=spare(order.numel()))
-        return causal_rfa_step_(phi_q, phi_k, v, log_gate, state)
+        return causal_rfa_step_(phi_q, phi_k, v, log_gate, state, eps=eps)
 
     d = v.size(-1)
     if state is None:
@@ -121,6 +122,6 @@ def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None
         v.float().reshape(B, H, d).contiguous(),
         decay,
         new_state,
-        DENOMINATOR_EPS,
+        eps,
     )  # (B, H, d)
     return out.view(B, H, 1, d), new_state

@@ -16,12 +16,17 @@ there, so they add nothing and decay nothing.
 
 Everything is accumulated in fp32 whatever the input dtype.
 
-Denominator guard: with sin/cos features phi(q).z is an unbiased but noisy estimate
-of a positive sum and can come out near zero or negative. We divide by
-max(phi(q).z, DENOMINATOR_EPS). Features carry the sqrt(1/D) scale, so one key
+Denominator guard (`eps`, a keyword of every function): with sin/cos features phi(q).z is
+an unbiased but noisy estimate of a positive sum and can come out near zero or negative.
+We divide by max(phi(q).z, DENOMINATOR_EPS). Features carry the sqrt(1/D) scale, so one key
 contributes a kernel estimate in [-1, 1] and exp(-2 sigma^2) >= 0.135 in expectation at
 sigma = 1; an eps of 1e-3 never touches a healthy denominator and bounds |out| by
 1e3 * sum_i |kernel_i| |v_i| when the estimate fails.
+Strictly positive features (positive, hedgehog, elu) give a denominator that is a sum of
+positive terms: it cannot go negative, but its scale is arbitrary (FAVOR+'s per-query shift
+multiplies it by exp(-max_i w_i.q), tiny at large sigma), so an absolute floor of 1e-3 would
+clip healthy values. They use POSITIVE_EPS, which only guards an underflow to 0;
+`denominator_eps(feature_map)` picks the guard.
 
 Reference implementations (`*_reference`, `causal_rfa_recurrent`) are the plain
 O(L^2) masked form and the literal recurrence; the fast ones are tested against them.
@@ -34,6 +39,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 DENOMINATOR_EPS = 1e-3
+POSITIVE_EPS = 1e-30
+
+
+def denominator_eps(feature_map: str) -> float:
+    """The denominator guard for a feature map (see the module docstring)."""
+    from .feature_maps import POSITIVE_FEATURE_MAPS
+
+    return POSITIVE_EPS if feature_map in POSITIVE_FEATURE_MAPS else DENOMINATOR_EPS
 
 
 def accumulation_dtype(x: Tensor) -> Tensor:
@@ -47,9 +60,9 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
 
 
-def _normalize(out_aug: Tensor) -> Tensor:
+def _normalize(out_aug: Tensor, eps: float) -> Tensor:
     """Numerator / guarded denominator.   (..., d + 1) -> (..., d)."""
-    return out_aug[..., :-1] / out_aug[..., -1:].clamp_min(DENOMINATOR_EPS)
+    return out_aug[..., :-1] / out_aug[..., -1:].clamp_min(eps)
 
 
 def gate_keys(
@@ -76,7 +89,7 @@ def gate_keys(
 # ---------------------------------------------------------------- causal, reference
 
 
-def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None):
+def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """O(T^2) masked form: out_t = sum_{i<=t} (prod_{i<j<=t} g_j) phi(q_t).phi(k_i) [v_i, 1]."""
     q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
     T = q.size(-2)
@@ -97,10 +110,10 @@ def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None):
     if state is not None:
         out = out + (q * decay_from_start.unsqueeze(-1)) @ state
         new_state = new_state + torch.exp(total)[..., None, None] * state
-    return _normalize(out), new_state
+    return _normalize(out, eps), new_state
 
 
-def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None):
+def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """The literal recurrence, one step at a time (also the decoding path, T = 1)."""
     q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
     B, H, T, F_ = q.shape
@@ -113,10 +126,10 @@ def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None):
             state = torch.exp(log_gate[:, :, t].to(q.dtype))[..., None, None] * state
         state = state + update
         outs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
-    return _normalize(torch.stack(outs, dim=2)), state
+    return _normalize(torch.stack(outs, dim=2), eps), state
 
 
-def causal_rfa_step_(phi_q, phi_k, v, log_gate=None, state=None):
+def causal_rfa_step_(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """One decoding step (T = 1) that updates `state` in place: no autograd, no new state.
 
     Same result as `causal_rfa_recurrent` (its reference); one batched outer-product
@@ -135,13 +148,13 @@ def causal_rfa_step_(phi_q, phi_k, v, log_gate=None, state=None):
     k = phi_k.to(state.dtype).reshape(B * H, F_, 1)
     flat.baddbmm_(k, va.view(B * H, 1, d1))
     out = torch.bmm(phi_q.to(state.dtype).reshape(B * H, 1, F_), flat)  # (B * H, 1, d + 1)
-    return _normalize(out.view(B, H, 1, d1)), state
+    return _normalize(out.view(B, H, 1, d1), eps), state
 
 
 # ---------------------------------------------------------------- causal, chunked
 
 
-def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64):
+def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS):
     """Chunked causal RFA in O(T) memory.
 
     Inside a chunk of C positions: masked C x C products. Across chunks: per-chunk
@@ -194,18 +207,18 @@ def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: i
         final_state = torch.exp(total[..., -1])[..., None, None] * prefix[:, :, -1] + chunk_states[:, :, -1]
 
     out = out.view(B, H, N * C, d1)[:, :, :T]
-    return _normalize(out), final_state
+    return _normalize(out, eps), final_state
 
 
 # ---------------------------------------------------------------- non-causal
 
 
-def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None):
+def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """Explicit (Tq x Tk) kernel matrix; state is ignored (it is derived from phi_k, v)."""
     va = _with_ones(v)
     q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
     out = (q @ k.transpose(-1, -2)) @ va
-    return _normalize(out), k.transpose(-1, -2) @ va
+    return _normalize(out, eps), k.transpose(-1, -2) @ va
 
 
 def noncausal_rfa_state(phi_k: Tensor, v: Tensor) -> Tensor:
@@ -213,7 +226,7 @@ def noncausal_rfa_state(phi_k: Tensor, v: Tensor) -> Tensor:
     return accumulation_dtype(phi_k).transpose(-1, -2) @ _with_ones(v)
 
 
-def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None):
+def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """S = phi(K)^T [V, 1] once (or reused from `state`), then phi(q) S per query.
 
     Cross-attention passes the cached state at every decoding step, with phi_k and v None.
@@ -223,4 +236,4 @@ def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None):
         raise ValueError("gating is only defined for causal RFA")
     if state is None:
         state = noncausal_rfa_state(phi_k, v)
-    return _normalize(accumulation_dtype(phi_q) @ state.to(accumulation_dtype(phi_q).dtype)), state
+    return _normalize(accumulation_dtype(phi_q) @ state.to(accumulation_dtype(phi_q).dtype), eps), state
