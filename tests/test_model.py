@@ -281,3 +281,51 @@ def test_beam_search_scores_equal_full_forward_rescoring(gate, step, monkeypatch
                 lprobs = torch.log_softmax(logits.float(), dim=-1)[0].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
                 torch.testing.assert_close(hyp["positional_scores"], lprobs, rtol=1e-4, atol=1e-4)
     print(f"hypothesis lengths: {sorted(lengths)}")
+
+
+def test_log_sigma_starts_at_the_temperature_and_learns_faster():
+    """--rfa-sigma log: sigma = exp(m * theta) starts at tau^-1/2; one Adam-like step of size lr on
+    theta moves log sigma by m * lr, m times what the same step moves a raw sigma parameter."""
+    model, d = build_model(["--rfa-sigma", "log", "--rfa-temperature", "0.25", "--rfa-sigma-lr-multiplier", "10"])
+    attn = model.decoder.layers[0].self_attn
+    assert not hasattr(attn, "sigma") and attn.log_sigma.requires_grad
+    torch.testing.assert_close(attn.current_sigma(), torch.full_like(attn.current_sigma(), 2.0))
+    with torch.no_grad():
+        attn.log_sigma.add_(1e-3)
+    torch.testing.assert_close(attn.current_sigma(), torch.full_like(attn.current_sigma(), 2.0 * float(torch.exp(torch.tensor(1e-2)))))
+    # gradients reach log_sigma through the features
+    model.train()
+    src, src_lengths, prev = random_batch(d)
+    model(src, src_lengths, prev)[0].sum().backward()
+    assert attn.log_sigma.grad is not None and attn.log_sigma.grad.abs().sum() > 0
+
+
+def test_fixed_random_matrix_trains_with_the_evaluation_matrix():
+    model, _ = build_model(["--rfa-fixed-random-matrix"])
+    attn = model.decoder.layers[0].self_attn
+    model.train()
+    for update in (0, 5):
+        attn.set_num_updates(update)
+        assert attn.random_matrix() is attn.eval_random_matrix
+    redrawn, _ = build_model()
+    attn = redrawn.decoder.layers[0].self_attn
+    redrawn.train()
+    attn.set_num_updates(5)
+    assert not torch.equal(attn.random_matrix(), attn.eval_random_matrix)
+
+
+@pytest.mark.parametrize("feature_map", ["hedgehog", "relu"])
+def test_learned_maps_have_trainable_weights_and_no_random_matrix(feature_map):
+    model, d = build_model(["--rfa-feature-map", feature_map, "--rfa-num-features", "8"])
+    attn = model.decoder.layers[0].self_attn
+    assert attn.random_matrix() is None and attn.feature_weight.shape == (attn.num_heads, 8, attn.head_dim)
+    model.train()
+    src, src_lengths, prev = random_batch(d)
+    model(src, src_lengths, prev)[0].sum().backward()
+    assert attn.feature_weight.grad.abs().sum() > 0 and attn.feature_bias.grad.abs().sum() > 0
+
+
+def test_learned_map_refuses_a_temperature():
+    args = parse_args(["--rfa-feature-map", "hedgehog", "--rfa-temperature", "0.5"])
+    with pytest.raises(ValueError, match="--rfa-temperature=0.5 has no effect with --rfa-feature-map=hedgehog"):
+        build_model_from_args(args)

@@ -1,0 +1,262 @@
+"""Multi30k EN-DE quality study: named variants of rfa_transformer vs the softmax twin, one budget.
+
+    python scripts/quality_study.py --prep outputs/multi30k --variants softmax rfa hedgehog_gate
+    python scripts/quality_study.py --prep outputs/multi30k --fast            # 300 updates, to rank ideas
+    python scripts/quality_study.py --list                                    # the variants and their flags
+
+Every run trains with scripts/train.sh (RECIPE=multi30k_en_de: 256 dims, 3+3 layers, joint 8k
+SentencePiece) at one shared budget: --max-update N (default 1,000) with --lr 0.001
+--warmup-updates 800 (the recipe's 4,000-update warm-up does not finish in a CPU budget), seed 1,
+then translates test_2016_flickr with scripts/generate.sh (beam 4, checkpoint_best.pt) and scores
+it with scripts/score.sh (sacreBLEU, chrF). One CSV row per (variant, budget, seed): valid loss after
+every epoch, the final and best valid loss, BLEU, chrF, training time and words/s, the decoding time
+fairseq-generate reports, the device and how many runs shared it. The CSV is rewritten whole after
+every finished run (no half-written rows) and finished rows are skipped, so the study can be stopped
+and continued; an unfinished training resumes from its checkpoint_last.pt. A PNG of the valid-loss
+curves is drawn from the CSV at the end.
+
+--parallel N trains N variants at once (on a GPU, small models leave it mostly idle; timings from
+such runs are marked with the number of runs sharing the device and are only comparable within it).
+"""
+import argparse
+import concurrent.futures
+import csv
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CSV = os.path.join(REPO, "benchmarks", "results", "quality_multi30k.csv")
+RECIPE = "multi30k_en_de"
+# shared by every variant: a warm-up that ends inside the budget (see the module docstring)
+BUDGET_ARGS = ["--lr", "0.001", "--warmup-updates", "800", "--no-epoch-checkpoints"]
+
+# name -> (MODEL for train.sh, extra fairseq-train flags, what it tests)
+VARIANTS = {
+    "softmax": ("softmax", [], "the softmax transformer twin (fairseq's transformer, same sizes)"),
+    "rfa_paper": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-sigma", "learned"],
+                  "the paper's setup: sincos random features, D = 64, learned sigma, redrawn orthogonal matrices"),
+    "rfa_paper_gate": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-sigma", "learned", "--rfa-gate"],
+                       "the paper's gated RFA"),
+    "sincos_arccos": ("rfa", ["--rfa-feature-map", "arccos"], "the paper's arc-cosine features"),
+    "sincos_d128": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-num-features", "128"], "sincos with D = 128"),
+    "sincos_gaussian": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-random-matrix", "gaussian"], "i.i.d. Gaussian matrices"),
+    "sincos_fixed_matrix": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-fixed-random-matrix"], "no redraw in training"),
+    "sincos_log_sigma": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-sigma", "log"],
+                         "sigma = exp(10 theta): log sigma learns 10x faster"),
+    "sincos_gate_softmax_cross": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-gate", "--rfa-softmax-cross-attn"],
+                                  "gated RFA decoder self-attention, softmax cross-attention"),
+    "positive_sigma2": ("rfa", ["--rfa-feature-map", "positive", "--rfa-temperature", "0.25"],
+                        "FAVOR+ positive features at sigma = 2 (softmax-like sharpness), fixed guard"),
+    "positive_log_sigma_gate": ("rfa", ["--rfa-feature-map", "positive", "--rfa-sigma", "log", "--rfa-gate"],
+                                "FAVOR+ with a fast-learning sigma and the gate"),
+    "hedgehog": ("rfa", ["--rfa-feature-map", "hedgehog"], "learned [softmax(Wx), softmax(-Wx)] map, 2 x 64 features"),
+    "hedgehog_gate": ("rfa", ["--rfa-feature-map", "hedgehog", "--rfa-gate"], "hedgehog map and the gate"),
+    "hedgehog_gate_softmax_cross": ("rfa", ["--rfa-feature-map", "hedgehog", "--rfa-gate", "--rfa-softmax-cross-attn"],
+                                    "hedgehog + gate in the decoder self-attention, softmax cross-attention"),
+    "relu_gate": ("rfa", ["--rfa-feature-map", "relu", "--rfa-num-features", "128", "--rfa-gate"],
+                  "T2R's learned relu(Wx + b) map, 128 features, and the gate"),
+    "elu_gate": ("rfa", ["--rfa-feature-map", "elu", "--rfa-gate"], "elu(x) + 1 (64 features) and the gate"),
+}
+
+FIELDS = [
+    "variant", "max_update", "seed", "bleu", "chrf", "valid_loss", "best_valid_loss", "valid_loss_by_epoch",
+    "train_seconds", "train_wps", "decode_seconds", "device", "runs_sharing_device", "flags", "finished_utc",
+]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] quality_study: {message}", flush=True)
+
+
+def run(cmd, env=None, log_path=None):
+    """Run a command; its output goes to log_path (appended). Fails loudly with the log's tail."""
+    with open(log_path, "a") if log_path else open(os.devnull, "w") as out:
+        out.write(f"$ {' '.join(shlex.quote(c) for c in cmd)}\n")
+        out.flush()
+        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    if proc.returncode != 0:
+        tail = open(log_path).read().splitlines()[-25:] if log_path else []
+        raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; log {log_path}:\n" + "\n".join(tail))
+
+
+def parse_train_log(text: str):
+    """Valid loss after each epoch and the training words/s fairseq logged at each epoch's end."""
+    valid = {int(m.group(2)): float(m.group(1))  # by update: a resumed run may repeat an epoch
+             for m in re.finditer(r"valid on 'valid' subset \| loss ([\d.]+) \|.*?\| num_updates (\d+)", text)}
+    wps = [float(m.group(1)) for m in re.finditer(r"\| train \|.*?\| wps ([\d.]+) \|", text)]
+    return sorted(valid.items()), wps
+
+
+def train_and_score(name, args, shared_env, runs_sharing):
+    model, flags, _ = VARIANTS[name]
+    work = os.path.join(args.work_dir, f"{name}_u{args.max_update}_s{args.seed}")
+    os.makedirs(work, exist_ok=True)
+    train_log = os.path.join(work, "train.log")  # written by train.sh (appended on resume)
+    env = dict(shared_env, DATA=os.path.join(args.prep, "data-bin"), RECIPE=RECIPE, MODEL=model, SAVE_DIR=work,
+               MAX_UPDATE=str(args.max_update))
+    extra = BUDGET_ARGS + ["--seed", str(args.seed)] + flags + shlex.split(args.train_args)
+    extra += ["--cpu"] if args.device == "cpu" else []
+    start = time.time()
+    run(["bash", os.path.join(REPO, "scripts", "train.sh"), *extra], env=env, log_path=os.path.join(work, "train_sh.log"))
+    train_seconds = time.time() - start
+    valid, wps = parse_train_log(open(train_log).read())
+    if not valid:
+        raise RuntimeError(f"{name}: no validation results in {train_log}")
+
+    hyp = os.path.join(work, "test.hyp.de")
+    gen = ["bash", os.path.join(REPO, "scripts", "generate.sh"), "--data-bin", os.path.join(args.prep, "data-bin"),
+           "--checkpoint-dir", work, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192", "--output", hyp]
+    if args.device == "cpu":
+        gen.append("--cpu")
+    run(gen, env=shared_env, log_path=os.path.join(work, "generate.log"))
+    translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
+    scores_json = os.path.join(work, "scores.json")
+    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, "test.raw.de"),
+         "--json", scores_json], env=shared_env, log_path=os.path.join(work, "score.log"))
+    scores = json.load(open(scores_json))
+    return {
+        "variant": name, "max_update": args.max_update, "seed": args.seed,
+        "bleu": f"{scores['bleu']['score']:.2f}", "chrf": f"{scores['chrf']['score']:.2f}",
+        "valid_loss": f"{valid[-1][1]:.3f}", "best_valid_loss": f"{min(v for _, v in valid):.3f}",
+        "valid_loss_by_epoch": " ".join(f"{u}:{v:.3f}" for u, v in valid),
+        "train_seconds": f"{train_seconds:.0f}", "train_wps": f"{sum(wps) / len(wps):.0f}" if wps else "",
+        "decode_seconds": translated.group(1) if translated else "",
+        "device": args.device_name, "runs_sharing_device": runs_sharing,
+        "flags": " ".join(flags), "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+    }
+
+
+def read_rows(path):
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_rows(path, rows):
+    """Whole file to a temporary name, then renamed: a crash never leaves a half-written CSV."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def key(row):
+    return (row["variant"], int(row["max_update"]), int(row["seed"]))
+
+
+def plot(rows, png_path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no PNG")
+        return
+    budgets = sorted({int(r["max_update"]) for r in rows})
+    fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 5), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        for row in sorted((r for r in rows if int(r["max_update"]) == budget), key=lambda r: -float(r["bleu"])):
+            points = [tuple(map(float, p.split(":"))) for p in row["valid_loss_by_epoch"].split()]
+            style = dict(color="black", linewidth=2.5) if row["variant"] == "softmax" else dict(linewidth=1.2)
+            ax.plot([u for u, _ in points], [v for _, v in points], marker=".",
+                    label=f"{row['variant']} s{row['seed']} (BLEU {row['bleu']})", **style)
+        ax.set_title(f"Multi30k EN-DE, {budget} updates: valid loss")
+        ax.set_xlabel("updates")
+        ax.set_ylabel("valid loss (label-smoothed CE, base 2)")
+        ax.set_ylim(top=min(9, ax.get_ylim()[1]))
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    log(f"wrote {png_path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
+                   help="output of data-prep/prepare-multi30k.sh (data-bin/, test.raw.de, spm.model)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="names from --list (default: all)")
+    p.add_argument("--max-update", type=int, default=1000)
+    p.add_argument("--fast", action="store_true", help="--max-update 300: rank ideas before confirming at full budget")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--parallel", type=int, default=1, help="variants trained at once (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "quality"))
+    p.add_argument("--csv", default=DEFAULT_CSV)
+    p.add_argument("--train-args", default="", help="more fairseq-train flags for every run (they do not enter the row key)")
+    p.add_argument("--list", action="store_true", help="print the variants and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, (model, flags, what) in VARIANTS.items():
+            print(f"{name:30s} MODEL={model:8s} {' '.join(flags):60s} {what}")
+        return 0
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; see --list")
+    if args.fast:
+        args.max_update = 300
+    for needed in ("data-bin/dict.en.txt", "test.raw.de", "spm.model"):
+        if not os.path.exists(os.path.join(args.prep, needed)):
+            p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh first")
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    bin_dir = os.path.dirname(sys.executable)
+    shared_env = dict(os.environ, PYTHON=sys.executable, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+                      PYTHONUNBUFFERED="1")
+    if args.device == "cpu":
+        shared_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.parallel)))
+
+    rows = read_rows(args.csv)
+    done = {key(r) for r in rows}
+    todo = [v for v in args.variants if (v, args.max_update, args.seed) not in done]
+    log(f"{len(args.variants) - len(todo)} of {len(args.variants)} variants already in {args.csv}; "
+        f"training {len(todo)} on {args.device_name}, {args.parallel} at a time, {args.max_update} updates")
+    lock = threading.Lock()
+    failures = []
+    sharing = min(args.parallel, len(todo))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        futures = {pool.submit(train_and_score, v, args, shared_env, sharing): v for v in todo}
+        for future in concurrent.futures.as_completed(futures):
+            name = futures[future]
+            try:
+                row = future.result()
+            except Exception as error:  # keep the other runs going; report at the end
+                failures.append(name)
+                log(f"{name} FAILED: {error}")
+                continue
+            with lock:
+                rows = [r for r in read_rows(args.csv) if key(r) != key(row)] + [row]
+                write_rows(args.csv, rows)
+            log(f"{name}: BLEU {row['bleu']} chrF {row['chrf']} valid {row['valid_loss']} "
+                f"({row['train_seconds']} s training)")
+    rows = read_rows(args.csv)
+    if rows:
+        plot(rows, os.path.splitext(args.csv)[0] + ".png")
+        budget_rows = sorted((r for r in rows if int(r["max_update"]) == args.max_update), key=lambda r: -float(r["bleu"]))
+        print(f"\n{'variant':30s} {'seed':>4s} {'BLEU':>6s} {'chrF':>6s} {'valid':>6s} {'train s':>8s} {'decode s':>8s}")
+        for r in budget_rows:
+            print(f"{r['variant']:30s} {r['seed']:>4s} {r['bleu']:>6s} {r['chrf']:>6s} {r['valid_loss']:>6s} "
+                  f"{r['train_seconds']:>8s} {r['decode_seconds']:>8s}")
+    if failures:
+        log(f"failed: {', '.join(failures)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
