@@ -37,32 +37,41 @@ RECIPE = "multi30k_en_de"
 # shared by every variant: a warm-up that ends inside the budget (see the module docstring)
 BUDGET_ARGS = ["--lr", "0.001", "--warmup-updates", "800", "--no-epoch-checkpoints"]
 
-# name -> (MODEL for train.sh, extra fairseq-train flags, what it tests)
+# name -> (MODEL for train.sh, extra fairseq-train flags, what it tests). Every RFA variant spells out
+# the feature map, the gate and the cross-attention, so a row keeps its meaning when defaults change.
+def _rfa(feature_map, gate, cross, *more):
+    return [
+        "--rfa-feature-map", feature_map, "--rfa-gate" if gate else "--no-rfa-gate",
+        "--rfa-softmax-cross-attn" if cross == "softmax" else "--no-rfa-softmax-cross-attn", *more,
+    ]
+
+
 VARIANTS = {
     "softmax": ("softmax", [], "the softmax transformer twin (fairseq's transformer, same sizes)"),
-    "rfa_paper": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-sigma", "learned"],
-                  "the paper's setup: sincos random features, D = 64, learned sigma, redrawn orthogonal matrices"),
-    "rfa_paper_gate": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-sigma", "learned", "--rfa-gate"],
-                       "the paper's gated RFA"),
-    "sincos_arccos": ("rfa", ["--rfa-feature-map", "arccos"], "the paper's arc-cosine features"),
-    "sincos_d128": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-num-features", "128"], "sincos with D = 128"),
-    "sincos_gaussian": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-random-matrix", "gaussian"], "i.i.d. Gaussian matrices"),
-    "sincos_fixed_matrix": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-fixed-random-matrix"], "no redraw in training"),
-    "sincos_log_sigma": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-sigma", "log"],
+    "rfa_paper": ("rfa", _rfa("sincos", False, "rfa"),
+                  "the paper's setup (the default before this study): sincos random features, D = 64, learned sigma, "
+                  "redrawn orthogonal matrices, RFA cross-attention"),
+    "rfa_paper_gate": ("rfa", _rfa("sincos", True, "rfa"), "the paper's gated RFA"),
+    "sincos_arccos": ("rfa", _rfa("arccos", False, "rfa"), "the paper's arc-cosine features"),
+    "sincos_d128": ("rfa", _rfa("sincos", False, "rfa", "--rfa-num-features", "128"), "sincos with D = 128"),
+    "sincos_gaussian": ("rfa", _rfa("sincos", False, "rfa", "--rfa-random-matrix", "gaussian"), "i.i.d. Gaussian matrices"),
+    "sincos_fixed_matrix": ("rfa", _rfa("sincos", False, "rfa", "--rfa-fixed-random-matrix"), "no redraw in training"),
+    "sincos_log_sigma": ("rfa", _rfa("sincos", False, "rfa", "--rfa-sigma", "log"),
                          "sigma = exp(10 theta): log sigma learns 10x faster"),
-    "sincos_gate_softmax_cross": ("rfa", ["--rfa-feature-map", "sincos", "--rfa-gate", "--rfa-softmax-cross-attn"],
-                                  "gated RFA decoder self-attention, softmax cross-attention"),
-    "positive_sigma2": ("rfa", ["--rfa-feature-map", "positive", "--rfa-temperature", "0.25"],
+    "sincos_gate_softmax_cross": ("rfa", _rfa("sincos", True, "softmax"),
+                                  "gated sincos RFA decoder self-attention, softmax cross-attention"),
+    "positive_sigma2": ("rfa", _rfa("positive", False, "rfa", "--rfa-temperature", "0.25"),
                         "FAVOR+ positive features at sigma = 2 (softmax-like sharpness), fixed guard"),
-    "positive_log_sigma_gate": ("rfa", ["--rfa-feature-map", "positive", "--rfa-sigma", "log", "--rfa-gate"],
+    "positive_log_sigma_gate": ("rfa", _rfa("positive", True, "rfa", "--rfa-sigma", "log"),
                                 "FAVOR+ with a fast-learning sigma and the gate"),
-    "hedgehog": ("rfa", ["--rfa-feature-map", "hedgehog"], "learned [softmax(Wx), softmax(-Wx)] map, 2 x 64 features"),
-    "hedgehog_gate": ("rfa", ["--rfa-feature-map", "hedgehog", "--rfa-gate"], "hedgehog map and the gate"),
-    "hedgehog_gate_softmax_cross": ("rfa", ["--rfa-feature-map", "hedgehog", "--rfa-gate", "--rfa-softmax-cross-attn"],
-                                    "hedgehog + gate in the decoder self-attention, softmax cross-attention"),
-    "relu_gate": ("rfa", ["--rfa-feature-map", "relu", "--rfa-num-features", "128", "--rfa-gate"],
+    "hedgehog": ("rfa", _rfa("hedgehog", False, "rfa"), "learned [softmax(Wx), softmax(-Wx)] map, 2 x 64 features"),
+    "hedgehog_gate": ("rfa", _rfa("hedgehog", True, "rfa"), "hedgehog map and the gate, RFA everywhere in the decoder"),
+    "hedgehog_gate_softmax_cross": ("rfa", _rfa("hedgehog", True, "softmax"),
+                                    "hedgehog + gate in the decoder self-attention, softmax cross-attention "
+                                    "(the rfa_transformer default)"),
+    "relu_gate": ("rfa", _rfa("relu", True, "rfa", "--rfa-num-features", "128"),
                   "T2R's learned relu(Wx + b) map, 128 features, and the gate"),
-    "elu_gate": ("rfa", ["--rfa-feature-map", "elu", "--rfa-gate"], "elu(x) + 1 (64 features) and the gate"),
+    "elu_gate": ("rfa", _rfa("elu", True, "rfa"), "elu(x) + 1 (64 features) and the gate"),
 }
 
 FIELDS = [
