@@ -24,8 +24,11 @@ DIMS = {
 # name -> (fairseq arch, extra flags)
 MODELS = {
     "softmax": ("transformer", []),
-    "rfa": ("rfa_transformer", []),
+    "rfa": ("rfa_transformer", []),  # the default: hedgehog map, gate, softmax cross-attention
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
+    "rfa_rfa_cross": ("rfa_transformer", ["--no-rfa-softmax-cross-attn"]),  # constant state in the cross-attention too
+    "rfa_paper": ("rfa_transformer", ["--rfa-feature-map", "sincos", "--no-rfa-gate", "--no-rfa-softmax-cross-attn"]),
+    "rfa_paper_gated": ("rfa_transformer", ["--rfa-feature-map", "sincos", "--rfa-gate", "--no-rfa-softmax-cross-attn"]),
     "floor": ("transformer", []),  # attention replaced by NoAttention below
     "floor_proj": ("transformer", []),  # attention replaced by ProjectionsOnly below
 }

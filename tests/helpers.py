@@ -18,6 +18,10 @@ TINY_ARGS = [
 ]
 
 
+# the paper's setup (the default before docs/quality.md): sincos random features, ungated, RFA cross-attention
+PAPER_RFA = ["--rfa-feature-map", "sincos", "--no-rfa-gate", "--no-rfa-softmax-cross-attn"]
+
+
 def make_dictionary(num_words: int = 40) -> Dictionary:
     d = Dictionary()
     for i in range(num_words):

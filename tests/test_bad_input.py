@@ -34,13 +34,13 @@ def test_temperature_with_arccos_is_rejected_before_building():
 @pytest.mark.parametrize(
     "trained,requested,message",
     [
-        (["--rfa-num-features", "8"], ["--rfa-num-features", "16"],
+        (["--rfa-num-features", "8", "--no-rfa-softmax-cross-attn"], ["--rfa-num-features", "16", "--no-rfa-softmax-cross-attn"],
          "--rfa-num-features: the checkpoint was trained with 8, the model was built with 16 "
          "(decoder.layers.0.encoder_attn.eval_random_matrix: (4, 8, 8) vs (4, 16, 8))"),
-        (["--rfa-gate"], [], "--rfa-gate: the checkpoint was trained with it, the model was built without it"),
+        ([], ["--no-rfa-gate"], "--rfa-gate: the checkpoint was trained with it, the model was built without it"),
         ([], ["--rfa-encoder-self-attn"],
          "--rfa-encoder-self-attn: the checkpoint was trained without it, the model was built with it"),
-        (["--rfa-softmax-cross-attn"], [],
+        ([], ["--no-rfa-softmax-cross-attn"],
          "--rfa-softmax-cross-attn: the checkpoint was trained with it, the model was built without it"),
     ],
     ids=["num_features", "gate", "encoder_self_attn", "softmax_cross_attn"],

@@ -3,22 +3,27 @@ import io
 
 import pytest
 import torch
-from helpers import build_model, build_model_from_args, parse_args, random_batch, use_decoding_step
+from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, random_batch, use_decoding_step
 
+from rfa_fairseq.convert import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.modules import RFAAttention
 from rfa_fairseq.ops import num_feature_dims
 
 VARIANTS = [
-    pytest.param(fm, gate, enc, id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
+    pytest.param(fm, gate, enc, "rfa", id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
     for fm in ("sincos", "arccos", "positive", "hedgehog", "relu", "elu")
     for gate in (False, True)
     for enc in (False, True)
+] + [  # the default's softmax cross-attention beside RFA decoder self-attention
+    pytest.param(fm, gate, False, "softmax", id=f"{fm}-{'gated' if gate else 'ungated'}-softmax_cross")
+    for fm, gate in (("hedgehog", True), ("sincos", False))
 ]
 
 
-def _flags(feature_map, gate, rfa_encoder, chunk=4):
-    flags = ["--rfa-feature-map", feature_map, "--rfa-chunk-size", str(chunk)]
-    return flags + (["--rfa-gate"] if gate else []) + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
+def _flags(feature_map, gate, rfa_encoder, cross="rfa", chunk=4):
+    flags = ["--rfa-feature-map", feature_map, "--rfa-chunk-size", str(chunk), "--rfa-gate" if gate else "--no-rfa-gate"]
+    flags.append("--rfa-softmax-cross-attn" if cross == "softmax" else "--no-rfa-softmax-cross-attn")
+    return flags + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
 
 
 def _decode_incrementally(model, encoder_out, prev, incremental_state, start=0):
@@ -38,17 +43,20 @@ def test_modules_are_where_the_options_say():
     enc_layer, dec_layer = model.encoder.layers[0], model.decoder.layers[0]
     assert not isinstance(enc_layer.self_attn, RFAAttention)  # softmax encoder by default
     assert isinstance(dec_layer.self_attn, RFAAttention) and dec_layer.self_attn.causal
-    assert isinstance(dec_layer.encoder_attn, RFAAttention) and dec_layer.encoder_attn.encoder_decoder_attention
-    model, _ = build_model(["--rfa-encoder-self-attn", "--rfa-softmax-cross-attn"])
+    assert dec_layer.self_attn.gated and dec_layer.self_attn.feature_map == "hedgehog"  # the default
+    assert not isinstance(dec_layer.encoder_attn, RFAAttention)  # softmax cross-attention by default
+    model, _ = build_model(["--rfa-encoder-self-attn", "--no-rfa-softmax-cross-attn", "--no-rfa-gate"])
     assert isinstance(model.encoder.layers[0].self_attn, RFAAttention)
-    assert not isinstance(model.decoder.layers[0].encoder_attn, RFAAttention)
+    assert not model.decoder.layers[0].self_attn.gated
+    cross = model.decoder.layers[0].encoder_attn
+    assert isinstance(cross, RFAAttention) and cross.encoder_decoder_attention
     indices = [m.module_index for m in model.rfa_modules()]
     assert indices == list(range(len(indices)))
 
 
-@pytest.mark.parametrize("feature_map,gate,rfa_encoder", VARIANTS)
-def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder):
-    model, d = build_model(_flags(feature_map, gate, rfa_encoder))
+@pytest.mark.parametrize("feature_map,gate,rfa_encoder,cross", VARIANTS)
+def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder, cross):
+    model, d = build_model(_flags(feature_map, gate, rfa_encoder, cross))
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
     with torch.no_grad():
@@ -104,8 +112,9 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     assert attn._get_input_buffer(state)["causal_state"].shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
-def test_cross_attention_state_is_computed_once_per_source():
-    model, d = build_model()
+@pytest.mark.parametrize("cross", ["rfa", "softmax"])
+def test_cross_attention_state_is_computed_once_per_source(cross):
+    model, d = build_model(["--no-rfa-softmax-cross-attn" if cross == "rfa" else "--rfa-softmax-cross-attn"])
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=5)
     cross = model.decoder.layers[0].encoder_attn
@@ -118,8 +127,8 @@ def test_cross_attention_state_is_computed_once_per_source():
 
 
 def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval():
-    a, _ = build_model(seed=7)
-    b, _ = build_model(seed=7)
+    a, _ = build_model(PAPER_RFA, seed=7)
+    b, _ = build_model(PAPER_RFA, seed=7)
     torch.nn.init.normal_(b.decoder.layers[0].self_attn.q_proj.weight)  # other weights don't matter
     for m in (a, b):
         m.train()
@@ -132,7 +141,7 @@ def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval()
     a.set_num_updates(6)
     assert all(not torch.equal(x, m.random_matrix()) for x, m in zip(draws_a, a.rfa_modules()))
     # another seed, other draws
-    c, _ = build_model(seed=8)
+    c, _ = build_model(PAPER_RFA, seed=8)
     c.train()
     c.set_num_updates(5)
     assert not torch.equal(draws_a[0], c.rfa_modules()[0].random_matrix())
@@ -147,11 +156,11 @@ def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval()
 def test_checkpointed_model_generates_identical_hypotheses():
     from fairseq.sequence_generator import SequenceGenerator
 
-    model, d = build_model(["--rfa-gate"], seed=3)
+    model, d = build_model(PAPER_RFA + ["--rfa-gate"], seed=3)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict()}, buf)
     buf.seek(0)
-    reloaded, _ = build_model(["--rfa-gate"], seed=99, dictionary=d)  # other seed: other eval matrices
+    reloaded, _ = build_model(PAPER_RFA + ["--rfa-gate"], seed=99, dictionary=d)  # other seed: other eval matrices
     reloaded.load_state_dict(torch.load(buf)["model"])  # weights_only load
     src, src_lengths, _ = random_batch(d, bsz=3, src_len=7)
     sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
@@ -165,7 +174,7 @@ def test_checkpointed_model_generates_identical_hypotheses():
 
 
 def test_bf16_model_keeps_fp32_states_and_finite_outputs():
-    model, d = build_model(["--rfa-gate", "--rfa-encoder-self-attn"])
+    model, d = build_model(["--rfa-gate", "--rfa-encoder-self-attn", "--no-rfa-softmax-cross-attn"])
     model.eval().to(torch.bfloat16)
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=6)
     state = {}
@@ -218,13 +227,13 @@ def test_plain_transformer_weights_load_into_rfa_model():
     rfa, _ = build_model(dictionary=d)
     missing, unexpected = rfa.load_state_dict(softmax.state_dict(), strict=False)
     assert not unexpected
-    assert all(k.endswith(("sigma", "eval_random_matrix")) for k in missing), missing
+    assert missing and all(k.endswith(RFA_PARAMETER_SUFFIXES) for k in missing), missing
 
 
 def test_beam_grouped_cross_state_and_shrinking_batch():
     """With fairseq's beam layout (set_beam_size), the cross state is kept once per sentence;
     within-beam reorders and dropped sentences must equal decoding the new rows from scratch."""
-    model, d = build_model(["--rfa-gate"])
+    model, d = build_model(["--rfa-gate", "--no-rfa-softmax-cross-attn"])
     model.eval()
     beam = 3
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
@@ -286,7 +295,7 @@ def test_beam_search_scores_equal_full_forward_rescoring(gate, step, monkeypatch
 def test_log_sigma_starts_at_the_temperature_and_learns_faster():
     """--rfa-sigma log: sigma = exp(m * theta) starts at tau^-1/2; one Adam-like step of size lr on
     theta moves log sigma by m * lr, m times what the same step moves a raw sigma parameter."""
-    model, d = build_model(["--rfa-sigma", "log", "--rfa-temperature", "0.25", "--rfa-sigma-lr-multiplier", "10"])
+    model, d = build_model(PAPER_RFA + ["--rfa-sigma", "log", "--rfa-temperature", "0.25", "--rfa-sigma-lr-multiplier", "10"])
     attn = model.decoder.layers[0].self_attn
     assert not hasattr(attn, "sigma") and attn.log_sigma.requires_grad
     torch.testing.assert_close(attn.current_sigma(), torch.full_like(attn.current_sigma(), 2.0))
@@ -301,13 +310,13 @@ def test_log_sigma_starts_at_the_temperature_and_learns_faster():
 
 
 def test_fixed_random_matrix_trains_with_the_evaluation_matrix():
-    model, _ = build_model(["--rfa-fixed-random-matrix"])
+    model, _ = build_model(PAPER_RFA + ["--rfa-fixed-random-matrix"])
     attn = model.decoder.layers[0].self_attn
     model.train()
     for update in (0, 5):
         attn.set_num_updates(update)
         assert attn.random_matrix() is attn.eval_random_matrix
-    redrawn, _ = build_model()
+    redrawn, _ = build_model(PAPER_RFA)
     attn = redrawn.decoder.layers[0].self_attn
     redrawn.train()
     attn.set_num_updates(5)
@@ -319,6 +328,7 @@ def test_learned_maps_have_trainable_weights_and_no_random_matrix(feature_map):
     model, d = build_model(["--rfa-feature-map", feature_map, "--rfa-num-features", "8"])
     attn = model.decoder.layers[0].self_attn
     assert attn.random_matrix() is None and attn.feature_weight.shape == (attn.num_heads, 8, attn.head_dim)
+    assert not hasattr(attn, "sigma") and not hasattr(attn, "log_sigma")  # no unused parameter
     model.train()
     src, src_lengths, prev = random_batch(d)
     model(src, src_lengths, prev)[0].sum().backward()

@@ -107,7 +107,8 @@ class RFAAttention(nn.Module):
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
 
         sigma = torch.full((num_heads, self.head_dim), rfa_cfg.rfa_temperature ** -0.5)
-        self.sigma_mode = str(rfa_cfg.rfa_sigma)
+        # learned maps have no sigma: an unused parameter would get no gradient (and break DDP)
+        self.sigma_mode = "none" if self.learned_map else str(rfa_cfg.rfa_sigma)
         if self.sigma_mode == "log":
             # sigma = exp(m * log_sigma): Adam moves log_sigma by ~lr per step, so log sigma moves by
             # ~m * lr, a learning-rate multiplier m for sigma without a separate optimizer group
@@ -115,7 +116,7 @@ class RFAAttention(nn.Module):
             self.log_sigma = nn.Parameter(sigma.log() / self.sigma_lr_multiplier)
         elif self.sigma_mode == "learned":
             self.sigma = nn.Parameter(sigma)
-        else:
+        elif self.sigma_mode == "fixed":
             self.register_buffer("sigma", sigma)
         self.gate_proj = nn.Linear(embed_dim, num_heads) if self.gated else None
         shapes = learned_feature_weight_shape(self.feature_map, num_heads, self.num_features, self.head_dim)
