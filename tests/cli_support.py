@@ -47,6 +47,14 @@ def run(tool, *args, check=True, timeout=600, cwd=None, stdin=None, **env_extra)
     return proc
 
 
+def assert_exit_code(proc, code):
+    """`proc` ended with exit code `code`: 1 for a refusal (an uncaught Python exception, a script's die),
+    2 for an argparse error. Refusals are checked against their code, never as `!= 0`, which a crash
+    (SIGABRT: -6 here, 134 through a shell) after the expected message would also satisfy."""
+    assert proc.returncode == code, (f"expected exit code {code}, got {proc.returncode}:\n"
+                                     f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
 def synthetic_data(tmp_path_factory, train=1500, valid=60, test=40):
     """Raw and binarized synthetic corpus, built once per pytest session and size."""
     root = tmp_path_factory.getbasetemp() / f"synthetic_{train}_{valid}_{test}"

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from cli_support import REPO, TINY_MODEL, TINY_TRAIN, run, synthetic_data
+from cli_support import REPO, TINY_MODEL, TINY_TRAIN, assert_exit_code, run, synthetic_data
 from conftest import PLUGIN_DIR
 from helpers import build_model, make_dictionary
 
@@ -87,11 +87,11 @@ def generate(data, checkpoint, *extra, user_dir=True):
 @pytest.mark.slow
 def test_rfa_checkpoint_without_the_plugin_names_the_plugin(data, rfa_checkpoint):
     proc = generate(data, rfa_checkpoint, user_dir=False)
-    assert proc.returncode != 0
+    assert_exit_code(proc, 1)
     # the only text we control in a process that never imported the plugin: the marker's name
     assert ("Unsupported global: GLOBAL rfa_fairseq.checkpoint_safety.NeedsUserDirRfaFairseq was not an allowed "
             "global by default") in proc.stderr
-    assert generate(data, rfa_checkpoint).returncode == 0  # with --user-dir it decodes
+    assert_exit_code(generate(data, rfa_checkpoint), 0)  # with --user-dir it decodes
 
     # where the plugin is imported but its classes are not allowlisted, our loader says it in words
     saved = torch.serialization.get_safe_globals()
@@ -108,7 +108,7 @@ def test_rfa_checkpoint_without_the_plugin_names_the_plugin(data, rfa_checkpoint
 @pytest.mark.slow
 def test_model_overrides_of_trained_rfa_options_are_refused(data, rfa_checkpoint):
     proc = generate(data, rfa_checkpoint, "--model-overrides", "{'rfa_num_features': 16}")
-    assert proc.returncode != 0
+    assert_exit_code(proc, 1)
     assert (f"RFAOptionMismatchError: --model-overrides sets rfa_num_features=16, but checkpoint {rfa_checkpoint} "
             "was trained with --rfa-num-features 8 (rfa_num_features=8); its weights only work with that value. "
             "Drop rfa_num_features from --model-overrides") in proc.stderr
@@ -129,7 +129,7 @@ def test_resuming_with_other_rfa_options_names_the_option(data, rfa_checkpoint, 
     proc = run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *TINY_MODEL,
                "--rfa-num-features", "16", *TINY_TRAIN, "--max-update", "4", "--save-dir", tmp_path,
                "--restore-file", rfa_checkpoint, check=False)
-    assert proc.returncode != 0
+    assert_exit_code(proc, 1)
     assert "--rfa-num-features: the checkpoint was trained with 8, the model was built with 16" in proc.stderr
 
 
@@ -218,7 +218,7 @@ def test_train_sh_refuses_misaligned_data_before_writing_anything(bin_copy, tmp_
     save_dir = tmp_path / "checkpoints"
     proc = run("bash", os.path.join(REPO, "scripts", "train.sh"), "--max-update", "1", check=False,
                DATA=bin_copy, SRC_LANG="src", TGT_LANG="tgt", RECIPE="multi30k_en_de", SAVE_DIR=save_dir)
-    assert proc.returncode != 0
+    assert_exit_code(proc, 1)
     assert (f"{bin_copy}/train.src-tgt.tgt.idx: 60 sentences, but {bin_copy}/train.src-tgt.src.idx has 1500: the two "
             "sides were binarized from files with different line counts") in proc.stderr
     assert f"train.sh: error: problems in DATA='{bin_copy}' (listed above)" in proc.stderr

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from cli_support import TINY_MODEL, TINY_TRAIN, run, synthetic_data
+from cli_support import TINY_MODEL, TINY_TRAIN, assert_exit_code, run, synthetic_data
 from conftest import PLUGIN_DIR
 
 import rfa_fairseq  # noqa: F401  (allowlists the checkpoint classes, installs the fairseq wrappers)
@@ -83,7 +83,7 @@ def test_fairseq_generate_refuses_a_payload_checkpoint(data, tmp_path):
     path = fairseq_like_checkpoint(tmp_path / "evil.pt", payload)
     proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", path, "--gen-subset", "test",
                "--required-batch-size-multiple", "1", "--cpu", check=False)
-    assert proc.returncode != 0
+    assert_exit_code(proc, 1)
     assert f"CheckpointLoadError: refusing to load checkpoint {path}: it pickles {class_name}" in proc.stderr
     assert not marker.exists(), "the payload ran"
 

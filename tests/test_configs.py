@@ -193,10 +193,10 @@ def test_train_sh_clear_errors(fake_data, tmp_path):
     ]
     for variables, message in cases:
         proc = train_sh(check=False, **variables)
-        assert proc.returncode != 0 and message in proc.stderr, (variables, proc.stderr)
+        assert proc.returncode == 1 and message in proc.stderr, (variables, proc.returncode, proc.stderr)
     os.remove(fake_data / "valid.src-tgt.src.idx")
     proc = train_sh(check=False, DATA=fake_data, SRC_LANG="src", TGT_LANG="tgt")
-    assert proc.returncode != 0 and "no 'valid' split" in proc.stderr
+    assert proc.returncode == 1 and "no 'valid' split" in proc.stderr
 
 
 # ------------------------------------------------------------------ real training, 2 updates

@@ -56,7 +56,8 @@ def run_prep(script, *args, env=None, expect_ok=True):
     if expect_ok and proc.returncode != 0:
         pytest.fail(f"{script} failed with exit {proc.returncode}:\n{proc.stderr[-5000:]}")
     if not expect_ok:
-        assert proc.returncode != 0, f"{script} should have failed:\n{proc.stderr[-3000:]}"
+        # the scripts refuse with die (exit 1); anything else, a crash included, is not a refusal
+        assert proc.returncode == 1, f"{script} should have refused (exit 1), got {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc
 
 

@@ -100,11 +100,11 @@ def test_generate_recipe_defaults_and_errors(trained):
     missing = root / "no-such-dir"
     proc = run(["bash", REPO / "scripts" / "generate.sh", "--data-bin", prep / "data-bin",
                 "--checkpoint-dir", missing, "--output", root / "failed" / "hyp"], expect_ok=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 1
     assert f"checkpoint not found: {missing}/checkpoint_best.pt" in proc.stderr
     assert not (root / "failed").exists()
     proc = run(["bash", REPO / "scripts" / "generate.sh", "--data-bin", prep / "data-bin",
                 "--checkpoint-dir", checkpoints, "--average-last", "5", "--no-user-dir",
                 "--output", root / "failed" / "hyp"], expect_ok=False)
-    assert proc.returncode != 0 and "found 2 epoch checkpoints" in proc.stderr and "but need 5" in proc.stderr
+    assert proc.returncode == 1 and "found 2 epoch checkpoints" in proc.stderr and "but need 5" in proc.stderr
     assert not (root / "failed" / "hyp").exists()

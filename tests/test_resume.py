@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from cli_support import TINY_MODEL, TINY_TRAIN, UNROUNDED_TRAIN, debug_log, env, json_losses, run, synthetic_data
+from cli_support import (TINY_MODEL, TINY_TRAIN, UNROUNDED_TRAIN, assert_exit_code, debug_log, env, json_losses, run,
+                         synthetic_data)
 from conftest import PLUGIN_DIR
 
 MAX_UPDATE = 40
@@ -103,7 +104,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(data, tmp_path):
     with open(truncated, "r+b") as handle:
         handle.truncate(os.path.getsize(truncated) // 2)
     proc = run("fairseq-train", *command[2:], check=False)  # the real console script
-    assert proc.returncode != 0
+    assert_exit_code(proc, 1)
     assert f"checkpoint {truncated} is truncated or not a torch checkpoint" in proc.stderr
     assert "Resume from an intact one with --restore-file" in proc.stderr
     assert f"Epoch/update checkpoints in that directory, newest first: checkpoint_2_{MAX_UPDATE}.pt," in proc.stderr

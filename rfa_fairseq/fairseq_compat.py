@@ -1,0 +1,104 @@
+"""fairseq 0.12's background data thread, stopped before the interpreter exits.
+
+The problem. fairseq wraps every epoch iterator in a `BufferedIterator` (`--data-buffer-size`,
+default 10): a daemon thread (`BackgroundConsumer`) pulls batches from the torch DataLoader (with
+`--num-workers 0` it collates them itself) and keeps up to 10 ready in a queue. Training that stops
+at `--max-update` (or `--max-valid-steps`, an error, ...) in the middle of an epoch leaves that thread
+running. At exit, CPython (3.11, 3.12) lets daemon threads run until finalization starts and then
+ends any of them that tries to take the GIL back with `pthread_exit`. When the thread is inside a
+torch call at that moment (a collate, a tensor freed, both release the GIL), `pthread_exit` unwinds
+through torch's C++ frames, meets a `noexcept` one, and the C++ runtime calls std::terminate:
+"terminate called without an active exception", SIGABRT, exit code 134, after a training that
+finished and saved its checkpoints. A thread that is waiting on its full queue is not in torch and
+dies quietly, so whether a run aborts depends on timing.
+
+The fix. `stop_data_threads_at_exit()` (called when rfa_fairseq is imported, which `--user-dir` does
+in fairseq-train, fairseq-hydra-train, fairseq-generate/-interactive/-validate and in every
+distributed worker) replaces fairseq's `BackgroundConsumer` with `StoppableConsumer` and registers
+`stop_data_threads` to run at interpreter exit, before finalization, while the thread is still
+running normally. It tells each live consumer to stop and joins it: the thread finishes the batch it
+is making (inside torch, with the GIL handed back normally), puts nothing more in the queue and
+returns. Nothing else changes: the same batches in the same order, the same buffer size, prefetching
+during training as before; the iterator position saved in checkpoints (`iterations_in_epoch`) counts
+the batches training took, never the prefetched ones, so resume is exact as before.
+"""
+import atexit
+import logging
+import queue
+import threading
+
+import torch
+from fairseq.data import iterators
+
+logger = logging.getLogger(__name__)
+
+# while its queue is full, a consumer looks at its stop flag this often (the wait it replaces was
+# unbounded); the only cost is one wake-up per interval of a thread that has nothing to do
+PUT_POLL_SECONDS = 0.1
+# a batch still being made at exit gets this long to finish; a thread that does not stop in time is
+# left as fairseq left it (and a warning says so)
+JOIN_TIMEOUT_SECONDS = 60.0
+
+
+class StoppableConsumer(iterators.BackgroundConsumer):
+    """fairseq's BackgroundConsumer (same items, order and buffering) that stops between two items
+    when `stop_event` is set, also while it waits for room in a full queue."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stop_event = threading.Event()
+
+    def run(self):
+        # fairseq's run(), with each put able to give up on stop
+        if getattr(self, "cuda_device", None) is not None:
+            torch.cuda.set_device(self.cuda_device)
+        try:
+            for item in self._source:
+                if not self._put(item) or self.stop_event.is_set():
+                    return
+                self.count += 1
+                if self._max_len is not None and self.count >= self._max_len:
+                    break
+            self._put(iterators._sentinel)
+        except Exception as e:
+            self._put(e)
+
+    def _put(self, item):
+        """Queue `item`, waiting for room; False (item dropped) once stopping."""
+        while not self.stop_event.is_set():
+            try:
+                self._queue.put(item, timeout=PUT_POLL_SECONDS)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+
+def stop_data_threads(timeout=JOIN_TIMEOUT_SECONDS):
+    """Stop and join every live StoppableConsumer; returns those that did not stop within `timeout`."""
+    consumers = [t for t in threading.enumerate() if isinstance(t, StoppableConsumer)]
+    for consumer in consumers:
+        consumer.stop_event.set()
+    stuck = []
+    for consumer in consumers:
+        consumer.join(timeout)
+        if consumer.is_alive():
+            stuck.append(consumer)
+    if stuck:
+        logger.warning("%d fairseq data thread(s) still busy after %.0f s at exit; the process may abort "
+                       "with 'terminate called without an active exception'", len(stuck), timeout)
+    return stuck
+
+
+def stop_data_threads_at_exit():
+    """Install StoppableConsumer in fairseq and register `stop_data_threads` for interpreter exit.
+    Idempotent (the plugin may be imported more than once, e.g. by a test and by --user-dir)."""
+    if issubclass(iterators.BackgroundConsumer, StoppableConsumer):
+        return
+    # BufferedIterator looks BackgroundConsumer up in its module each time it starts a thread
+    iterators.BackgroundConsumer = StoppableConsumer
+    # threading's exit hooks run first at shutdown, before atexit's: before torch's own atexit
+    # hooks, which shut DataLoader workers down and could pull them away from a consumer still
+    # waiting for a batch. (Private but stable since Python 3.9; concurrent.futures relies on it.)
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(stop_data_threads)
