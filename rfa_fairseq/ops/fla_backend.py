@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .rfa import _normalize, _with_ones
+from .rfa import DENOMINATOR_EPS, _normalize, _with_ones
 
 FLA_ENV = "RFA_FLA"  # "0": never use fla
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp64 stays on the torch path
@@ -93,7 +93,7 @@ def _segment_bounds(num_segments: int, length: int, device: torch.device):
     return bounds.to(device), bounds
 
 
-def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64):
+def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS):
     """Causal RFA of whole sequences with fla's chunk_simple_gla; gradients flow to every input.
 
     phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
@@ -101,7 +101,7 @@ def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int =
     -> out (B, H, T, d) fp32, final state (B, H, F, d + 1) fp32
 
     chunk_size belongs to the torch path (causal_rfa_chunked); fla uses its own chunks of 64.
-    Any T works: fla masks the last, partial chunk.
+    Any T works: fla masks the last, partial chunk. eps: the denominator guard (rfa.py).
     """
     chunk_simple_gla, _ = _require_fla()
     B, H, T, _ = phi_q.shape
@@ -114,10 +114,11 @@ def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int =
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
     )
     out = out.view(B, T, H, -1).transpose(1, 2)  # (B, H, T, d + 1)
-    return _normalize(out), final_state  # (B, H, T, d), (B, H, F, d + 1)
+    return _normalize(out, eps), final_state  # (B, H, T, d), (B, H, F, d + 1)
 
 
-def causal_rfa_step_fla(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None):
+def causal_rfa_step_fla(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None,
+                        eps: float = DENOMINATOR_EPS):
     """One decoding step on CUDA, with a pending beam reorder: state[order] enters the step.
 
     phi_q, phi_k: (B, H, 1, F)   v: (B, H, 1, d)   log_gate: (B, H, 1)
@@ -142,7 +143,7 @@ def causal_rfa_step_fla(phi_q, phi_k, v, log_gate=None, state=None, order=None, 
     q, k, va, g = _fla_inputs(phi_q, phi_k, v, log_gate)
     initial = state.float() if state is not None else None
     out, new_state = fused_recurrent_simple_gla(q, k, va, g=g, scale=1.0, initial_state=initial, output_final_state=True)
-    return _normalize(out.transpose(1, 2)), new_state  # (B, H, 1, d), (B, H, F, d + 1)
+    return _normalize(out.transpose(1, 2), eps), new_state  # (B, H, 1, d), (B, H, F, d + 1)
 
 
 def _require_fla():
