@@ -166,8 +166,8 @@ def run_worker(cmd) -> dict:
 
 def stream_worker(cmd, deadline: float, on_result) -> str:
     """Run a worker that prints `RESULT {json}` lines as it goes, calling on_result(dict) for each
-    as it arrives. At `deadline` (a time.time()) the worker is killed, keeping what it printed.
-    Returns "ok", "timeout" or "failed: <last stderr line>"."""
+    as it arrives (and echoing its "# " notes). At `deadline` (a time.time()) the worker is killed,
+    keeping what it printed. Returns "ok", "timeout" or "failed: <last stderr line>"."""
     import selectors
     import threading
 
@@ -187,6 +187,8 @@ def stream_worker(cmd, deadline: float, on_result) -> str:
             line = proc.stdout.readline()
             if line.startswith("RESULT "):
                 on_result(json.loads(line[len("RESULT "):]))
+            elif line.startswith("# "):  # the worker's own notes
+                print(line.rstrip(), flush=True)
             elif not line:  # end of output: the worker exited
                 status = "ok" if proc.wait() == 0 else "failed"
     proc.wait()

@@ -196,20 +196,46 @@ def attention_state_mb(incremental_state) -> float:
     return tensor_bytes({k: v for k, v in state.items() if k.endswith(("attn_state", "rfa_state"))}) / 2**20
 
 
+class RunBudgetSpent(Exception):
+    """Raised from inside beam search when a run has used its --run-budget."""
+
+
 def run_checkpoints(args) -> None:
-    """CUDA, one process: decode once to the longest of --checkpoints, print a RESULT row at each."""
+    """CUDA, one process for several runs (--runs MODEL:BATCH ...; CUDA, imports and fla's kernels
+    are set up once): each decodes once to the longest of --checkpoints and prints a RESULT row at
+    each checkpoint; a run past --run-budget seconds stops there and the next one starts."""
+    import gc
+
+    import torch
+
+    for run in args.runs:
+        model_name, batch = run.rsplit(":", 1)
+        try:
+            decode_with_checkpoints(args, model_name, int(batch))
+        except RunBudgetSpent:
+            print(f"# {model_name} batch {batch}: run budget spent", flush=True)
+        except torch.cuda.OutOfMemoryError:
+            print(f"# {model_name} batch {batch}: CUDA out of memory", flush=True)
+            if len(args.runs) == 1:
+                raise
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def decode_with_checkpoints(args, model_name: str, batch: int) -> None:
     import torch
     from fairseq.sequence_generator import SequenceGenerator
 
     device = args.device
-    free_mb = torch.cuda.mem_get_info()[0] / 2**20  # what this process can allocate, before the model
+    args.batch_size = batch
+    free_mb = torch.cuda.mem_get_info()[0] / 2**20  # what this run can allocate, before its model
     src, dictionary = source_tokens(args)
     lengths = sorted(set(args.checkpoints))
     extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
-    model = build_model(args.model, args.dims, dictionary, max_positions=lengths[-1] + 8, device=device, extra=extra)
-    sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((args.batch_size,), args.src_len, device=device)}}
+    model = build_model(model_name, args.dims, dictionary, max_positions=lengths[-1] + 8, device=device, extra=extra)
+    sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((batch,), args.src_len, device=device)}}
     at_call = {length + 1: length for length in lengths}  # decoder call L + 1 ends a run of length L (EOS step)
-    clock = {"calls": 0, "start": None, "last_calls": 0, "last_time": None}
+    clock = {"calls": 0, "start": None, "last_calls": 0, "last_time": None, "deadline": math.inf}
     decoder_forward = model.decoder.forward
 
     def timed_forward(*fargs, **fkwargs):
@@ -225,12 +251,14 @@ def run_checkpoints(args) -> None:
             recent = (now - clock["last_time"]) / (clock["calls"] - clock["last_calls"])
             clock["last_calls"], clock["last_time"] = clock["calls"], now
             row = {
-                "model": args.model, "batch": args.batch_size, "length": length, "out_len": length + 1,
+                "model": model_name, "batch": batch, "length": length, "out_len": length + 1,
                 "total_s": total, "ms_per_step": 1000 * total / (length + 1), "ms_per_step_recent": 1000 * recent,
-                "tokens_per_s": args.batch_size * length / total, "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
+                "tokens_per_s": batch * length / total, "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
                 "attn_state_mb": attention_state_mb(fkwargs.get("incremental_state")), "free_mb": free_mb,
             }
             print("RESULT " + json.dumps(row), flush=True)
+        if time.perf_counter() > clock["deadline"]:
+            raise RunBudgetSpent()
         return out
 
     model.decoder.forward = timed_forward
@@ -244,6 +272,7 @@ def run_checkpoints(args) -> None:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     clock["start"] = clock["last_time"] = time.perf_counter()
+    clock["deadline"] = clock["start"] + args.run_budget if args.run_budget > 0 else math.inf
     hyps = generate(lengths[-1])
     out_lens = {len(h[0]["tokens"]) for h in hyps}
     if out_lens != {lengths[-1] + 1}:
@@ -279,6 +308,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ct2-model", help=argparse.SUPPRESS)
     p.add_argument("--checkpoints", nargs="+", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--runs", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.num_features < 0:
         p.error("--num-features must be positive (0: the plugin default)")
@@ -290,7 +320,9 @@ def main() -> int:
 
     if args.one_run and not args.device.startswith("cuda"):
         p.error("--one-run reads the GPU's peak memory at each length: CUDA only")
-    if args.model and args.checkpoints:
+    if args.one_run and ("ct2" in args.models or args.softmax_max_length < max(args.lengths)):
+        p.error("--one-run decodes every model to the longest length with fairseq: no ct2, no --softmax-max-length")
+    if args.runs and args.checkpoints:
         run_checkpoints(args)
         return 0
     if args.model:
@@ -314,25 +346,25 @@ def main() -> int:
         write_csv(csv_path, rows)  # after every point: a long run stopped early keeps its rows
 
     for batch in args.batch_sizes:
-        for group in ([args.models] if not args.one_run else [[m] for m in args.models]):
-            todo = [(model, length) for length in args.lengths for model in group
-                    if not (model in SOFTMAX_LIKE and length > args.softmax_max_length) and (model, batch, length) not in done]
-            if not todo:
-                continue
+        todo = [(model, length) for length in args.lengths for model in args.models
+                if not (model in SOFTMAX_LIKE and length > args.softmax_max_length) and (model, batch, length) not in done]
+        if not todo:
+            continue
+        if time.time() >= budget_end:
+            print(f"# time budget spent: skipped batch {batch}", flush=True)
+            continue
+        if args.one_run:  # one process, one run per model (in --models order), each to its longest length
+            models = [m for m in args.models if any(model == m for model, _ in todo)]
+            lengths = sorted({n for _, n in todo})
+            status = stream_worker(one_run_cmd(args, [f"{m}:{batch}" for m in models], lengths), budget_end, add_row)
+            if status != "ok":
+                print(f"# batch {batch}: {status}", flush=True)
+            continue
+        for model, length in todo:
             if time.time() >= budget_end:
-                print(f"# time budget spent: skipped batch {batch}, {' '.join(group)}", flush=True)
+                print(f"# time budget spent: skipped {model} batch {batch} length {length}", flush=True)
                 continue
-            if args.one_run:
-                deadline = min(budget_end, time.time() + args.run_budget if args.run_budget > 0 else math.inf)
-                status = stream_worker(worker_cmd(args, group[0], batch, checkpoints=[n for _, n in todo]), deadline, add_row)
-                if status != "ok":
-                    print(f"# {group[0]} batch {batch}: {status}", flush=True)
-                continue
-            for model, length in todo:
-                if time.time() >= budget_end:
-                    print(f"# time budget spent: skipped {model} batch {batch} length {length}", flush=True)
-                    continue
-                add_row(run_worker(worker_cmd(args, model, batch, length=length)))
+            add_row(run_worker(worker_cmd(args, model, batch, length)))
     if not rows:
         print("benchmark_decode: no point measured (time budget?)")
         return 1
@@ -353,15 +385,23 @@ def main() -> int:
 SOFTMAX_LIKE = ("softmax", "floor", "floor_proj", "ct2")
 
 
-def worker_cmd(args, model, batch, length=None, checkpoints=None):
-    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--batch-size", str(batch),
-           "--beam", str(args.beam), "--dims", args.dims, "--vocab", str(args.vocab), "--src-len", str(args.src_len),
-           "--device", args.device, "--threads", str(args.threads), "--num-features", str(args.num_features),
-           "--repeats", str(args.repeats)]
-    cmd += ["--length", str(length)] if length is not None else ["--checkpoints", *map(str, checkpoints)]
+def common_worker_args(args):
+    return ["--beam", str(args.beam), "--dims", args.dims, "--vocab", str(args.vocab), "--src-len", str(args.src_len),
+            "--device", args.device, "--threads", str(args.threads), "--num-features", str(args.num_features),
+            "--repeats", str(args.repeats)]
+
+
+def worker_cmd(args, model, batch, length):
+    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--batch-size", str(batch), "--length", str(length),
+           *common_worker_args(args)]
     if model == "ct2":
         cmd += ["--ct2-model", ct2_model_dir(args)]
     return cmd
+
+
+def one_run_cmd(args, runs, checkpoints):
+    return [sys.executable, os.path.abspath(__file__), "--runs", *runs, "--checkpoints", *map(str, checkpoints),
+            "--run-budget", str(args.run_budget), *common_worker_args(args)]
 
 
 def max_batch(args, rows, path, budget_end) -> None:
@@ -394,12 +434,14 @@ def max_batch(args, rows, path, budget_end) -> None:
                 continue
             reached = []
             checkpoints = sorted({n for n in (64, 256, 1024, length) if n <= length})
-            status = stream_worker(worker_cmd(args, r["model"], r["predicted_max_batch"], checkpoints=checkpoints),
+            whole_run = argparse.Namespace(**{**vars(args), "run_budget": 0})  # only the sweep's budget applies
+            status = stream_worker(one_run_cmd(whole_run, [f"{r['model']}:{r['predicted_max_batch']}"], checkpoints),
                                    budget_end, reached.append)
             longest = max((x["length"] for x in reached), default=0)
             r["verified"] = ("fits" if longest == length else
                              "oom" if "OutOfMemory" in status or "out of memory" in status else
-                             f"{status.split(':')[0]} after {longest} tokens")
+                             f"time budget spent after {longest} tokens" if status == "timeout" else
+                             f"{status} after {longest} tokens")
             print(f"# max batch {r['model']}: batch {r['predicted_max_batch']}: {r['verified']}", flush=True)
     write_csv(path, results)
     print()

@@ -241,7 +241,8 @@ CLI_TRAIN = [
     "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
     "--warmup-updates", "50", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
     "--dropout", "0.1", "--max-tokens", "4096", "--num-workers", "0", "--seed", "3", "--log-format", "json",
-    "--log-interval", "10", "--no-epoch-checkpoints", "--disable-validation",
+    "--log-interval", "10", "--no-epoch-checkpoints", "--save-interval", "1000",  # one checkpoint, at the end
+    "--disable-validation",
 ]
 
 
