@@ -17,9 +17,11 @@ internal, so its attention-state column is empty.
 On CUDA, --one-run decodes once per (model, batch size) to the longest length and reads the
 shorter ones on the way: at each of them the GPU is synchronized and the elapsed time, the
 peak allocated memory so far and the attention state are recorded (forced lengths make the
-first L steps of a long run those of a run of length L). ms_per_step_recent is the mean over
-the steps since the previous length: the cost of a step at about that length. --time-budget
-bounds the whole sweep (a run cut short keeps the lengths it reached), and --max-batch-at L
+first L steps of a long run those of a run of length L). The models of a batch size run one
+after the other in one process (CUDA, imports and compiled kernels set up once; peak memory
+reset per run). ms_per_step_recent is the mean over the steps since the previous length: the
+cost of a step at about that length. --time-budget bounds the whole sweep and --run-budget
+each run (a run cut short keeps the lengths it reached), and --max-batch-at L
 predicts the largest batch each model fits at L output tokens from the peak memory at two
 batch sizes (linear in the batch), optionally checked by decoding that batch (--verify-max-batch).
 Files are named by device: decode_cpu_<dims>.csv, decode_cuda_h100_<dims>.csv, ...
