@@ -32,7 +32,8 @@ left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 # budget RESERVE CAP: seconds for the next stage, keeping RESERVE for the stages after it
 budget() { local b=$(( $(left) - $1 )); echo $(( b > $2 ? $2 : b )); }
 
-# stage NAME SECONDS CMD...: run CMD under a hard time limit, log its output, never abort the script
+# stage NAME SECONDS CMD...: run CMD under a hard time limit (SIGINT to its whole process group, as
+# Ctrl-C: pytest still writes its summary), log its output, never abort the script
 stage() {
     local name="$1" seconds="$2"
     shift 2
@@ -46,7 +47,7 @@ stage() {
     fi
     log "$name: start (at most ${seconds}s)"
     local rc=0
-    timeout --signal=TERM --kill-after=15 "$seconds" "$@" > >(tee "$OUT/$name.log") 2>&1 || rc=$?
+    timeout --signal=INT --kill-after=15 "$seconds" "$@" > >(tee "$OUT/$name.log") 2>&1 || rc=$?
     log "$name: exit code $rc$([ "$rc" = 124 ] && echo ' (time limit)')"
     STATUS+=("$name: exit code $rc")
 }
