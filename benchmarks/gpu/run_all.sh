@@ -13,7 +13,8 @@
 # summary.txt. The whole run stops by RFA_GPU_BUDGET_S seconds (default 405): each stage gets
 # what is left, a benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages
 # (default: all of "warm_fla test_cuda decode_batch8 train_attention decode_batch64"), e.g. to
-# measure again what a first run had no time for.
+# measure what a first run had no time for (the decoding stages resume from the CSV in $OUT; on a
+# machine that is still warm the compiled kernels are still in $TRITON_CACHE_DIR).
 #
 #   OUT=/path bash benchmarks/gpu/run_all.sh
 #   RFA_GPU_STAGES="warm_fla decode_batch64" RFA_GPU_BUDGET_S=500 bash benchmarks/gpu/run_all.sh
@@ -90,7 +91,7 @@ STARTUP=12
 DECODE=(python3 scripts/benchmark_decode.py --device cuda --one-run --dims base --beam 4 --src-len 32
         --models rfa rfa_gated softmax --out-dir "$OUT")
 secs=$(budget 100 400)
-stage decode_batch8 "$secs" "${DECODE[@]}" --batch-sizes 8 --lengths 64 256 1024 2048 4096 \
+stage decode_batch8 "$secs" "${DECODE[@]}" --resume --batch-sizes 8 --lengths 64 256 1024 2048 4096 \
     --time-budget $(( secs - GRACE )) --run-budget $(( (secs - GRACE - STARTUP) / 3 ))
 
 secs=$(budget 50 65)
