@@ -24,7 +24,9 @@ Layout: fla takes (B, T, H, K), ours is (B, H, T, F). Whole sequences go to fla 
 packed sequence of B segments of T positions (B = 1 and cu_seqlens, fla's variable-length
 form): some of fla's kernels take the batch size as a compile-time constant (its chunk
 cumsum and dq/dk kernels), so every new batch size would compile and autotune them again,
-and fairseq's token-based batches come in many sizes. Packed, one compiled set serves all.
+and fairseq's token-based batches come in many sizes. Packed, one compiled set serves all
+(fla then reads its chunk count back to the host once per forward and backward: a
+synchronisation of training passes, not of decoding steps).
 
 fla is imported on the first CUDA call (importing it needs triton and a GPU driver).
 RFA_FLA=0 keeps CUDA tensors on the torch path too (comparisons, debugging).
