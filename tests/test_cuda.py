@@ -16,7 +16,7 @@ import torch
 from cli_support import env, json_losses, run
 from conftest import PLUGIN_DIR, REPO
 from helpers import build_model, random_batch
-from test_model import _decode_incrementally, _flags
+from test_model import _decode_incrementally
 
 from rfa_fairseq.ops import (
     causal_rfa,
@@ -46,6 +46,17 @@ GPU_MODEL = [  # override helpers.TINY_ARGS: the base models' head shape, 2 laye
     "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
 ]
 TOLERANCE = 1e-2  # of each tensor's range; TF32 gives ~1e-3
+
+
+def flags(feature_map="sincos", gate=True, rfa_encoder=False, rfa_cross=True):
+    """Every RFA option these tests depend on, explicit (defaults move); F = 128 for every map:
+    2 x 64 for sincos and hedgehog, --rfa-num-features 128 for the others (elu's F is the head
+    dimension, another set of fla kernels to compile, so it is left to the CPU tests)."""
+    out = ["--rfa-feature-map", feature_map, "--rfa-chunk-size", "4", "--rfa-gate" if gate else "--no-rfa-gate",
+           "--no-rfa-softmax-cross-attn" if rfa_cross else "--rfa-softmax-cross-attn"]
+    if feature_map in ("positive", "arccos", "relu"):
+        out += ["--rfa-num-features", str(F_)]
+    return out + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
 
 
 def relative_error(got, want) -> float:
@@ -131,8 +142,8 @@ def test_fla_decoding_step_with_beam_order(gated):
 # ------------------------------------------------------------------ model
 
 
-def gpu_model(flags, seed=1, dictionary=None):
-    model, d = build_model([*flags, *GPU_MODEL], seed=seed, dictionary=dictionary)
+def gpu_model(options, seed=1, dictionary=None):
+    model, d = build_model([*options, *GPU_MODEL], seed=seed, dictionary=dictionary)
     return model.cuda().eval(), d
 
 
@@ -140,14 +151,16 @@ def on_cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
-MODEL_VARIANTS = [("sincos", False, False), ("sincos", True, True), ("positive", True, False), ("arccos", False, False)]
+MODEL_VARIANTS = [  # feature map, gated, RFA encoder, RFA cross-attention
+    ("sincos", False, False, True), ("sincos", True, True, True), ("positive", True, False, True),
+    ("arccos", False, False, True), ("hedgehog", True, False, False), ("relu", False, False, True),
+]
 
 
-@pytest.mark.parametrize("feature_map,gate,rfa_encoder", MODEL_VARIANTS)
-def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa_encoder):
+@pytest.mark.parametrize("feature_map,gate,rfa_encoder,rfa_cross", MODEL_VARIANTS)
+def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa_encoder, rfa_cross):
     """Full forward (fla chunked) == step by step (fla fused recurrent) through a whole model."""
-    extra = [] if feature_map == "sincos" else ["--rfa-num-features", str(F_)]  # F = 128 for every map
-    model, d = gpu_model(_flags(feature_map, gate, rfa_encoder) + extra)
+    model, d = gpu_model(flags(feature_map, gate, rfa_encoder, rfa_cross))
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=9, tgt_len=70))
     with torch.no_grad():
         full, _ = model(src, src_lengths, prev)
@@ -159,7 +172,7 @@ def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa
 
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_beam_reorder_equals_decoding_the_reordered_batch_on_cuda(gate):
-    model, d = gpu_model(_flags("sincos", gate, False))
+    model, d = gpu_model(flags("sincos", gate))
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3))
     k = 4
     for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0]):
@@ -178,7 +191,7 @@ def test_beam_reorder_equals_decoding_the_reordered_batch_on_cuda(gate):
 
 def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
     """The cross state once per sentence (beam 3); within-beam reorders and a finished sentence."""
-    model, d = gpu_model(["--rfa-gate"])
+    model, d = gpu_model(flags("sincos", gate=True))
     beam = 3
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5))
     expand = torch.arange(3, device="cuda").repeat_interleave(beam)
@@ -206,13 +219,14 @@ def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
         assert cross._get_input_buffer(state)["cross_state"].size(0) == 2
 
 
-@pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
-def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(gate):
+@pytest.mark.parametrize("feature_map,gate,rfa_cross", [("sincos", False, True), ("hedgehog", True, False)],
+                         ids=["sincos-ungated-rfa_cross", "hedgehog-gated-softmax_cross"])
+def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(feature_map, gate, rfa_cross):
     """fairseq's beam search on CUDA (fla steps, reorders, finishing sentences): per-token scores ==
     teacher-forced full forward (fla chunked), up to TF32."""
     from fairseq.sequence_generator import SequenceGenerator
 
-    model, d = gpu_model(_flags("sincos", gate, False), seed=4)
+    model, d = gpu_model(flags(feature_map, gate, rfa_cross=rfa_cross), seed=4)
     src, src_lengths, _ = on_cuda(*random_batch(d, bsz=5, src_len=7, seed=9))
     gen = SequenceGenerator([model], d, beam_size=4, max_len_b=10, normalize_scores=False)
     worst = 0.0
@@ -270,16 +284,18 @@ def hypotheses(generate_stdout):
     return [line for line in generate_stdout.splitlines() if line.startswith("H-")]
 
 
-@pytest.mark.parametrize("precision,gate", [("fp16", False), ("bf16", True)])
-def test_fairseq_train_and_generate_on_cuda(corpus, precision, gate, updates=200):
+@pytest.mark.parametrize("precision,rfa_flags", [
+    ("fp16", ["--no-rfa-gate", "--no-rfa-softmax-cross-attn"]),  # ungated, RFA cross-attention
+    ("bf16", ["--rfa-gate", "--rfa-softmax-cross-attn"]),  # gated, softmax cross-attention
+], ids=["fp16-ungated-rfa_cross", "bf16-gated-softmax_cross"])
+def test_fairseq_train_and_generate_on_cuda(corpus, precision, rfa_flags, updates=200):
     """200 updates of fairseq-train on the GPU (--fp16: fairseq's loss scaling; --bf16 through
     rfa-train, since fairseq 0.12.3 reads --bf16 as a TPU run): every logged loss finite, the loss
     goes down; then fairseq-generate (beam 4) on the test set, in fp16 after --fp16 training.
     fp32 is covered above (the model tests and fairseq's SequenceGenerator on CUDA)."""
     save_dir = corpus / f"ckpt_{precision}"
-    flags = ["--rfa-gate"] if gate else []
     precision_flags = {"fp16": ["--fp16"], "bf16": ["--bf16"]}[precision]
-    proc = run_module("rfa_fairseq.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *flags, *CLI_TRAIN,
+    proc = run_module("rfa_fairseq.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *rfa_flags, *CLI_TRAIN,
                       *precision_flags, "--max-update", updates, "--save-dir", save_dir)
     log = proc.stdout + proc.stderr
     losses = json_losses(log)
@@ -304,7 +320,7 @@ def test_decoding_steps_and_reorders_do_not_synchronize_the_host():
     """RFA's decoding step (self and cross attention) and beam reorder queue GPU work without
     waiting for it: torch's sync debug mode turns any host synchronisation into an error.
     (fairseq's own decoder and beam search still synchronise; this checks what RFA adds.)"""
-    model, _ = gpu_model(["--rfa-gate"])
+    model, _ = gpu_model(flags("sincos", gate=True))
     layer = model.decoder.layers[0]
     self_attn, cross = layer.self_attn, layer.encoder_attn
     beam, sentences, C = 4, 3, H * D
