@@ -56,7 +56,10 @@ stage() {
 # ---------------------------------------------------------------- 1. environment
 if ! python3 -c "import fairseq, fla, hydra, omegaconf" 2>/dev/null; then
     log "installing wheels from .whl/ into /tmp/site"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+        log "wheel install failed (is .whl/ carried?)"
+        exit 1
+    fi
     export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -106,7 +109,7 @@ stage decode_batch64 "$secs" "${DECODE[@]}" --resume --batch-sizes 64 --lengths 
 # ---------------------------------------------------------------- summary
 {
     echo "elapsed: $(( $(date +%s) - START )) s of ${BUDGET_S} s"
-    printf '%s\n' "${STATUS[@]}"
+    printf '%s\n' ${STATUS[@]+"${STATUS[@]}"}
     grep -hE "passed|failed|skipped|error" "$OUT/test_cuda.log" 2>/dev/null | tail -n 3 || true
     ls -1 "$OUT"
 } > "$OUT/summary.txt"
