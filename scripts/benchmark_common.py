@@ -1,10 +1,13 @@
 """Shared pieces of the benchmarks: model building, memory readings, table/CSV/plot output."""
 import csv
+import functools
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
+import time
 import types
 
 import torch
@@ -122,9 +125,26 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=None)
+def gpu_name() -> str:
+    """The CUDA device's name, read in a child process: the caller keeps no CUDA context, whose
+    memory would otherwise be missing from what the benchmark workers can allocate."""
+    code = "import torch; p = torch.cuda.get_device_properties(0); print(p.name, '|', p.total_memory)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return proc.stdout.split("|")[0].strip() if proc.returncode == 0 else "unknown GPU"
+
+
+def device_tag(device: str) -> str:
+    """File-name tag: "cpu", or "cuda_" + the GPU model ("NVIDIA H100 80GB HBM3" -> "cuda_h100")."""
+    if not device.startswith("cuda"):
+        return device
+    model = next((w for w in re.findall(r"[A-Za-z]*\d+[A-Za-z]*", gpu_name()) if not w.upper().endswith("GB")), "gpu")
+    return f"cuda_{model.lower()}"
+
+
 def machine_description(device: str) -> str:
     if device.startswith("cuda"):
-        return torch.cuda.get_device_name()
+        return f"{gpu_name()}, torch {torch.__version__}"
     cpu = "cpu"
     try:
         with open("/proc/cpuinfo") as f:
@@ -144,10 +164,46 @@ def run_worker(cmd) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def stream_worker(cmd, deadline: float, on_result) -> str:
+    """Run a worker that prints `RESULT {json}` lines as it goes, calling on_result(dict) for each
+    as it arrives (and echoing its "# " notes). At `deadline` (a time.time()) the worker is killed,
+    keeping what it printed. Returns "ok", "timeout" or "failed: <last stderr line>"."""
+    import selectors
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr_lines = []
+    reader = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    status = None
+    while status is None:
+        left = deadline - time.time()
+        if left <= 0:
+            proc.kill()
+            status = "timeout"
+        elif selector.select(timeout=min(left, 5.0)):
+            line = proc.stdout.readline()
+            if line.startswith("RESULT "):
+                on_result(json.loads(line[len("RESULT "):]))
+            elif line.startswith("# "):  # the worker's own notes
+                print(line.rstrip(), flush=True)
+            elif not line:  # end of output: the worker exited
+                status = "ok" if proc.wait() == 0 else "failed"
+    proc.wait()
+    reader.join(timeout=5)
+    if status == "failed":
+        tail = [line.strip() for line in stderr_lines if line.strip()]
+        status = f"failed: {tail[-1] if tail else f'exit code {proc.returncode}'}"
+    return status
+
+
 def write_csv(path: str, rows) -> None:
     tmp = path + ".tmp"
+    fields = list(dict.fromkeys(key for row in rows for key in row))  # every column, in first-seen order
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)

@@ -14,8 +14,22 @@ forced length, fp32, the same number of threads); needs `pip install ctranslate2
 The converted model is kept in OUT_DIR/ct2_<dims>_vocab<V>_pos<P>/. CTranslate2's cache is
 internal, so its attention-state column is empty.
 
+On CUDA, --one-run decodes once per (model, batch size) to the longest length and reads the
+shorter ones on the way: at each of them the GPU is synchronized and the elapsed time, the
+peak allocated memory so far and the attention state are recorded (forced lengths make the
+first L steps of a long run those of a run of length L). The models of a batch size run one
+after the other in one process (CUDA, imports and compiled kernels set up once; peak memory
+reset per run). ms_per_step_recent is the mean over the steps since the previous length: the
+cost of a step at about that length. --time-budget bounds the whole sweep and --run-budget
+each run (a run cut short keeps the lengths it reached), and --max-batch-at L
+predicts the largest batch each model fits at L output tokens from the peak memory at two
+batch sizes (linear in the batch), optionally checked by decoding that batch (--verify-max-batch).
+Files are named by device: decode_cpu_<dims>.csv, decode_cuda_h100_<dims>.csv, ...
+
     python scripts/benchmark_decode.py                                # defaults below
     python scripts/benchmark_decode.py --lengths 32 64 128 --batch-sizes 8 32
+    python scripts/benchmark_decode.py --device cuda --one-run --lengths 64 256 1024 2048 4096 \\
+        --batch-sizes 8 64 --models softmax rfa rfa_gated --max-batch-at 2048 --time-budget 300
 """
 import argparse
 import json
@@ -30,11 +44,13 @@ from benchmark_common import (  # noqa: E402
     MODELS,
     PLUGIN_DIR,
     build_model,
+    device_tag,
     machine_description,
     make_dictionary,
     peak_memory_mb,
     print_table,
     run_worker,
+    stream_worker,
     tensor_bytes,
     write_csv,
 )
@@ -177,6 +193,94 @@ def run_one(args) -> dict:
     }
 
 
+def attention_state_mb(incremental_state) -> float:
+    state = incremental_state or {}
+    return tensor_bytes({k: v for k, v in state.items() if k.endswith(("attn_state", "rfa_state"))}) / 2**20
+
+
+class RunBudgetSpent(Exception):
+    """Raised from inside beam search when a run has used its --run-budget."""
+
+
+def run_checkpoints(args) -> None:
+    """CUDA, one process for several runs (--runs MODEL:BATCH ...; CUDA, imports and fla's kernels
+    are set up once): each decodes once to the longest of --checkpoints and prints a RESULT row at
+    each checkpoint; a run past --run-budget seconds stops there and the next one starts."""
+    import gc
+
+    import torch
+
+    for run in args.runs:
+        model_name, batch = run.rsplit(":", 1)
+        try:
+            decode_with_checkpoints(args, model_name, int(batch))
+        except RunBudgetSpent:
+            print(f"# {model_name} batch {batch}: run budget spent", flush=True)
+        except torch.cuda.OutOfMemoryError:
+            print(f"# {model_name} batch {batch}: CUDA out of memory", flush=True)
+            if len(args.runs) == 1:
+                raise
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def decode_with_checkpoints(args, model_name: str, batch: int) -> None:
+    import torch
+    from fairseq.sequence_generator import SequenceGenerator
+
+    device = args.device
+    args.batch_size = batch
+    free_mb = torch.cuda.mem_get_info()[0] / 2**20  # what this run can allocate, before its model
+    src, dictionary = source_tokens(args)
+    lengths = sorted(set(args.checkpoints))
+    extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
+    model = build_model(model_name, args.dims, dictionary, max_positions=lengths[-1] + 8, device=device, extra=extra)
+    sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((batch,), args.src_len, device=device)}}
+    at_call = {length + 1: length for length in lengths}  # decoder call L + 1 ends a run of length L (EOS step)
+    clock = {"calls": 0, "start": None, "last_calls": 0, "last_time": None, "deadline": math.inf}
+    decoder_forward = model.decoder.forward
+
+    def timed_forward(*fargs, **fkwargs):
+        out = decoder_forward(*fargs, **fkwargs)
+        if clock["start"] is None:  # warm-up run
+            return out
+        clock["calls"] += 1
+        length = at_call.get(clock["calls"])
+        if length is not None:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            total = now - clock["start"]
+            recent = (now - clock["last_time"]) / (clock["calls"] - clock["last_calls"])
+            clock["last_calls"], clock["last_time"] = clock["calls"], now
+            row = {
+                "model": model_name, "batch": batch, "length": length, "out_len": length + 1,
+                "total_s": total, "ms_per_step": 1000 * total / (length + 1), "ms_per_step_recent": 1000 * recent,
+                "tokens_per_s": batch * length / total, "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
+                "attn_state_mb": attention_state_mb(fkwargs.get("incremental_state")), "free_mb": free_mb,
+            }
+            print("RESULT " + json.dumps(row), flush=True)
+        if time.perf_counter() > clock["deadline"]:
+            raise RunBudgetSpent()
+        return out
+
+    model.decoder.forward = timed_forward
+
+    def generate(length):
+        gen = SequenceGenerator([model], dictionary, beam_size=args.beam, min_len=length, max_len_a=0, max_len_b=length)
+        with torch.inference_mode():
+            return gen.generate([model], sample)
+
+    generate(min(8, lengths[-1]))  # warm-up: kernels compiled and autotuned, allocator primed
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    clock["start"] = clock["last_time"] = time.perf_counter()
+    clock["deadline"] = clock["start"] + args.run_budget if args.run_budget > 0 else math.inf
+    hyps = generate(lengths[-1])
+    out_lens = {len(h[0]["tokens"]) for h in hyps}
+    if out_lens != {lengths[-1] + 1}:
+        raise SystemExit(f"forced length not kept: output lengths {sorted(out_lens)}, expected {lengths[-1] + 1}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["softmax", "rfa", "rfa_gated", "floor"], choices=MODEL_CHOICES)
@@ -193,11 +297,20 @@ def main() -> int:
     p.add_argument("--resume", action="store_true", help="keep the points already in the CSV of --out-dir, measure the rest")
     p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor*/ct2 above this length (time)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "bench"))
+    p.add_argument("--one-run", action="store_true",
+                   help="CUDA: one run per model and batch to the longest length, read at each length on the way")
+    p.add_argument("--time-budget", type=float, default=0, help="seconds for the whole sweep (0: none); cut runs keep their rows")
+    p.add_argument("--run-budget", type=float, default=0, help="seconds per run (0: none)")
+    p.add_argument("--max-batch-at", type=int, default=0,
+                   help="predict the largest batch each model fits at this output length (needs two batch sizes there)")
+    p.add_argument("--verify-max-batch", action="store_true", help="decode the predicted largest batch (within the budget)")
     # worker mode: one configuration, JSON on stdout
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ct2-model", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoints", nargs="+", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--runs", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.num_features < 0:
         p.error("--num-features must be positive (0: the plugin default)")
@@ -207,6 +320,13 @@ def main() -> int:
     if any(x <= 0 for x in args.lengths + args.batch_sizes):
         p.error("--lengths and --batch-sizes must be positive")
 
+    if args.one_run and not args.device.startswith("cuda"):
+        p.error("--one-run reads the GPU's peak memory at each length: CUDA only")
+    if args.one_run and ("ct2" in args.models or args.softmax_max_length < max(args.lengths)):
+        p.error("--one-run decodes every model to the longest length with fairseq: no ct2, no --softmax-max-length")
+    if args.runs and args.checkpoints:
+        run_checkpoints(args)
+        return 0
     if args.model:
         print("RESULT " + json.dumps(run_one_ct2(args) if args.model == "ct2" else run_one(args)))
         return 0
@@ -214,38 +334,122 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"# benchmark_decode on {args.device}: {machine_description_for(args)}; dims={args.dims} vocab={args.vocab} "
           f"beam={args.beam} src_len={args.src_len}", flush=True)
-    csv_path = os.path.join(args.out_dir, f"decode_{args.device.split(':')[0]}_{args.dims}.csv")
+    csv_path = os.path.join(args.out_dir, f"decode_{device_tag(args.device)}_{args.dims}.csv")
     rows = read_csv_rows(csv_path) if args.resume and os.path.exists(csv_path) else []
     if "ct2" in args.models:
         ensure_ct2_model(args)
     done = {(r["model"], r["batch"], r["length"]) for r in rows}
+    budget_end = time.time() + args.time_budget if args.time_budget > 0 else math.inf
+
+    def add_row(row):
+        rows.append(row)
+        print_row(row)
+        add_ratios(rows)
+        write_csv(csv_path, rows)  # after every point: a long run stopped early keeps its rows
+
     for batch in args.batch_sizes:
-        for length in args.lengths:
-            for model in args.models:
-                if model in ("softmax", "floor", "floor_proj", "ct2") and length > args.softmax_max_length or (model, batch, length) in done:
-                    continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--length", str(length),
-                       "--batch-size", str(batch), "--beam", str(args.beam), "--dims", args.dims,
-                       "--vocab", str(args.vocab), "--src-len", str(args.src_len), "--device", args.device,
-                       "--threads", str(args.threads), "--num-features", str(args.num_features),
-                       "--repeats", str(args.repeats)]
-                if model == "ct2":
-                    cmd += ["--ct2-model", ct2_model_dir(args)]
-                row = run_worker(cmd)
-                rows.append(row)
-                print_row(row)
-                add_ratios(rows)
-                write_csv(csv_path, rows)  # after every point: a long run stopped early keeps its rows
+        todo = [(model, length) for length in args.lengths for model in args.models
+                if not (model in SOFTMAX_LIKE and length > args.softmax_max_length) and (model, batch, length) not in done]
+        if not todo:
+            continue
+        if time.time() >= budget_end:
+            print(f"# time budget spent: skipped batch {batch}", flush=True)
+            continue
+        if args.one_run:  # one process, one run per model (in --models order), each to its longest length
+            models = [m for m in args.models if any(model == m for model, _ in todo)]
+            lengths = sorted({n for _, n in todo})
+            status = stream_worker(one_run_cmd(args, [f"{m}:{batch}" for m in models], lengths), budget_end, add_row)
+            if status != "ok":
+                print(f"# batch {batch}: {status}", flush=True)
+            continue
+        for model, length in todo:
+            if time.time() >= budget_end:
+                print(f"# time budget spent: skipped {model} batch {batch} length {length}", flush=True)
+                continue
+            add_row(run_worker(worker_cmd(args, model, batch, length)))
+    if not rows:
+        print("benchmark_decode: no point measured (time budget?)")
+        return 1
     add_ratios(rows)
     write_csv(csv_path, rows)
     print()
-    print_table(rows, ["model", "batch", "length", "ms_per_step", "total_s", "tokens_per_s", "peak_mem_mb",
-                       "attn_state_mb", "time_vs_softmax", "state_vs_softmax", "step_vs_floor", "step_vs_floor_proj"])
+    print_table(rows, ["model", "batch", "length", "ms_per_step", "ms_per_step_recent", "total_s", "tokens_per_s",
+                       "peak_mem_mb", "attn_state_mb", "time_vs_softmax", "state_vs_softmax", "step_vs_floor", "step_vs_floor_proj"])
     print(f"\nwrote {csv_path}")
     png = plot(rows, csv_path[:-4] + ".png", args)
     if png:
         print(f"wrote {png}")
+    if args.max_batch_at:
+        max_batch(args, rows, os.path.join(args.out_dir, f"decode_max_batch_{device_tag(args.device)}_{args.dims}.csv"), budget_end)
     return 0
+
+
+SOFTMAX_LIKE = ("softmax", "floor", "floor_proj", "ct2")
+
+
+def common_worker_args(args):
+    return ["--beam", str(args.beam), "--dims", args.dims, "--vocab", str(args.vocab), "--src-len", str(args.src_len),
+            "--device", args.device, "--threads", str(args.threads), "--num-features", str(args.num_features),
+            "--repeats", str(args.repeats)]
+
+
+def worker_cmd(args, model, batch, length):
+    cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--batch-size", str(batch), "--length", str(length),
+           *common_worker_args(args)]
+    if model == "ct2":
+        cmd += ["--ct2-model", ct2_model_dir(args)]
+    return cmd
+
+
+def one_run_cmd(args, runs, checkpoints):
+    return [sys.executable, os.path.abspath(__file__), "--runs", *runs, "--checkpoints", *map(str, checkpoints),
+            "--run-budget", str(args.run_budget), *common_worker_args(args)]
+
+
+def max_batch(args, rows, path, budget_end) -> None:
+    """Largest batch (sentences, each decoded with --beam beams) per model at --max-batch-at tokens:
+    peak allocated memory is linear in the batch, fitted through the smallest and largest batch
+    measured at that length, solved for the memory a fresh process can allocate (free_mb).
+    Allocator fragmentation makes the real limit somewhat lower: --verify-max-batch decodes the
+    predicted batch (rows reached: verified_length; out of memory: "oom")."""
+    length = args.max_batch_at
+    results = []
+    for model in sorted({r["model"] for r in rows if r["model"] not in ("floor", "floor_proj", "ct2")}):
+        points = sorted({(r["batch"], r["peak_mem_mb"]) for r in rows if r["model"] == model and r["length"] == length})
+        capacity = min((float(r.get("free_mb") or math.inf) for r in rows if r["model"] == model), default=math.inf)
+        if len(points) < 2 or not math.isfinite(capacity):
+            print(f"# max batch: {model} needs two batch sizes at length {length} (and --one-run's free_mb)", flush=True)
+            continue
+        (b1, m1), (b2, m2) = points[0], points[-1]
+        per_sentence = (m2 - m1) / (b2 - b1)
+        fixed = m1 - per_sentence * b1
+        predicted = int((capacity - fixed) / per_sentence) if per_sentence > 0 else None
+        results.append({"model": model, "length": length, "beam": args.beam, "batch_a": b1, "peak_a_mb": m1,
+                        "batch_b": b2, "peak_b_mb": m2, "mb_per_sentence": per_sentence, "fixed_mb": fixed,
+                        "capacity_mb": capacity, "predicted_max_batch": predicted, "verified": ""})
+    if not results:
+        return
+    if args.verify_max_batch:
+        for r in results:
+            if time.time() >= budget_end or not r["predicted_max_batch"]:
+                r["verified"] = "not run (time budget)" if r["predicted_max_batch"] else ""
+                continue
+            reached = []
+            checkpoints = sorted({n for n in (64, 256, 1024, length) if n <= length})
+            whole_run = argparse.Namespace(**{**vars(args), "run_budget": 0})  # only the sweep's budget applies
+            status = stream_worker(one_run_cmd(whole_run, [f"{r['model']}:{r['predicted_max_batch']}"], checkpoints),
+                                   budget_end, reached.append)
+            longest = max((x["length"] for x in reached), default=0)
+            r["verified"] = ("fits" if longest == length else
+                             "oom" if "OutOfMemory" in status or "out of memory" in status else
+                             f"time budget spent after {longest} tokens" if status == "timeout" else
+                             f"{status} after {longest} tokens")
+            print(f"# max batch {r['model']}: batch {r['predicted_max_batch']}: {r['verified']}", flush=True)
+    write_csv(path, results)
+    print()
+    print_table(results, ["model", "length", "batch_a", "peak_a_mb", "batch_b", "peak_b_mb", "mb_per_sentence",
+                          "capacity_mb", "predicted_max_batch", "verified"])
+    print(f"wrote {path}")
 
 
 def machine_description_for(args) -> str:
@@ -266,6 +470,8 @@ def read_csv_rows(path):
             r[key] = int(r[key])
         for key in ("out_len", "total_s", "ms_per_step", "tokens_per_s", "peak_mem_mb", "attn_state_mb"):
             r[key] = float(r[key])
+        for key in ("ms_per_step_recent", "free_mb"):  # --one-run columns
+            r[key] = float(r[key]) if r.get(key) else None
     return rows
 
 
@@ -295,7 +501,7 @@ def plot(rows, path, args):
     except ImportError:
         print("matplotlib not installed: no PNG (pip install -e .[bench])")
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan", "ct2": "tab:purple"}
     styles = ["-", "--", ":", "-."]
     batches = sorted({r["batch"] for r in rows})
@@ -304,18 +510,21 @@ def plot(rows, path, args):
         rs = sorted((r for r in rows if r["model"] == model and r["batch"] == batch), key=lambda r: r["length"])
         x = [r["length"] for r in rs]
         label = f"{model} (batch {batch})"
-        axes[0].plot(x, [r["ms_per_step"] for r in rs], label=label, **style)
+        axes[0].plot(x, [r.get("ms_per_step_recent") or r["ms_per_step"] for r in rs], label=label, **style)
         axes[1].plot(x, [r["total_s"] for r in rs], label=label, **style)
+        axes[2].plot(x, [r["peak_mem_mb"] for r in rs], label=label, **style)
         if model not in ("floor", "floor_proj", "ct2"):
-            axes[2].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], label=label, **style)
-    for ax, title in zip(axes, ["ms per decoding step", "total decoding time (s)", "attention state (MB)"]):
+            axes[3].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], label=label, **style)
+    peak = "peak allocated memory (MB)" if args.device.startswith("cuda") else "peak RSS (MB)"
+    step = "ms per decoding step" + (" (steps since the previous length)" if any(r.get("ms_per_step_recent") for r in rows) else "")
+    for ax, title in zip(axes, [step, "total decoding time (s)", peak, "attention state (MB)"]):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("output length (tokens)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"beam {args.beam}, {args.dims} dims, vocab {args.vocab}, {args.device}")
+    fig.suptitle(f"beam {args.beam}, {args.dims} dims, vocab {args.vocab}, {machine_description_for(args)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

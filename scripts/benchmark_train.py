@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
-"""Training cost: causal attention forward+backward, RFA (chunked) vs fairseq's softmax path,
-and end-to-end fairseq-train words/s at MT lengths.
+"""Training cost: causal attention forward+backward, RFA vs softmax, and end-to-end
+fairseq-train words/s at MT lengths.
 
 Part 1 times one decoder self-attention module (the same call fairseq's decoder layer
-makes, with the causal mask) for lengths 64 ... 8192, one fresh process per point so
-that peak memory (RSS on CPU, max allocated on CUDA) is that point's own. Part 2 runs
-fairseq-train on the embedded synthetic corpus for a few hundred updates per model and
-reads the words/s it logs. Writes CSV and a log-log PNG.
+makes, with the causal mask) for lengths 64 ... 8192. Kinds: softmax (fairseq's
+MultiheadAttention, materialized T x T mask), softmax_sdpa (the same projections around
+torch's scaled_dot_product_attention(is_causal=True): flash / memory-efficient kernels on
+CUDA), rfa and rfa_gated (the plugin's dispatch: fla on CUDA when installed, chunked torch
+otherwise), rfa_torch and rfa_gated_torch (the chunked torch path on any device). On the
+CPU one fresh process per point, so that peak RSS is that point's own; on CUDA one process
+per kind, peak allocated memory reset before each length. Part 2 runs fairseq-train on
+the embedded synthetic corpus for a few hundred updates per model and reads the words/s
+it logs. Writes CSV and a log-log PNG named by device (train_attention_cuda_h100_base.csv).
 
     python scripts/benchmark_train.py                          # both parts
     python scripts/benchmark_train.py --lengths 64 512 4096 --skip-e2e
+    python scripts/benchmark_train.py --device cuda --kinds softmax_sdpa rfa rfa_gated \\
+        --lengths 512 1024 2048 4096 8192 16384 --skip-e2e --time-budget 90
 """
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -25,14 +33,18 @@ from benchmark_common import (  # noqa: E402
     DIMS,
     PLUGIN_DIR,
     REPO,
+    device_tag,
     machine_description,
     peak_memory_mb,
     print_table,
     run_worker,
+    stream_worker,
     write_csv,
 )
 
 DEFAULT_LENGTHS = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+KINDS = ["softmax", "softmax_sdpa", "rfa", "rfa_gated", "rfa_torch", "rfa_gated_torch"]
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
@@ -46,21 +58,62 @@ def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
     _, embed, _, heads = DIMS[dims]
     if kind == "softmax":
         return MultiheadAttention(embed, heads, self_attention=True)
+    if kind == "softmax_sdpa":
+        return SDPAAttention(embed, heads)
+    if kind.endswith("_torch"):  # this process keeps CUDA tensors on the torch path too
+        os.environ["RFA_FLA"] = "0"
     cfg = types.SimpleNamespace(**dict(RFA_DEFAULTS, rfa_chunk_size=chunk_size, rfa_gate=gate))
     return RFAAttention(embed, heads, cfg, self_attention=True, causal=True)
 
 
-def run_one(args) -> dict:
+def _sdpa_module_class():
     import torch
 
-    torch.set_num_threads(args.threads)
-    device = args.device
+    class SDPAAttention(torch.nn.Module):
+        """Causal softmax self-attention with MultiheadAttention's projections and call signature,
+        on torch's scaled_dot_product_attention (is_causal: no mask in memory)."""
+
+        def __init__(self, embed_dim: int, num_heads: int):
+            super().__init__()
+            self.num_heads, self.head_dim = num_heads, embed_dim // num_heads
+            self.q_proj, self.k_proj, self.v_proj, self.out_proj = (torch.nn.Linear(embed_dim, embed_dim) for _ in range(4))
+
+        def forward(self, query, key, value, attn_mask=None, **kwargs):
+            T, B, C = query.shape
+
+            def heads(x):  # (T, B, C) -> (B, H, T, d)
+                return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+            q, k, v = heads(self.q_proj(query)), heads(self.k_proj(key)), heads(self.v_proj(value))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d)
+            return self.out_proj(out.permute(2, 0, 1, 3).reshape(T, B, C)), None
+
+    return SDPAAttention
+
+
+def SDPAAttention(embed_dim: int, num_heads: int):
+    return _sdpa_module_class()(embed_dim, num_heads)
+
+
+def build_module(args):
+    import torch
+
     torch.manual_seed(0)
-    module = attention_module(args.kind, args.dims, args.chunk_size, args.kind == "rfa_gated").to(device).train()
-    T, B, C = args.length, args.batch, DIMS[args.dims][1]
-    x = torch.randn(T, B, C, device=device, requires_grad=True)
+    module = attention_module(args.kind, args.dims, args.chunk_size, args.kind.startswith("rfa_gated"))
+    return module.to(args.device, getattr(torch, DTYPES[args.dtype])).train()
+
+
+def measure(args, module, length: int) -> dict:
+    """Forward + backward of `module` on (length, batch, C) inputs: the fastest of --repeats."""
+    import torch
+
+    device, dtype = args.device, getattr(torch, DTYPES[args.dtype])
+    T, B, C = length, args.batch, DIMS[args.dims][1]
+    x = torch.randn(T, B, C, device=device, dtype=dtype, requires_grad=True)
     if args.kind == "softmax":  # what fairseq's decoder passes: a materialized T x T future mask
-        mask = torch.triu(torch.full((T, T), float("-inf"), device=device), 1)
+        mask = torch.triu(torch.full((T, T), float("-inf"), device=device, dtype=dtype), 1)
+    elif args.kind == "softmax_sdpa":
+        mask = None  # causal inside scaled_dot_product_attention
     else:  # what our decoder passes: a zero-stride stand-in
         mask = torch.zeros((), device=device).expand(T, T)
 
@@ -83,10 +136,36 @@ def run_one(args) -> dict:
         "kind": args.kind,
         "length": T,
         "batch": B,
+        "dtype": args.dtype,
         "ms_fwd_bwd": 1000 * min(times),
         "peak_mem_mb": peak_memory_mb(device),
         "peak_over_start_mb": peak_memory_mb(device) - base_mb if not device.startswith("cuda") else None,
     }
+
+
+def run_one(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return measure(args, build_module(args), args.length)
+
+
+def run_lengths(args) -> None:
+    """CUDA: every length in this process (peak memory reset per length), a RESULT row each;
+    stops at the first length that runs out of memory (longer ones would too)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    module = build_module(args)
+    for length in args.worker_lengths:
+        try:
+            row = measure(args, module, length)
+        except torch.cuda.OutOfMemoryError:
+            print(f"{args.kind}: out of memory at {length} tokens", file=sys.stderr, flush=True)
+            return
+        print("RESULT " + json.dumps(row), flush=True)
+        module.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
 
 
 def e2e_words_per_second(model: str, dims: str, updates: int, threads: int) -> dict:
@@ -123,13 +202,15 @@ def e2e_words_per_second(model: str, dims: str, updates: int, threads: int) -> d
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kinds", nargs="+", default=["softmax", "rfa", "rfa_gated"], choices=["softmax", "rfa", "rfa_gated"])
+    p.add_argument("--kinds", nargs="+", default=["softmax", "rfa", "rfa_gated"], choices=KINDS)
     p.add_argument("--lengths", nargs="+", type=int, default=DEFAULT_LENGTHS)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dims", choices=sorted(DIMS), default="base")
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="module and input dtype (RFA's states stay fp32)")
+    p.add_argument("--time-budget", type=float, default=0, help="seconds for part 1 (0: none); what is measured is kept")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--skip-e2e", action="store_true", help="skip the fairseq-train words/s part")
     p.add_argument("--e2e-dims", choices=sorted(DIMS), default="small")
@@ -137,9 +218,13 @@ def main() -> int:
     p.add_argument("--out-dir", default=os.path.join(REPO, "outputs", "bench"))
     p.add_argument("--kind", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker-lengths", nargs="+", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if min(args.lengths + [args.batch, args.chunk_size, args.repeats, args.threads, args.e2e_updates]) <= 0:
         p.error("lengths, --batch, --chunk-size, --repeats, --threads and --e2e-updates must be positive")
+    if args.kind and args.worker_lengths:
+        run_lengths(args)
+        return 0
     if args.kind:
         print("RESULT " + json.dumps(run_one(args)))
         return 0
@@ -149,32 +234,51 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"# benchmark_train on {args.device}: {machine_description(args.device)}; dims={args.dims} batch={args.batch} "
-          f"chunk={args.chunk_size}", flush=True)
+          f"chunk={args.chunk_size} dtype={args.dtype}", flush=True)
+    suffix = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    csv_path = os.path.join(args.out_dir, f"train_attention_{device_tag(args.device)}_{args.dims}{suffix}.csv")
+    budget_end = time.time() + args.time_budget if args.time_budget > 0 else math.inf
     rows = []
-    for length in args.lengths:
+
+    def add_row(row):
+        rows.append(row)
+        print(f"{row['kind']:>16} len {row['length']:>5}: {row['ms_fwd_bwd']:10.2f} ms fwd+bwd, peak {row['peak_mem_mb']:8.0f} MB",
+              flush=True)
+        add_speedups(rows)
+        write_csv(csv_path, rows)
+
+    def worker(kind, *extra):
+        return [sys.executable, os.path.abspath(__file__), "--kind", kind, "--batch", str(args.batch), "--dims", args.dims,
+                "--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats), "--device", args.device,
+                "--threads", str(args.threads), "--dtype", args.dtype, *extra]
+
+    if args.device.startswith("cuda"):  # one process per kind, every length in it
         for kind in args.kinds:
-            cmd = [sys.executable, os.path.abspath(__file__), "--kind", kind, "--length", str(length), "--batch", str(args.batch),
-                   "--dims", args.dims, "--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats),
-                   "--device", args.device, "--threads", str(args.threads)]
-            try:
-                row = run_worker(cmd)
-            except RuntimeError as exc:  # e.g. softmax running out of memory at long lengths
-                print(f"{kind} at {length}: {exc}")
+            if time.time() >= budget_end:
+                print(f"# time budget spent: skipped {kind}", flush=True)
                 continue
-            rows.append(row)
-            print(f"{kind:>10} len {length:>5}: {row['ms_fwd_bwd']:10.2f} ms fwd+bwd, peak {row['peak_mem_mb']:8.0f} MB", flush=True)
+            status = stream_worker(worker(kind, "--worker-lengths", *map(str, args.lengths)), budget_end, add_row)
+            if status != "ok":
+                print(f"# {kind}: {status}", flush=True)
+    else:
+        for length in args.lengths:
+            for kind in args.kinds:
+                if time.time() >= budget_end:
+                    print(f"# time budget spent: skipped {kind} at {length}", flush=True)
+                    continue
+                try:
+                    add_row(run_worker(worker(kind, "--length", str(length))))
+                except RuntimeError as exc:  # e.g. softmax running out of memory at long lengths
+                    print(f"{kind} at {length}: {exc}")
     if not rows:
         raise SystemExit("benchmark_train: every configuration failed")
-    index = {(r["kind"], r["length"]): r for r in rows}
-    for r in rows:
-        soft = index.get(("softmax", r["length"]))
-        r["speedup_vs_softmax"] = soft["ms_fwd_bwd"] / r["ms_fwd_bwd"] if soft else None
-    csv_path = os.path.join(args.out_dir, f"train_attention_{args.device.split(':')[0]}_{args.dims}.csv")
+    add_speedups(rows)
     write_csv(csv_path, rows)
     print()
-    print_table(rows, ["kind", "length", "ms_fwd_bwd", "peak_mem_mb", "peak_over_start_mb", "speedup_vs_softmax"])
+    print_table(rows, ["kind", "length", "ms_fwd_bwd", "peak_mem_mb", "peak_over_start_mb", "speedup_vs_softmax",
+                       "speedup_vs_sdpa"])
     print(f"wrote {csv_path}")
-    plot(rows, csv_path[:-4] + ".png")
+    plot(rows, csv_path[:-4] + ".png", f"{machine_description(args.device)}, {args.dims} dims, batch {args.batch}, {args.dtype}")
 
     if not args.skip_e2e:
         e2e = [e2e_words_per_second(m, args.e2e_dims, args.e2e_updates, args.threads) for m in ("softmax", "rfa", "rfa_gated")]
@@ -186,7 +290,15 @@ def main() -> int:
     return 0
 
 
-def plot(rows, path) -> None:
+def add_speedups(rows) -> None:
+    index = {(r["kind"], r["length"]): r for r in rows}
+    for r in rows:
+        for column, reference in (("speedup_vs_softmax", "softmax"), ("speedup_vs_sdpa", "softmax_sdpa")):
+            ref = index.get((reference, r["length"]))
+            r[column] = ref["ms_fwd_bwd"] / r["ms_fwd_bwd"] if ref else None
+
+
+def plot(rows, path, title="") -> None:
     try:
         import matplotlib
 
@@ -207,6 +319,8 @@ def plot(rows, path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

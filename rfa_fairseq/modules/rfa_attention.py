@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from ..ops import (
     LEARNED_FEATURE_MAPS,
-    causal_rfa_chunked,
+    causal_rfa,
+    causal_rfa_decode_step,
     causal_rfa_recurrent,
-    causal_rfa_step_fused,
     denominator_eps,
     draw_random_matrix,
     feature_map,
@@ -268,7 +268,7 @@ class RFAAttention(nn.Module):
                 state, order = saved.get("causal_state"), saved.pop("causal_order", None)
                 if tgt_len == 1 and not torch.is_grad_enabled():
                     # reorder + update + read-out in one pass; the old state becomes the spare buffer
-                    out, new_state = causal_rfa_step_fused(
+                    out, new_state = causal_rfa_decode_step(
                         phi_q, phi_k, v, log_gate, state, order, out_state=saved.get("causal_state_spare"), eps=self.eps
                     )
                     if state is not None and new_state is not state:
@@ -280,7 +280,7 @@ class RFAAttention(nn.Module):
                 saved["causal_state"] = new_state
                 self._set_input_buffer(incremental_state, saved)
             else:
-                out, _ = causal_rfa_chunked(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps)
+                out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps)
         else:
             # encoder self-attention, or decoder self-attention with full context
             if attn_mask is not None:
@@ -313,7 +313,8 @@ class RFAAttention(nn.Module):
         state, rows = saved["cross_state"], saved["cross_rows"]
         B, H, T, F_ = phi_q.shape
         n_src = state.size(0)
-        if B % n_src == 0 and torch.equal(rows, torch.arange(n_src, device=rows.device).repeat_interleave(B // n_src)):
+        # on CUDA, rows always have this layout (see _beams_grouped); checking would wait for the GPU
+        if B % n_src == 0 and (rows.is_cuda or torch.equal(rows, torch.arange(n_src, device=rows.device).repeat_interleave(B // n_src))):
             beam = B // n_src
             q = phi_q.view(n_src, beam, H, T, F_).transpose(1, 2).reshape(n_src, H, beam * T, F_)
             out, _ = noncausal_rfa(q, None, None, state=state, eps=self.eps)  # (B_src, H, beam * T, d)
@@ -345,7 +346,7 @@ class RFAAttention(nn.Module):
             rows = buffer["cross_rows"].index_select(0, new_order)
             beam = self.beam_size if self.beam_size > 1 and rows.numel() % self.beam_size == 0 else 1
             groups = rows.view(-1, beam)
-            if bool((groups == groups[:, :1]).all()):
+            if _beams_grouped(groups):
                 sentences = groups[:, 0]
                 if not _is_identity(sentences, buffer["cross_state"].size(0)):
                     buffer["cross_state"] = buffer["cross_state"].index_select(0, sentences)
@@ -373,4 +374,13 @@ class RFAAttention(nn.Module):
 
 
 def _is_identity(order: Tensor, size: int) -> bool:
+    if order.is_cuda:  # checking would wait for the GPU at every step; a kept order costs one gather
+        return False
     return order.numel() == size and torch.equal(order, torch.arange(size, device=order.device))
+
+
+def _beams_grouped(groups: Tensor) -> bool:
+    """Each row of `groups` (one sentence's beams) reads one source sentence. Trusted on CUDA,
+    where checking would wait for the GPU at every step: fairseq's beam search keeps a
+    sentence's beams together (its MultiheadAttention relies on that too)."""
+    return groups.is_cuda or bool((groups == groups[:, :1]).all())

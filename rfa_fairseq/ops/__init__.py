@@ -16,6 +16,8 @@ from .feature_maps import (  # noqa: F401
     random_matrix_seed,
     scale_inputs,
 )
+from .dispatch import causal_rfa, causal_rfa_decode_step  # noqa: F401
+from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available, fla_import_error  # noqa: F401
 from .fused_step import causal_rfa_step_fused, load_fused_extension  # noqa: F401
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The CUDA path on one GPU machine, in one command, most important results first:
+#   1. wheels from .whl/ (fairseq, hydra, omegaconf, antlr4, bitarray, fla-core) into /tmp/site
+#   2. fla's Triton kernels compiled in parallel for the shapes used below (benchmarks/gpu/warm_fla.py)
+#   3. tests/test_cuda.py: fla == references, decoding, beam reorder, no host sync, fairseq-train
+#      (--fp16, --bf16, 200 updates each) + fairseq-generate on the GPU
+#   4. decoding vs output length 64 ... 4,096, beam 4, batch 8: softmax, rfa (the default model:
+#      hedgehog, gated, softmax cross-attention), rfa_paper and rfa_paper_gated (sincos, RFA
+#      cross-attention, without and with the gate; scripts/benchmark_common.py)
+#   5. causal attention fwd+bwd 512 ... 16,384 tokens: softmax (SDPA), rfa, rfa_gated (default map)
+#   6. decoding at batch 64 up to 2,048 tokens, then the largest batch each model fits at
+#      2,048 tokens (predicted from the peak memory at batch 8 and 64)
+# Everything goes under ${OUT:-outputs/gpu}: progress.log, env.txt, test_cuda.log/.xml, the
+# benchmark logs, CSVs and PNGs (file names carry the GPU, e.g. decode_cuda_h100_base.csv),
+# summary.txt. The whole run stops by RFA_GPU_BUDGET_S seconds (default 405): each stage gets
+# what is left, a benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages
+# (default: all of "warm_fla test_cuda decode_batch8 train_attention decode_batch64"), e.g. to
+# measure what a first run had no time for (the decoding stages resume from the CSV in $OUT; on a
+# machine that is still warm the compiled kernels are still in $TRITON_CACHE_DIR).
+#
+#   OUT=/path bash benchmarks/gpu/run_all.sh
+#   RFA_GPU_STAGES="warm_fla decode_batch64" RFA_GPU_BUDGET_S=500 bash benchmarks/gpu/run_all.sh
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$REPO"
+OUT="${OUT:-$REPO/outputs/gpu}"
+mkdir -p "$OUT"
+BUDGET_S="${RFA_GPU_BUDGET_S:-405}"
+STAGES=" ${RFA_GPU_STAGES:-warm_fla test_cuda decode_batch8 train_attention decode_batch64} "
+START=$(date +%s)
+STATUS=()
+
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/progress.log"; }
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+# budget RESERVE CAP: seconds for the next stage, keeping RESERVE for the stages after it
+budget() { local b=$(( $(left) - $1 )); echo $(( b > $2 ? $2 : b )); }
+
+# stage NAME SECONDS CMD...: run CMD under a hard time limit (SIGINT to its whole process group, as
+# Ctrl-C: pytest still writes its summary), log its output, never abort the script
+stage() {
+    local name="$1" seconds="$2"
+    shift 2
+    if [[ "$STAGES" != *" $name "* ]]; then
+        return 0
+    fi
+    if [ "$seconds" -le 25 ]; then
+        log "$name: skipped (time budget spent)"
+        STATUS+=("$name: skipped (time budget)")
+        return 0
+    fi
+    log "$name: start (at most ${seconds}s)"
+    local rc=0
+    timeout --signal=INT --kill-after=15 "$seconds" "$@" > >(tee "$OUT/$name.log") 2>&1 || rc=$?
+    log "$name: exit code $rc$([ "$rc" = 124 ] && echo ' (time limit)')"
+    STATUS+=("$name: exit code $rc")
+}
+
+# ---------------------------------------------------------------- 1. environment
+if ! python3 -c "import fairseq, fla, hydra, omegaconf" 2>/dev/null; then
+    log "installing wheels from .whl/ into /tmp/site"
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+        log "wheel install failed (is .whl/ carried?)"
+        exit 1
+    fi
+    export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="/tmp/site/bin:$PATH"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/rfa-triton-cache}"  # shared by every process below
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    python3 - <<'EOF'
+import sys, torch, triton, fairseq, fla
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"fairseq {fairseq.__version__}, fla {fla.__version__}, cuda {torch.version.cuda}")
+print(torch.cuda.get_device_name(), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB")
+EOF
+} > "$OUT/env.txt" 2>&1 || true
+log "environment: $(tr '\n' ' ' < "$OUT/env.txt")"
+
+# ---------------------------------------------------------------- 2. compile fla's kernels
+# up to 48 autotuning configurations per kernel and specialization: compiled in parallel here
+# (minutes one by one), then timed once; later processes find both on disk
+stage warm_fla "$(budget 280 150)" python3 benchmarks/gpu/warm_fla.py
+
+# ---------------------------------------------------------------- 3. tests
+tests=$(budget 170 240)
+stage test_cuda $(( tests < 120 ? $(budget 10 120) : tests )) \
+    python3 -m pytest -x -q -s -p no:cacheprovider --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+
+# ---------------------------------------------------------------- 4-6. benchmarks
+# each script stops itself by --time-budget (GRACE s before its stage's hard limit) and keeps what it
+# measured; a decoding worker sets up once (STARTUP s) and gives each model an equal share of the rest
+GRACE=20
+STARTUP=12
+MODELS=(softmax rfa rfa_paper rfa_paper_gated)
+DECODE=(python3 scripts/benchmark_decode.py --device cuda --one-run --dims base --beam 4 --src-len 32
+        --models "${MODELS[@]}" --out-dir "$OUT")
+secs=$(budget 100 400)
+stage decode_batch8 "$secs" "${DECODE[@]}" --resume --batch-sizes 8 --lengths 64 256 1024 2048 4096 \
+    --time-budget $(( secs - GRACE )) --run-budget $(( (secs - GRACE - STARTUP) / ${#MODELS[@]} ))
+
+secs=$(budget 50 65)
+stage train_attention "$secs" python3 scripts/benchmark_train.py --device cuda --dims base --batch 1 \
+    --kinds softmax_sdpa rfa rfa_gated --lengths 512 1024 2048 4096 8192 16384 --repeats 3 --skip-e2e \
+    --time-budget $(( secs - GRACE )) --out-dir "$OUT"
+
+secs=$(budget 5 400)
+stage decode_batch64 "$secs" "${DECODE[@]}" --resume --batch-sizes 64 --lengths 64 256 1024 2048 --max-batch-at 2048 \
+    --time-budget $(( secs - GRACE )) --run-budget $(( (secs - GRACE - STARTUP) / ${#MODELS[@]} ))
+
+# ---------------------------------------------------------------- summary
+{
+    echo "elapsed: $(( $(date +%s) - START )) s of ${BUDGET_S} s"
+    printf '%s\n' ${STATUS[@]+"${STATUS[@]}"}
+    grep -hE "passed|failed|skipped|error" "$OUT/test_cuda.log" 2>/dev/null | tail -n 3 || true
+    ls -1 "$OUT"
+} > "$OUT/summary.txt"
+log "done: $(paste -sd ';' "$OUT/summary.txt")"

@@ -1,0 +1,155 @@
+"""Causal RFA on CUDA through flash-linear-attention (`fla`, optional: pip install .[cuda]).
+
+RFA is fla's scalar-gated linear attention ("simple GLA"),
+
+    S_t = exp(g_t) S_{t-1} + k_t (x) v_t,    o_t = scale * q_t S_t,
+
+with q = phi(q), k = phi(k) (the (1 - g_t) factor already folded in by `gate_keys`),
+v = [v, 1] (the ones column accumulates z, so o_t holds numerator and denominator),
+g = log_gate (None when ungated: nothing decays) and scale = 1. fla's S is our state:
+(B, H, F, d + 1), S in the first d columns and z in the last.
+
+    causal_rfa_fla       whole sequences (training, scoring): chunk_simple_gla, fla's own
+                         backward; same contract as causal_rfa_chunked
+    causal_rfa_step_fla  one decoding step: fused_recurrent_simple_gla; same contract as
+                         causal_rfa_step_fused (a pending beam order is applied first)
+
+Dtypes: everything goes to fla in fp32. fla keeps the per-chunk states of its forward in
+the input dtype and returns o (numerator and denominator here) in the input dtype, so
+fp16/bf16 inputs would round states and sums (and fp16 sums over long inputs overflow).
+With fp32 inputs its matmuls run on TF32 tensor cores (Triton's default for fp32 dots,
+about 1e-3 relative error per product) and accumulate in fp32; final states are fp32.
+
+Layout: fla takes (B, T, H, K), ours is (B, H, T, F). Whole sequences go to fla as one
+packed sequence of B segments of T positions (B = 1 and cu_seqlens, fla's variable-length
+form): some of fla's kernels take the batch size as a compile-time constant (its chunk
+cumsum and dq/dk kernels), so every new batch size would compile and autotune them again,
+and fairseq's token-based batches come in many sizes. Packed, one compiled set serves all
+(fla then reads its chunk count back to the host once per forward and backward: a
+synchronisation of training passes, not of decoding steps).
+
+fla is imported on the first CUDA call (importing it needs triton and a GPU driver).
+RFA_FLA=0 keeps CUDA tensors on the torch path too (comparisons, debugging).
+"""
+import functools
+import os
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .rfa import DENOMINATOR_EPS, _normalize, _with_ones
+
+FLA_ENV = "RFA_FLA"  # "0": never use fla
+FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp64 stays on the torch path
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_ops():
+    """(chunk_simple_gla, fused_recurrent_simple_gla), or the import error as a string."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+    except Exception as error:  # not installed, no triton, no driver, ...
+        return f"{type(error).__name__}: {error}"
+    return chunk_simple_gla, fused_recurrent_simple_gla
+
+
+def fla_import_error() -> Optional[str]:
+    """Why fla cannot be used here (None when it imports)."""
+    ops = _fla_ops()
+    return ops if isinstance(ops, str) else None
+
+
+def fla_available(tensor: Tensor) -> bool:
+    """True for CUDA tensors of an fla dtype when fla imports and RFA_FLA is not 0."""
+    if not tensor.is_cuda or tensor.dtype not in FLA_DTYPES or os.environ.get(FLA_ENV, "1") == "0":
+        return False
+    error = fla_import_error()
+    if error is not None:
+        _warn_once(error)
+    return error is None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(error: str) -> None:
+    warnings.warn(
+        f"rfa_fairseq: flash-linear-attention is not usable ({error}); causal RFA on CUDA runs the torch path "
+        f"(same results, slower). Install it with `pip install rfa-fairseq[cuda]`, or set {FLA_ENV}=0 to silence this."
+    )
+
+
+def _fla_inputs(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Optional[Tensor]):
+    """(B, H, T, .) -> fla's (B, T, H, .) in fp32; v gets its ones column, log_gate -> (B, T, H)."""
+    q = phi_q.float().transpose(1, 2)  # (B, T, H, F)
+    k = phi_k.float().transpose(1, 2)  # (B, T, H, F)
+    va = _with_ones(v.float()).transpose(1, 2)  # (B, T, H, d + 1)
+    g = log_gate.float().transpose(1, 2) if log_gate is not None else None  # (B, T, H)
+    return q, k, va, g
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_bounds(num_segments: int, length: int, device: torch.device):
+    """fla's cu_seqlens for `num_segments` segments of `length` positions, on the device and on the CPU."""
+    bounds = torch.arange(0, (num_segments + 1) * length, length, dtype=torch.long)  # (B + 1,)
+    return bounds.to(device), bounds
+
+
+def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS):
+    """Causal RFA of whole sequences with fla's chunk_simple_gla; gradients flow to every input.
+
+    phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
+    state: (B, H, F, d + 1) entering the sequence, or None
+    -> out (B, H, T, d) fp32, final state (B, H, F, d + 1) fp32
+
+    chunk_size belongs to the torch path (causal_rfa_chunked); fla uses its own chunks of 64.
+    Any T works: fla masks the last, partial chunk. eps: the denominator guard (rfa.py).
+    """
+    chunk_simple_gla, _ = _require_fla()
+    B, H, T, _ = phi_q.shape
+    packed = [x.reshape((1, B * T) + x.shape[2:]) if x is not None else None for x in _fla_inputs(phi_q, phi_k, v, log_gate)]
+    q, k, va, g = packed  # (1, B * T, H, F) twice, (1, B * T, H, d + 1), (1, B * T, H)
+    cu_seqlens, cu_seqlens_cpu = _segment_bounds(B, T, phi_q.device)
+    initial = state.float() if state is not None else None
+    out, final_state = chunk_simple_gla(
+        q, k, va, g=g, scale=1.0, initial_state=initial, output_final_state=True,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    out = out.view(B, T, H, -1).transpose(1, 2)  # (B, H, T, d + 1)
+    return _normalize(out, eps), final_state  # (B, H, T, d), (B, H, F, d + 1)
+
+
+def causal_rfa_step_fla(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None,
+                        eps: float = DENOMINATOR_EPS):
+    """One decoding step on CUDA, with a pending beam reorder: state[order] enters the step.
+
+    phi_q, phi_k: (B, H, 1, F)   v: (B, H, 1, d)   log_gate: (B, H, 1)
+    state: (B0, H, F, d + 1) or None   order: (B,) int64 rows of state, or None (identity)
+    -> out (B, H, 1, d) fp32, new_state (B, H, F, d + 1) fp32, never `state` itself
+
+    The reorder is a gather on the device (into `out_state`, a spare buffer, when it has
+    the right shape); nothing here waits for the GPU, so steps queue up without host
+    synchronisation.
+    """
+    _, fused_recurrent_simple_gla = _require_fla()
+    if phi_q.size(2) != 1:
+        raise ValueError(f"causal_rfa_step_fla takes one position, got {phi_q.size(2)}")
+    if state is None and order is not None:
+        raise ValueError("a reorder needs a state to reorder")
+    if order is not None:
+        rows = (order.numel(),) + state.shape[1:]
+        if out_state is not None and out_state is not state and out_state.shape == rows and out_state.dtype == state.dtype:
+            state = torch.index_select(state, 0, order, out=out_state)
+        else:
+            state = state.index_select(0, order)
+    q, k, va, g = _fla_inputs(phi_q, phi_k, v, log_gate)
+    initial = state.float() if state is not None else None
+    out, new_state = fused_recurrent_simple_gla(q, k, va, g=g, scale=1.0, initial_state=initial, output_final_state=True)
+    return _normalize(out.transpose(1, 2), eps), new_state  # (B, H, 1, d), (B, H, F, d + 1)
+
+
+def _require_fla():
+    ops = _fla_ops()
+    if isinstance(ops, str):
+        raise RuntimeError(f"flash-linear-attention is not usable: {ops} (pip install rfa-fairseq[cuda])")
+    return ops

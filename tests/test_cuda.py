@@ -1,0 +1,353 @@
+"""The CUDA path: flash-linear-attention against the torch references, decoding, and fairseq-train /
+fairseq-generate on a GPU. Every test is skipped, with the reason, where CUDA or fla is missing.
+
+Shapes are those of the base models (8 heads, head dim 64, 2 x 64 sincos features): fla compiles
+its Triton kernels per head count and key/value size, so tests and benchmarks share one compiled
+set. fla's matmuls on fp32 inputs run on TF32 tensor cores (~1e-3 relative per product), so
+tolerances are relative to each tensor's range, and the measured errors are printed.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cli_support import env, json_losses, run
+from conftest import PLUGIN_DIR, REPO
+from helpers import build_model, random_batch
+from test_model import _decode_incrementally
+
+from rfa_fairseq.ops import (
+    causal_rfa,
+    causal_rfa_chunked,
+    causal_rfa_fla,
+    causal_rfa_recurrent,
+    causal_rfa_reference,
+    causal_rfa_step_fla,
+    fla_import_error,
+    gate_keys,
+)
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    error = fla_import_error()
+    return f"flash-linear-attention does not import ({error}); pip install .[cuda]" if error else None
+
+
+SKIP_REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=f"CUDA path not tested: {SKIP_REASON}")
+
+H, F_, D = 8, 128, 64  # heads, features (sincos, 64 random vectors), head dim
+GPU_MODEL = [  # override helpers.TINY_ARGS: the base models' head shape, 2 layers
+    "--encoder-embed-dim", str(H * D), "--decoder-embed-dim", str(H * D),
+    "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
+]
+TOLERANCE = 1e-2  # of each tensor's range; TF32 gives ~1e-3
+
+
+def flags(feature_map="sincos", gate=True, rfa_encoder=False, rfa_cross=True):
+    """Every RFA option these tests depend on, explicit (defaults move); F = 128 for every map:
+    2 x 64 for sincos and hedgehog, --rfa-num-features 128 for the others (elu's F is the head
+    dimension, another set of fla kernels to compile, so it is left to the CPU tests)."""
+    out = ["--rfa-feature-map", feature_map, "--rfa-chunk-size", "4", "--rfa-gate" if gate else "--no-rfa-gate",
+           "--no-rfa-softmax-cross-attn" if rfa_cross else "--rfa-softmax-cross-attn"]
+    if feature_map in ("positive", "arccos", "relu"):
+        out += ["--rfa-num-features", str(F_)]
+    return out + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
+
+
+def relative_error(got, want) -> float:
+    want = want.double()
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def features(*shape, dtype=torch.float32):
+    """Positive features with healthy denominators (each phi(q).phi(k) around 1/4)."""
+    return (torch.rand(*shape, device="cuda") * F_ ** -0.5).to(dtype)
+
+
+# ------------------------------------------------------------------ ops
+
+
+CASES = [(gated, dtype, state, 200) for gated in (False, True) for dtype in ("fp32", "bf16") for state in (False, True)]
+CASES += [(True, "fp32", True, length) for length in (1, 64, 65)]
+
+
+@pytest.mark.parametrize("gated,dtype,with_state,length", CASES)
+def test_fla_matches_reference_outputs_states_gradients(gated, dtype, with_state, length):
+    """fla's chunk_simple_gla through causal_rfa_fla == the O(T^2) reference in fp64: outputs, final
+    state and gradients w.r.t. phi_q, phi_k, v, gate logits and the initial state; right padding
+    folded in by gate_keys; lengths that are not a multiple of fla's 64-position chunks."""
+    torch.manual_seed(0)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    B, T = 2, length
+    phi_q = features(B, H, T, F_, dtype=dtype).requires_grad_()
+    phi_k = features(B, H, T, F_, dtype=dtype).requires_grad_()
+    v = torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True)
+    logits = (2 * torch.randn(B, H, T, device="cuda", dtype=dtype)).requires_grad_() if gated else None
+    state = torch.rand(B, H, F_, D + 1, device="cuda", requires_grad=True) if with_state else None
+    pad = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    pad[1, T - T // 5:] = True  # fairseq pads targets on the right
+    w_out, w_state = torch.randn(B, H, T, D, device="cuda"), torch.randn(B, H, F_, D + 1, device="cuda")
+    leaves = [x for x in (phi_q, phi_k, v, logits, state) if x is not None]
+    results = []
+    for fn, cast in ((causal_rfa_fla, lambda x: x), (causal_rfa_reference, lambda x: x.double())):
+        k, log_gate = gate_keys(cast(phi_k), cast(logits) if gated else None, pad)
+        out, final = fn(cast(phi_q), k, cast(v), log_gate, cast(state) if with_state else None)
+        loss = (out * cast(w_out)).sum() + (final * cast(w_state)).sum()
+        results.append([out, final, *torch.autograd.grad(loss, leaves)])
+    got, want = results
+    assert got[0].dtype == got[1].dtype == torch.float32  # outputs and states in fp32
+    assert [g.dtype for g in got[2:]] == [x.dtype for x in leaves]
+    names = ["out", "state", "d_phi_q", "d_phi_k", "d_v"] + (["d_gate"] if gated else []) + (["d_state"] if with_state else [])
+    errors = {name: relative_error(a, b) for name, a, b in zip(names, got, want)}
+    print(" ".join(f"{name} {error:.1e}" for name, error in errors.items()))
+    assert all(math.isfinite(e) and e < TOLERANCE for e in errors.values()), errors
+
+
+def test_dispatch_takes_fla_for_cuda_and_torch_when_disabled_or_fp64(monkeypatch):
+    torch.manual_seed(1)
+    q, k, v = features(2, H, 100, F_), features(2, H, 100, F_), torch.randn(2, H, 100, D, device="cuda")
+    log_gate = -torch.rand(2, H, 100, device="cuda")
+    assert torch.equal(causal_rfa(q, k, v, log_gate)[0], causal_rfa_fla(q, k, v, log_gate)[0])
+    monkeypatch.setenv("RFA_FLA", "0")
+    assert torch.equal(causal_rfa(q, k, v, log_gate)[0], causal_rfa_chunked(q, k, v, log_gate)[0])
+    monkeypatch.delenv("RFA_FLA")
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    assert torch.equal(causal_rfa(q64, k64, v64)[0], causal_rfa_chunked(q64, k64, v64)[0])
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_fla_decoding_step_with_beam_order(gated):
+    """fused_recurrent_simple_gla after the gather == the recurrence on state[order], in fp32."""
+    torch.manual_seed(2)
+    state = torch.rand(4, H, F_, D + 1, device="cuda")
+    spare = torch.empty(3, H, F_, D + 1, device="cuda")
+    for order in (torch.tensor([3, 0, 3], device="cuda"), None):
+        rows = 3 if order is not None else 4
+        q, k = features(rows, H, 1, F_), features(rows, H, 1, F_)
+        v = torch.randn(rows, H, 1, D, device="cuda")
+        log_gate = -torch.rand(rows, H, 1, device="cuda") if gated else None
+        out, new_state = causal_rfa_step_fla(q, k, v, log_gate, state, order, out_state=spare)
+        entering = state[order] if order is not None else state
+        want_out, want_state = causal_rfa_recurrent(q.double(), k.double(), v.double(),
+                                                    log_gate.double() if gated else None, entering.double())
+        assert new_state is not state and new_state.dtype == out.dtype == torch.float32
+        assert relative_error(out, want_out) < 1e-5 and relative_error(new_state, want_state) < 1e-5
+
+
+# ------------------------------------------------------------------ model
+
+
+def gpu_model(options, seed=1, dictionary=None):
+    model, d = build_model([*options, *GPU_MODEL], seed=seed, dictionary=dictionary)
+    return model.cuda().eval(), d
+
+
+def on_cuda(*tensors):
+    return [t.cuda() for t in tensors]
+
+
+MODEL_VARIANTS = [  # feature map, gated, RFA encoder, RFA cross-attention
+    ("sincos", False, False, True), ("sincos", True, True, True), ("positive", True, False, True),
+    ("arccos", False, False, True), ("hedgehog", True, False, False), ("relu", False, False, True),
+]
+
+
+@pytest.mark.parametrize("feature_map,gate,rfa_encoder,rfa_cross", MODEL_VARIANTS)
+def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa_encoder, rfa_cross):
+    """Full forward (fla chunked) == step by step (fla fused recurrent) through a whole model."""
+    model, d = gpu_model(flags(feature_map, gate, rfa_encoder, rfa_cross))
+    src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=9, tgt_len=70))
+    with torch.no_grad():
+        full, _ = model(src, src_lengths, prev)
+        incremental = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+    error = relative_error(incremental, full)
+    print(f"max |full - incremental| = {error:.1e} of the logits' range")
+    assert error < TOLERANCE
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
+def test_beam_reorder_equals_decoding_the_reordered_batch_on_cuda(gate):
+    model, d = gpu_model(flags("sincos", gate))
+    src, src_lengths, prev = on_cuda(*random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3))
+    k = 4
+    for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0]):
+        new_order = torch.tensor(order, device="cuda")
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            state = {}
+            _decode_incrementally(model, encoder_out, prev[:, :k], state)
+            model.decoder.reorder_incremental_state_scripting(state, new_order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+            continued = _decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
+            fresh = model.encoder(src[new_order], src_lengths=src_lengths[new_order])
+            scratch = _decode_incrementally(model, fresh, prev[new_order], {})[:, k:]
+        torch.testing.assert_close(continued, scratch, rtol=1e-4, atol=1e-4)
+
+
+def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
+    """The cross state once per sentence (beam 3); within-beam reorders and a finished sentence."""
+    model, d = gpu_model(flags("sincos", gate=True))
+    beam = 3
+    src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5))
+    expand = torch.arange(3, device="cuda").repeat_interleave(beam)
+    src, src_lengths, prev = src[expand], src_lengths[expand], prev[torch.arange(9, device="cuda") % 3]
+    model.decoder.set_beam_size(beam)
+    cross = model.decoder.layers[0].encoder_attn
+    k = 3
+    orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state, rows = {}, torch.arange(9, device="cuda")
+        _decode_incrementally(model, encoder_out, prev[:, :k], state)
+        assert cross._get_input_buffer(state)["cross_state"].size(0) == 3
+        for step, order in enumerate(orders):
+            order = order.cuda()
+            model.decoder.reorder_incremental_state_scripting(state, order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
+            rows = rows[order]
+            continued = _decode_incrementally(model, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
+            model.decoder.set_beam_size(1)
+            fresh = model.encoder(src[rows], src_lengths=src_lengths[rows])
+            scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
+            model.decoder.set_beam_size(beam)
+            torch.testing.assert_close(continued, scratch, rtol=1e-4, atol=1e-4)
+        assert cross._get_input_buffer(state)["cross_state"].size(0) == 2
+
+
+@pytest.mark.parametrize("feature_map,gate,rfa_cross", [("sincos", False, True), ("hedgehog", True, False)],
+                         ids=["sincos-ungated-rfa_cross", "hedgehog-gated-softmax_cross"])
+def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(feature_map, gate, rfa_cross):
+    """fairseq's beam search on CUDA (fla steps, reorders, finishing sentences): per-token scores ==
+    teacher-forced full forward (fla chunked), up to TF32."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, d = gpu_model(flags(feature_map, gate, rfa_cross=rfa_cross), seed=4)
+    src, src_lengths, _ = on_cuda(*random_batch(d, bsz=5, src_len=7, seed=9))
+    gen = SequenceGenerator([model], d, beam_size=4, max_len_b=10, normalize_scores=False)
+    worst = 0.0
+    with torch.no_grad():
+        hyps = gen.generate([model], {"net_input": {"src_tokens": src, "src_lengths": src_lengths}})
+        model.set_beam_size(1)  # fairseq's softmax cross-attention would fold the rescoring batch by the beam
+        for i, sent in enumerate(hyps):
+            for hyp in sent:
+                tokens = hyp["tokens"]
+                prev = torch.cat([tokens.new_tensor([d.eos()]), tokens[:-1]]).unsqueeze(0)
+                logits, _ = model(src[i : i + 1], src_lengths[i : i + 1], prev)
+                lprobs = torch.log_softmax(logits.float(), dim=-1)[0].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+                worst = max(worst, (hyp["positional_scores"] - lprobs).abs().max().item())
+    print(f"max |beam score - rescored| = {worst:.1e}")
+    assert worst < 2e-2
+
+
+# ------------------------------------------------------------------ fairseq-train / fairseq-generate
+
+CLI_MODEL = [
+    "--arch", "rfa_transformer", "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "2",
+    "--encoder-embed-dim", str(H * D), "--decoder-embed-dim", str(H * D),
+    "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
+    "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
+]
+CLI_TRAIN = [
+    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
+    "--warmup-updates", "50", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--dropout", "0.1", "--max-tokens", "4096", "--num-workers", "0", "--seed", "3", "--log-format", "json",
+    "--log-interval", "10", "--no-epoch-checkpoints", "--save-interval", "1000",  # one checkpoint, at the end
+    "--disable-validation",
+]
+
+
+def run_module(module, *args, timeout=900):
+    """python -m MODULE ARGS (no console scripts needed), with this checkout importable."""
+    path = os.pathsep.join([REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          env=env(PYTHONPATH=path), timeout=timeout)
+    assert proc.returncode == 0, f"{module} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda_cli")
+    run(os.path.join(REPO, "data-prep", "make_synthetic_corpus.py"), root / "raw",
+        "--train", "4000", "--valid", "60", "--test", "40")
+    run_module("fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", root / "raw/train", "--validpref", root / "raw/valid", "--testpref", root / "raw/test",
+        "--destdir", root / "bin", "--joined-dictionary", "--workers", "4")
+    return root
+
+
+def hypotheses(generate_stdout):
+    return [line for line in generate_stdout.splitlines() if line.startswith("H-")]
+
+
+@pytest.mark.parametrize("precision,rfa_flags", [
+    ("fp16", ["--no-rfa-gate", "--no-rfa-softmax-cross-attn"]),  # ungated, RFA cross-attention
+    ("bf16", ["--rfa-gate", "--rfa-softmax-cross-attn"]),  # gated, softmax cross-attention
+], ids=["fp16-ungated-rfa_cross", "bf16-gated-softmax_cross"])
+def test_fairseq_train_and_generate_on_cuda(corpus, precision, rfa_flags, updates=200):
+    """200 updates of fairseq-train on the GPU (--fp16: fairseq's loss scaling; --bf16 through
+    rfa-train, since fairseq 0.12.3 reads --bf16 as a TPU run): every logged loss finite, the loss
+    goes down; then fairseq-generate (beam 4) on the test set, in fp16 after --fp16 training.
+    fp32 is covered above (the model tests and fairseq's SequenceGenerator on CUDA)."""
+    save_dir = corpus / f"ckpt_{precision}"
+    precision_flags = {"fp16": ["--fp16"], "bf16": ["--bf16"]}[precision]
+    proc = run_module("rfa_fairseq.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *rfa_flags, *CLI_TRAIN,
+                      *precision_flags, "--max-update", updates, "--save-dir", save_dir)
+    log = proc.stdout + proc.stderr
+    losses = json_losses(log)
+    print(f"{precision}: losses every 10 updates: {[round(losses[u], 3) for u in sorted(losses)]}")
+    assert max(losses) == updates, f"training stopped at update {max(losses)}"
+    assert all(math.isfinite(loss) for loss in losses.values()), losses
+    first, last = losses[min(losses)], losses[max(losses)]
+    assert last < first, f"loss did not go down: {first} -> {last}"
+    if precision == "bf16":
+        assert "'bf16': True" in log and "'tpu': False" in log  # bfloat16 on the GPU, not the TPU path
+    out = run_module("fairseq_cli.generate", corpus / "bin", "--user-dir", PLUGIN_DIR,
+                     "--path", save_dir / "checkpoint_last.pt", "--gen-subset", "test", "--beam", "4",
+                     "--batch-size", "16", "--max-len-b", "30", "--required-batch-size-multiple", "1",
+                     *(["--fp16"] if precision == "fp16" else [])).stdout
+    assert len(hypotheses(out)) == 40
+
+
+# ------------------------------------------------------------------ host synchronisation (last: -x)
+
+
+def test_decoding_steps_and_reorders_do_not_synchronize_the_host():
+    """RFA's decoding step (self and cross attention) and beam reorder queue GPU work without
+    waiting for it: torch's sync debug mode turns any host synchronisation into an error.
+    (fairseq's own decoder and beam search still synchronise; this checks what RFA adds.)"""
+    model, _ = gpu_model(flags("sincos", gate=True))
+    layer = model.decoder.layers[0]
+    self_attn, cross = layer.self_attn, layer.encoder_attn
+    beam, sentences, C = 4, 3, H * D
+    for module in (self_attn, cross):
+        module.set_beam_size(beam)
+    encoder_out = torch.randn(7, sentences, C, device="cuda").repeat_interleave(beam, dim=1)  # (S, B * beam, C)
+    steps = [torch.randn(1, sentences * beam, C, device="cuda") for _ in range(6)]
+    within_beam = torch.tensor([1, 1, 0, 3], device="cuda")
+    order = (torch.arange(sentences, device="cuda").repeat_interleave(beam) * beam
+             + within_beam.repeat(sentences))  # (B * beam,) beams swap within their sentence
+    state = {}
+
+    def step(x):
+        with torch.no_grad():
+            self_attn(x, x, x, incremental_state=state)
+            cross(x, encoder_out, encoder_out, incremental_state=state, static_kv=True)
+            self_attn.reorder_incremental_state(state, order)
+            cross.reorder_incremental_state(state, order)
+
+    for x in steps[:2]:  # first steps: cross state built, fla kernels compiled and autotuned
+        step(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in steps[2:]:
+            step(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

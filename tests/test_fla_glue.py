@@ -1,0 +1,95 @@
+"""fla_backend's glue on the CPU: layout, packing into one sequence with cu_seqlens, the ones
+column, states and gradients, with fla's kernels replaced by a stand-in that computes fla's
+documented simple-GLA contract literally. The kernels themselves are tested on CUDA (test_cuda.py)."""
+import pytest
+import torch
+
+from rfa_fairseq.ops import causal_rfa, causal_rfa_decode_step, fla_available, fla_backend
+from rfa_fairseq.ops.rfa import causal_rfa_recurrent, causal_rfa_reference, gate_keys
+
+
+def simple_gla(q, k, v, g=None, scale=None, initial_state=None, cu_seqlens=None):
+    """S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t, per segment of cu_seqlens.
+    q, k: (B, T, H, K)   v: (B, T, H, V)   g: (B, T, H)   initial_state: (N, H, K, V)"""
+    assert q.dtype == k.dtype == v.dtype == torch.float32, "fla gets fp32 inputs"
+    bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
+    segments = list(zip(bounds[:-1], bounds[1:])) if bounds else [(0, q.size(1))] * q.size(0)
+    outs, states = [], []
+    for n, (start, end) in enumerate(segments):
+        row = 0 if bounds else n
+        S = initial_state[n] if initial_state is not None else q.new_zeros(q.size(2), k.size(-1), v.size(-1))
+        for t in range(start, end):
+            if g is not None:
+                S = torch.exp(g[row, t])[:, None, None] * S
+            S = S + k[row, t].unsqueeze(-1) * v[row, t].unsqueeze(-2)  # (H, K, V)
+            outs.append(scale * (q[row, t].unsqueeze(-2) @ S).squeeze(-2))
+        states.append(S)
+    out = torch.stack(outs).view(q.shape[:2] + (q.size(2), v.size(-1)))
+    return out, torch.stack(states)
+
+
+def chunk_stand_in(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False,
+                   cu_seqlens=None, cu_seqlens_cpu=None):
+    assert q.size(0) == 1 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu), "packed: one sequence, B segments"
+    return simple_gla(q, k, v, g, scale, initial_state, cu_seqlens_cpu)
+
+
+def recurrent_stand_in(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
+    return simple_gla(q, k, v, g, scale, initial_state)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(fla_backend, "_fla_ops", lambda: (chunk_stand_in, recurrent_stand_in))
+
+
+def test_cpu_tensors_take_the_torch_path():
+    x = torch.rand(1, 1, 3, 4)
+    assert not fla_available(x)
+    out, state = causal_rfa(x, x, torch.rand(1, 1, 3, 2))
+    assert out.shape == (1, 1, 3, 2) and state.shape == (1, 1, 4, 3)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_packed_chunked_call_matches_reference_with_gradients(stand_in, gated, with_state):
+    torch.manual_seed(0)
+    B, H, T, F_, d = 3, 2, 70, 6, 4
+    phi_q = (torch.rand(B, H, T, F_) / 4).requires_grad_()
+    phi_k = torch.rand(B, H, T, F_).requires_grad_()
+    v = torch.randn(B, H, T, d).requires_grad_()
+    logits = torch.randn(B, H, T).requires_grad_() if gated else None
+    state = torch.rand(B, H, F_, d + 1).requires_grad_() if with_state else None
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, -17:] = True
+    w_out, w_state = torch.randn(B, H, T, d), torch.randn(B, H, F_, d + 1)
+    leaves = [x for x in (phi_q, phi_k, v, logits, state) if x is not None]
+    results = []
+    for fn, cast in ((fla_backend.causal_rfa_fla, lambda x: x), (causal_rfa_reference, lambda x: x.double())):
+        k, log_gate = gate_keys(cast(phi_k), cast(logits) if gated else None, pad)
+        out, final = fn(cast(phi_q), k, cast(v), log_gate, cast(state) if with_state else None)
+        assert final.shape == (B, H, F_, d + 1)
+        grads = torch.autograd.grad((out * cast(w_out)).sum() + (final * cast(w_state)).sum(), leaves)
+        results.append([out, final, *grads])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
+    assert results[0][0].dtype == results[0][1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_decoding_step_applies_the_order_into_the_spare_buffer(stand_in, gated):
+    torch.manual_seed(1)
+    H, F_, d = 2, 6, 4
+    state, spare = torch.rand(4, H, F_, d + 1), torch.empty(3, H, F_, d + 1)
+    order = torch.tensor([2, 0, 2])  # beam search: rows may repeat and the batch may shrink
+    phi_q, phi_k, v = torch.rand(3, H, 1, F_), torch.rand(3, H, 1, F_), torch.randn(3, H, 1, d)
+    log_gate = -torch.rand(3, H, 1) if gated else None
+    out, new_state = fla_backend.causal_rfa_step_fla(phi_q, phi_k, v, log_gate, state, order, out_state=spare)
+    want_out, want_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, state[order])
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(new_state, want_state)
+    assert new_state is not state and torch.equal(spare, state[order])
+    # CPU tensors: the dispatch keeps the C++/torch step, same result
+    out_cpu, state_cpu = causal_rfa_decode_step(phi_q, phi_k, v, log_gate, state, order)
+    torch.testing.assert_close(out_cpu, want_out)
+    torch.testing.assert_close(state_cpu, want_state)
