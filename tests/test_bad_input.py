@@ -114,10 +114,11 @@ def test_model_overrides_of_trained_rfa_options_are_refused(data, rfa_checkpoint
             "Drop rfa_num_features from --model-overrides") in proc.stderr
 
     # same shapes, different kernel: would decode garbage silently without the check
-    with pytest.raises(RFAOptionMismatchError, match=r"--model-overrides sets rfa_feature_map='arccos', but checkpoint "
-                                                     r".* was trained with --rfa-feature-map sincos"):
+    # (the default hedgehog map and relu have the same (H, D, d) weight)
+    with pytest.raises(RFAOptionMismatchError, match=r"--model-overrides sets rfa_feature_map='relu', but checkpoint "
+                                                     r".* was trained with --rfa-feature-map hedgehog"):
         checkpoint_utils.load_model_ensemble_and_task(
-            [str(rfa_checkpoint)], arg_overrides={"data": str(data / "bin"), "rfa_feature_map": "arccos"})
+            [str(rfa_checkpoint)], arg_overrides={"data": str(data / "bin"), "rfa_feature_map": "relu"})
     # options that only matter in training may be overridden
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
         [str(rfa_checkpoint)], arg_overrides={"data": str(data / "bin"), "rfa_chunk_size": 4})
