@@ -237,8 +237,9 @@ def check_model(state, model_cfg, rfa):
         assert not random
         return
     heads = model_cfg["decoder_attention_heads"]
+    roles = ("self_attn",) if model_cfg["rfa_softmax_cross_attn"] else ("encoder_attn", "self_attn")
     expected = [f"decoder.layers.{i}.{a}.eval_random_matrix" for i in range(model_cfg["decoder_layers"])
-                for a in ("encoder_attn", "self_attn")]  # encoder self-attention stays softmax
+                for a in roles]  # encoder self-attention stays softmax
     assert random == expected
     assert sd[expected[0]].shape == (heads, model_cfg["rfa_num_features"], model_cfg["decoder_embed_dim"] // heads)
 
