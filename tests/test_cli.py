@@ -48,7 +48,7 @@ def generate(data, checkpoint, *extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_train_generate_score(data, gate):
-    flags = ["--arch", "rfa_transformer", "--rfa-num-features", "16"] + (["--rfa-gate"] if gate else [])
+    flags = ["--arch", "rfa_transformer", "--rfa-num-features", "16", "--rfa-gate" if gate else "--no-rfa-gate"]
     checkpoint = train(data, f"rfa_{'gated' if gate else 'ungated'}", flags)
     out = generate(data, checkpoint)
     hyps = hypotheses(out)

@@ -106,7 +106,7 @@ def test_bf16_model_forward_backward_on_8192_tokens():
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
-    model, d = build_model(["--rfa-num-features", "8", "--decoder-layers", "1"] + (["--rfa-gate"] if gate else []),
+    model, d = build_model(["--rfa-num-features", "8", "--decoder-layers", "1", "--rfa-gate" if gate else "--no-rfa-gate"],
                            seed=2)
     model.eval()
     reference, model = bf16_twin(model)

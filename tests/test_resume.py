@@ -29,7 +29,7 @@ def train_command(data, save_dir):
     # the same arguments for all runs; the launcher only stops fairseq from rounding the logged loss
     return [
         sys.executable, UNROUNDED_TRAIN, str(data / "bin"), "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer",
-        *TINY_MODEL, "--rfa-num-features", "8", "--rfa-gate", *TINY_TRAIN, "--max-update", str(MAX_UPDATE),
+        *TINY_MODEL, "--rfa-feature-map", "sincos", "--rfa-num-features", "8", "--rfa-gate", *TINY_TRAIN, "--max-update", str(MAX_UPDATE),
         "--save-interval-updates", str(SAVE_EVERY), "--save-dir", str(save_dir),
         "--log-format", "json", "--log-interval", "1",
     ]
