@@ -24,7 +24,7 @@ def train_two_ranks(data, save_dir, debug_path, max_update, timeout=300):
         log = open(save_dir.parent / f"{save_dir.name}_rank{rank}.log", "w")
         command = [
             os.path.join(BIN, "fairseq-train"), str(data / "bin"), "--user-dir", PLUGIN_DIR,
-            "--arch", "rfa_transformer", *TINY_MODEL, "--rfa-feature-map", "sincos", "--rfa-num-features", "8", *TINY_TRAIN,
+            "--arch", "rfa_transformer", *TINY_MODEL, "--rfa-feature-map", "sincos", "--rfa-num-features", "8", "--no-rfa-softmax-cross-attn", *TINY_TRAIN,
             "--max-update", str(max_update), "--save-dir", str(save_dir), "--save-interval-updates", "4",
             "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "1",
             "--ddp-backend", "legacy_ddp", "--distributed-backend", "gloo",
