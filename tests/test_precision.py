@@ -90,7 +90,8 @@ def test_states_are_accumulated_in_fp32_for_bf16_inputs():
 
 def test_bf16_model_forward_backward_on_8192_tokens():
     """A whole tiny rfa_transformer, RFA in the encoder too (the long-input setting)."""
-    model, d = build_model(["--rfa-num-features", "8", "--rfa-encoder-self-attn", "--rfa-gate",
+    # every attention is RFA, cross-attention included: the long-input setting never builds L x L scores
+    model, d = build_model(["--rfa-num-features", "8", "--rfa-encoder-self-attn", "--rfa-gate", "--no-rfa-softmax-cross-attn",
                             "--max-source-positions", str(LONG + 2), "--max-target-positions", str(LONG + 2)])
     model = model.bfloat16().train()
     src, lengths, prev = random_batch(d, bsz=1, src_len=LONG, tgt_len=LONG, seed=1)
