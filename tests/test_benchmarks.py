@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 
-SCRIPTS = os.path.join(REPO, "scripts")
+SCRIPTS = os.path.join(REPO, "benchmarks")
 
 
 def _run(script, *args, tmp_path):

@@ -6,7 +6,7 @@
 #      (--fp16, --bf16, 200 updates each) + fairseq-generate on the GPU
 #   4. decoding vs output length 64 ... 4,096, beam 4, batch 8: softmax, rfa (the default model:
 #      hedgehog, gated, softmax cross-attention), rfa_paper and rfa_paper_gated (sincos, RFA
-#      cross-attention, without and with the gate; scripts/benchmark_common.py)
+#      cross-attention, without and with the gate; benchmarks/benchmark_common.py)
 #   5. causal attention fwd+bwd 512 ... 16,384 tokens: softmax (SDPA), rfa, rfa_gated (default map)
 #   6. decoding at batch 64 up to 2,048 tokens, then the largest batch each model fits at
 #      2,048 tokens (predicted from the peak memory at batch 8 and 64)
@@ -94,14 +94,14 @@ stage test_cuda $(( tests < 120 ? $(budget 10 120) : tests )) \
 GRACE=20
 STARTUP=12
 MODELS=(softmax rfa rfa_paper rfa_paper_gated)
-DECODE=(python3 scripts/benchmark_decode.py --device cuda --one-run --dims base --beam 4 --src-len 32
+DECODE=(python3 benchmarks/benchmark_decode.py --device cuda --one-run --dims base --beam 4 --src-len 32
         --models "${MODELS[@]}" --out-dir "$OUT")
 secs=$(budget 100 400)
 stage decode_batch8 "$secs" "${DECODE[@]}" --resume --batch-sizes 8 --lengths 64 256 1024 2048 4096 \
     --time-budget $(( secs - GRACE )) --run-budget $(( (secs - GRACE - STARTUP) / ${#MODELS[@]} ))
 
 secs=$(budget 50 65)
-stage train_attention "$secs" python3 scripts/benchmark_train.py --device cuda --dims base --batch 1 \
+stage train_attention "$secs" python3 benchmarks/benchmark_train.py --device cuda --dims base --batch 1 \
     --kinds softmax_sdpa rfa rfa_gated --lengths 512 1024 2048 4096 8192 16384 --repeats 3 --skip-e2e \
     --time-budget $(( secs - GRACE )) --out-dir "$OUT"
 

@@ -2,7 +2,7 @@
 """One decoder layer's RFA self-attention decoding step (beam reorder + step), fused C++ step vs the
 torch fallback, alternating twice, on a random-weight base-size model:
 
-    python scripts/benchmark_layer_step.py --rows 128 --threads 2
+    python benchmarks/benchmark_layer_step.py --rows 128 --threads 2
 """
 import argparse
 import os

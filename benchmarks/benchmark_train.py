@@ -13,9 +13,9 @@ per kind, peak allocated memory reset before each length. Part 2 runs fairseq-tr
 the embedded synthetic corpus for a few hundred updates per model and reads the words/s
 it logs. Writes CSV and a log-log PNG named by device (train_attention_cuda_h100_base.csv).
 
-    python scripts/benchmark_train.py                          # both parts
-    python scripts/benchmark_train.py --lengths 64 512 4096 --skip-e2e
-    python scripts/benchmark_train.py --device cuda --kinds softmax_sdpa rfa rfa_gated \\
+    python benchmarks/benchmark_train.py                          # both parts
+    python benchmarks/benchmark_train.py --lengths 64 512 4096 --skip-e2e
+    python benchmarks/benchmark_train.py --device cuda --kinds softmax_sdpa rfa rfa_gated \\
         --lengths 512 1024 2048 4096 8192 16384 --skip-e2e --time-budget 90
 """
 import argparse
@@ -215,7 +215,7 @@ def main() -> int:
     p.add_argument("--skip-e2e", action="store_true", help="skip the fairseq-train words/s part")
     p.add_argument("--e2e-dims", choices=sorted(DIMS), default="small")
     p.add_argument("--e2e-updates", type=int, default=200)
-    p.add_argument("--out-dir", default=os.path.join(REPO, "outputs", "bench"))
+    p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--kind", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker-lengths", nargs="+", type=int, help=argparse.SUPPRESS)

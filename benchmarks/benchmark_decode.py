@@ -26,9 +26,9 @@ predicts the largest batch each model fits at L output tokens from the peak memo
 batch sizes (linear in the batch), optionally checked by decoding that batch (--verify-max-batch).
 Files are named by device: decode_cpu_<dims>.csv, decode_cuda_h100_<dims>.csv, ...
 
-    python scripts/benchmark_decode.py                                # defaults below
-    python scripts/benchmark_decode.py --lengths 32 64 128 --batch-sizes 8 32
-    python scripts/benchmark_decode.py --device cuda --one-run --lengths 64 256 1024 2048 4096 \\
+    python benchmarks/benchmark_decode.py                                # defaults below
+    python benchmarks/benchmark_decode.py --lengths 32 64 128 --batch-sizes 8 32
+    python benchmarks/benchmark_decode.py --device cuda --one-run --lengths 64 256 1024 2048 4096 \\
         --batch-sizes 8 64 --models softmax rfa rfa_gated --max-batch-at 2048 --time-budget 300
 """
 import argparse
@@ -296,7 +296,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1, help="time each point this many times, keep the fastest")
     p.add_argument("--resume", action="store_true", help="keep the points already in the CSV of --out-dir, measure the rest")
     p.add_argument("--softmax-max-length", type=int, default=4096, help="skip softmax/floor*/ct2 above this length (time)")
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "bench"))
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--one-run", action="store_true",
                    help="CUDA: one run per model and batch to the longest length, read at each length on the way")
     p.add_argument("--time-budget", type=float, default=0, help="seconds for the whole sweep (0: none); cut runs keep their rows")
