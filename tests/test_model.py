@@ -339,3 +339,19 @@ def test_learned_map_refuses_a_temperature():
     args = parse_args(["--rfa-feature-map", "hedgehog", "--rfa-temperature", "0.5"])
     with pytest.raises(ValueError, match="--rfa-temperature=0.5 has no effect with --rfa-feature-map=hedgehog"):
         build_model_from_args(args)
+
+
+def test_attention_module_builds_without_a_cfg_with_the_flags_defaults():
+    """RFAAttention takes typed options (the --rfa-* flags without the prefix) with the flags' own defaults."""
+    import inspect
+
+    from rfa_fairseq.config import RFA_DEFAULTS
+
+    model_level = {"rfa_encoder_self_attn", "rfa_softmax_cross_attn"}  # choose modules, not their options
+    defaults = {name: p.default for name, p in inspect.signature(RFAAttention).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert {f"rfa_{name}": value for name, value in defaults.items() if f"rfa_{name}" in RFA_DEFAULTS} == {
+        name: value for name, value in RFA_DEFAULTS.items() if name.startswith("rfa_") and name not in model_level}
+    module = RFAAttention(16, 2, self_attention=True, causal=True)
+    out, _ = module(torch.randn(5, 3, 16), None, None, attn_mask=torch.zeros(()).expand(5, 5))
+    assert out.shape == (5, 3, 16) and module.gated and module.feature_map == "hedgehog"

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import build_model, parse_args, random_batch
+from helpers import build_model, random_batch
 
 from rfa_fairseq.modules import RFAAttention
 from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_step_, noncausal_rfa
@@ -33,10 +33,9 @@ def one_thread():
 @pytest.mark.parametrize("role", ["causal_gated", "causal", "cross", "encoder_self"])
 def test_bf16_attention_on_8192_tokens(role, feature_map):
     torch.manual_seed(0)
-    args = parse_args(["--rfa-num-features", "16", "--rfa-feature-map", feature_map, "--rfa-gate"])
     causal = role.startswith("causal")
-    module = RFAAttention(32, 4, args, self_attention=role != "cross", encoder_decoder_attention=role == "cross",
-                          causal=causal)
+    module = RFAAttention(32, 4, self_attention=role != "cross", encoder_decoder_attention=role == "cross",
+                          causal=causal, num_features=16, feature_map=feature_map, gate=True)
     if role == "causal":
         module.gate_proj = None
     reference, module = bf16_twin(module)

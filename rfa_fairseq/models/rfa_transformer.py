@@ -30,6 +30,21 @@ from ..modules import RFAAttention
 from ..modules.rfa_attention import DEBUG_LOG_ENV, debug_log
 
 
+def rfa_attention_options(cfg) -> dict:
+    """The RFAAttention keyword arguments of a model cfg: its rfa_* options, unpacked once per layer."""
+    return dict(
+        feature_map=str(cfg.rfa_feature_map),
+        num_features=cfg.rfa_num_features,
+        random_matrix=str(cfg.rfa_random_matrix),
+        fixed_random_matrix=bool(getattr(cfg, "rfa_fixed_random_matrix", False)),
+        sigma=str(cfg.rfa_sigma),
+        sigma_lr_multiplier=float(cfg.rfa_sigma_lr_multiplier),
+        temperature=float(cfg.rfa_temperature),
+        gate=bool(cfg.rfa_gate),
+        chunk_size=cfg.rfa_chunk_size,
+    )
+
+
 def _wrap_layer(layer, cfg):
     """Activation checkpointing / FSDP wrapping, as fairseq's own build_*_layer hooks do."""
     checkpoint = cfg.checkpoint_activations
@@ -43,11 +58,11 @@ class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
         return RFAAttention(
             embed_dim,
             cfg.encoder.attention_heads,
-            cfg,
             dropout=cfg.attention_dropout,
             self_attention=True,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
+            **rfa_attention_options(cfg),
         )
 
 
@@ -58,12 +73,12 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
         return RFAAttention(
             embed_dim,
             cfg.decoder.attention_heads,
-            cfg,
             dropout=cfg.attention_dropout,
             self_attention=True,
             causal=True,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
+            **rfa_attention_options(cfg),
         )
 
     def build_encoder_attention(self, embed_dim, cfg):
@@ -72,13 +87,13 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
         return RFAAttention(
             embed_dim,
             cfg.decoder.attention_heads,
-            cfg,
             kdim=cfg.encoder.embed_dim,
             vdim=cfg.encoder.embed_dim,
             dropout=cfg.attention_dropout,
             encoder_decoder_attention=True,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
+            **rfa_attention_options(cfg),
         )
 
 

@@ -63,7 +63,6 @@ class RFAAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        rfa_cfg,
         kdim: Optional[int] = None,
         vdim: Optional[int] = None,
         dropout: float = 0.0,
@@ -73,7 +72,19 @@ class RFAAttention(nn.Module):
         causal: bool = False,
         q_noise: float = 0.0,
         qn_block_size: int = 8,
+        *,
+        feature_map: str = "hedgehog",
+        num_features: int = 64,
+        random_matrix: str = "orthogonal",
+        fixed_random_matrix: bool = False,
+        sigma: str = "learned",
+        sigma_lr_multiplier: float = 10.0,
+        temperature: float = 1.0,
+        gate: bool = True,
+        chunk_size: int = 64,
     ):
+        """The RFA options are those of `RFAConfig` (config.py) without the rfa_ prefix, with the
+        same defaults; `gate` only applies to causal self-attention."""
         super().__init__()
         if self_attention == encoder_decoder_attention:
             raise ValueError("RFAAttention is either self-attention or encoder-decoder attention")
@@ -92,32 +103,32 @@ class RFAAttention(nn.Module):
         # kept for signature parity; RFA never forms attention probabilities to drop out
         self.dropout = dropout
 
-        self.feature_map = str(rfa_cfg.rfa_feature_map)
+        self.feature_map = str(feature_map)
         self.learned_map = self.feature_map in LEARNED_FEATURE_MAPS
         self.eps = denominator_eps(self.feature_map)
-        self.num_features = rfa_cfg.rfa_num_features
-        self.random_matrix_kind = str(rfa_cfg.rfa_random_matrix)
-        self.fixed_random_matrix = bool(getattr(rfa_cfg, "rfa_fixed_random_matrix", False))
-        self.chunk_size = rfa_cfg.rfa_chunk_size
-        self.gated = bool(rfa_cfg.rfa_gate) and causal
+        self.num_features = int(num_features)
+        self.random_matrix_kind = str(random_matrix)
+        self.fixed_random_matrix = bool(fixed_random_matrix)
+        self.chunk_size = int(chunk_size)
+        self.gated = bool(gate) and causal
 
         self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.v_proj = quant_noise(nn.Linear(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.q_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
 
-        sigma = torch.full((num_heads, self.head_dim), rfa_cfg.rfa_temperature ** -0.5)
+        initial_sigma = torch.full((num_heads, self.head_dim), temperature ** -0.5)  # (H, d)
         # learned maps have no sigma: an unused parameter would get no gradient (and break DDP)
-        self.sigma_mode = "none" if self.learned_map else str(rfa_cfg.rfa_sigma)
+        self.sigma_mode = "none" if self.learned_map else str(sigma)
         if self.sigma_mode == "log":
             # sigma = exp(m * log_sigma): Adam moves log_sigma by ~lr per step, so log sigma moves by
             # ~m * lr, a learning-rate multiplier m for sigma without a separate optimizer group
-            self.sigma_lr_multiplier = float(rfa_cfg.rfa_sigma_lr_multiplier)
-            self.log_sigma = nn.Parameter(sigma.log() / self.sigma_lr_multiplier)
+            self.sigma_lr_multiplier = float(sigma_lr_multiplier)
+            self.log_sigma = nn.Parameter(initial_sigma.log() / self.sigma_lr_multiplier)
         elif self.sigma_mode == "learned":
-            self.sigma = nn.Parameter(sigma)
+            self.sigma = nn.Parameter(initial_sigma)
         elif self.sigma_mode == "fixed":
-            self.register_buffer("sigma", sigma)
+            self.register_buffer("sigma", initial_sigma)
         self.gate_proj = nn.Linear(embed_dim, num_heads) if self.gated else None
         shapes = learned_feature_weight_shape(self.feature_map, num_heads, self.num_features, self.head_dim)
         self.feature_weight = nn.Parameter(torch.empty(shapes[0])) if shapes else None  # (H, D, d)
