@@ -5,7 +5,6 @@ Defaults follow the paper's MT setup: RFA in decoder self-attention and in
 encoder-decoder attention, softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
-import os
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -27,7 +26,6 @@ from omegaconf import OmegaConf
 
 from ..config import add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention
-from ..modules.rfa_attention import DEBUG_LOG_ENV, debug_log
 
 
 def rfa_attention_options(cfg) -> dict:
@@ -42,6 +40,7 @@ def rfa_attention_options(cfg) -> dict:
         temperature=float(cfg.rfa_temperature),
         gate=bool(cfg.rfa_gate),
         chunk_size=cfg.rfa_chunk_size,
+        decode_kernel=str(getattr(cfg, "rfa_decode_kernel", "auto")),
     )
 
 
@@ -148,12 +147,6 @@ class RFATransformerModel(TransformerModel):
     def set_beam_size(self, beam_size: int) -> None:
         """Called by fairseq's SequenceGenerator: RFA cross-attention keeps one state per sentence."""
         self.decoder.set_beam_size(beam_size)
-
-    def set_num_updates(self, num_updates):
-        super().set_num_updates(num_updates)
-        if os.environ.get(DEBUG_LOG_ENV):
-            checksum = sum(p.detach().double().sum().item() for p in self.parameters())
-            debug_log(f"params update={num_updates} sum={checksum:.12e}")
 
     def rfa_modules(self):
         return [m for m in self.modules() if isinstance(m, RFAAttention)]
