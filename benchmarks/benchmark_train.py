@@ -48,11 +48,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
-    import types
-
     from fairseq.modules import MultiheadAttention
 
-    from rfa_fairseq.config import RFA_DEFAULTS
     from rfa_fairseq.modules import RFAAttention
 
     _, embed, _, heads = DIMS[dims]
@@ -62,8 +59,7 @@ def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
         return SDPAAttention(embed, heads)
     if kind.endswith("_torch"):  # this process keeps CUDA tensors on the torch path too
         os.environ["RFA_FLA"] = "0"
-    cfg = types.SimpleNamespace(**dict(RFA_DEFAULTS, rfa_chunk_size=chunk_size, rfa_gate=gate))
-    return RFAAttention(embed, heads, cfg, self_attention=True, causal=True)
+    return RFAAttention(embed, heads, self_attention=True, causal=True, chunk_size=chunk_size, gate=gate)
 
 
 def _sdpa_module_class():

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .ops import DECODE_KERNELS, FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 
@@ -71,6 +71,15 @@ class RFAConfig(FairseqDataclass):
     rfa_chunk_size: int = field(
         default=64,
         metadata={"help": "chunk size of the causal training pass; memory is O(L) for any value (default: 64)"},
+    )
+    rfa_decode_kernel: ChoiceEnum(DECODE_KERNELS) = field(
+        default="auto",
+        metadata={
+            "help": "the causal decoding step: auto = flash-linear-attention on CUDA when installed, the fused C++ "
+            "step on CPU when it builds (built once, cached), the torch step otherwise; torch = always the torch step "
+            "(no C++ build); cpp = the C++ step on CPU, an error when it cannot be built. Same results, other speeds "
+            "(default: auto)"
+        },
     )
     rfa_encoder_self_attn: bool = field(
         default=False,
@@ -155,6 +164,10 @@ def validate_rfa_args(args) -> None:
     if args.rfa_random_matrix not in RANDOM_MATRIX_KINDS:
         raise ValueError(
             f"{flag('rfa_random_matrix')}={args.rfa_random_matrix!r} is not one of {', '.join(RANDOM_MATRIX_KINDS)}"
+        )
+    if args.rfa_decode_kernel not in DECODE_KERNELS:
+        raise ValueError(
+            f"{flag('rfa_decode_kernel')}={args.rfa_decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}"
         )
     if args.rfa_sigma not in SIGMA_MODES:
         raise ValueError(f"{flag('rfa_sigma')}={args.rfa_sigma!r} is not one of {', '.join(SIGMA_MODES)}")

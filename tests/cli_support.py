@@ -14,6 +14,8 @@ BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # fairseq-train with full-precision logged values (fairseq rounds the loss to 3 decimals)
 UNROUNDED_TRAIN = os.path.join(TESTS, "fairseq_train_unrounded.py")
+# fairseq-train that logs random-matrix draws and parameter checksums to $RFA_DEBUG_LOG (see debug_log)
+DEBUG_LOG_TRAIN = os.path.join(TESTS, "fairseq_train_debug_log.py")
 
 # 16-dim model: fast on a shared 2-core CPU, still every RFA role (decoder self + cross)
 TINY_MODEL = [
@@ -89,7 +91,7 @@ _PARAMS = re.compile(r"rank=(\d+) params update=(\d+) sum=(\S+)")
 
 
 def debug_log(path):
-    """RFA_DEBUG_LOG lines: draws[rank][(update, module)] = [sums in order],
+    """Lines of DEBUG_LOG_TRAIN's RFA_DEBUG_LOG file: draws[rank][(update, module)] = [sums in order],
     params[rank][update] = [checksums in order]."""
     draws, params = defaultdict(lambda: defaultdict(list)), defaultdict(lambda: defaultdict(list))
     with open(path) as handle:

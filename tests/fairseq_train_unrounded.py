@@ -19,8 +19,12 @@ def _format_stat(stat, _format=progress_bar.format_stat):
     return repr(stat) if isinstance(stat, float) else _format(stat)
 
 
-if __name__ == "__main__":
+def remove_rounding() -> None:
     meters.safe_round = _no_round
     progress_bar.format_stat = _format_stat
+
+
+if __name__ == "__main__":
+    remove_rounding()
     sys.argv[0] = "fairseq-train"
     sys.exit(cli_main())

@@ -69,7 +69,7 @@ def plugin_env():
 
 def use_decoding_step(path: str, monkeypatch) -> None:
     """Select the decoding step for a test: "fused" (the C++ step; skipped, with the reason,
-    only where no C++ toolchain exists or RFA_FUSED_DECODE=0) or "torch" (the fallback)."""
+    only where no C++ toolchain exists) or "torch" (the fallback)."""
     import shutil
 
     import pytest
@@ -80,8 +80,6 @@ def use_decoding_step(path: str, monkeypatch) -> None:
         monkeypatch.setattr(fused_step, "load_fused_extension", lambda: None)
         return
     if fused_step.load_fused_extension() is None:
-        if os.environ.get(fused_step.FUSED_DECODE_ENV) == "0":
-            pytest.skip(f"{fused_step.FUSED_DECODE_ENV}=0 disables the fused decoding step")
         missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
         if missing:
             pytest.skip(f"the fused decoding step cannot be built here: {', '.join(missing)} not on PATH")

@@ -3,9 +3,10 @@ launch them): the ranks draw identical random matrices without communicating, ne
 update, and keep identical parameters; resuming loads the checkpoint on rank 0 and broadcasts it."""
 import os
 import subprocess
+import sys
 
 import pytest
-from cli_support import BIN, TINY_MODEL, TINY_TRAIN, debug_log, env, free_port, synthetic_data
+from cli_support import DEBUG_LOG_TRAIN, TINY_MODEL, TINY_TRAIN, debug_log, env, free_port, synthetic_data
 from conftest import PLUGIN_DIR
 
 WORLD_SIZE = 2
@@ -17,13 +18,13 @@ def data(tmp_path_factory):
 
 
 def train_two_ranks(data, save_dir, debug_path, max_update, timeout=300):
-    """Launch fairseq-train once per rank (--distributed-no-spawn) and wait for both."""
+    """Launch fairseq-train (with the tests' debug-log hooks) once per rank (--distributed-no-spawn) and wait for both."""
     port = free_port()
     procs, logs = [], []
     for rank in range(WORLD_SIZE):
         log = open(save_dir.parent / f"{save_dir.name}_rank{rank}.log", "w")
         command = [
-            os.path.join(BIN, "fairseq-train"), str(data / "bin"), "--user-dir", PLUGIN_DIR,
+            sys.executable, DEBUG_LOG_TRAIN, str(data / "bin"), "--user-dir", PLUGIN_DIR,
             "--arch", "rfa_transformer", *TINY_MODEL, "--rfa-feature-map", "sincos", "--rfa-num-features", "8", "--no-rfa-softmax-cross-attn", *TINY_TRAIN,
             "--max-update", str(max_update), "--save-dir", str(save_dir), "--save-interval-updates", "4",
             "--no-epoch-checkpoints", "--log-format", "json", "--log-interval", "1",
@@ -48,7 +49,7 @@ def train_two_ranks(data, save_dir, debug_path, max_update, timeout=300):
     outputs = [(save_dir.parent / f"{save_dir.name}_rank{rank}.log").read_text() for rank in range(WORLD_SIZE)]
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank} failed ({proc.returncode}):\n{out[-4000:]}"
-    # fairseq logs INFO on rank 0 only; the other ranks' progress shows in RFA_DEBUG_LOG
+    # fairseq logs INFO on rank 0 only; the other ranks' progress shows in the debug log
     assert "done training" in outputs[0], outputs[0][-4000:]
     return outputs
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rfa_fairseq.ops import causal_rfa, causal_rfa_decode_step, fla_available, fla_backend
-from rfa_fairseq.ops.rfa import causal_rfa_recurrent, causal_rfa_reference, gate_keys
+from rfa_fairseq.ops.naive import causal_rfa_recurrent, causal_rfa_reference
+from rfa_fairseq.ops.rfa import gate_keys
 
 
 def simple_gla(q, k, v, g=None, scale=None, initial_state=None, cu_seqlens=None):

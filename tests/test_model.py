@@ -7,7 +7,7 @@ from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, r
 
 from rfa_fairseq.convert import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.ops import num_feature_dims
+from rfa_fairseq.ops import CausalRFAState, num_feature_dims
 
 VARIANTS = [
     pytest.param(fm, gate, enc, "rfa", id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
@@ -35,7 +35,9 @@ def _decode_incrementally(model, encoder_out, prev, incremental_state, start=0):
 
 
 def _state_tensors(incremental_state):
-    return [t for buf in incremental_state.values() for t in buf.values() if t is not None]
+    """Every tensor of the incremental state, those inside the causal layers' CausalRFAState too."""
+    return [t for buf in incremental_state.values() for value in buf.values() if value is not None
+            for t in (value.tensors() if isinstance(value, CausalRFAState) else [value])]
 
 
 def test_modules_are_where_the_options_say():
@@ -109,7 +111,7 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
     F_ = num_feature_dims(feature_map, attn.num_features, attn.head_dim)
-    assert attn._get_input_buffer(state)["causal_state"].shape == (2, attn.num_heads, F_, attn.head_dim + 1)
+    assert attn._get_input_buffer(state)["causal"].state.shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
 @pytest.mark.parametrize("cross", ["rfa", "softmax"])
@@ -339,3 +341,76 @@ def test_learned_map_refuses_a_temperature():
     args = parse_args(["--rfa-feature-map", "hedgehog", "--rfa-temperature", "0.5"])
     with pytest.raises(ValueError, match="--rfa-temperature=0.5 has no effect with --rfa-feature-map=hedgehog"):
         build_model_from_args(args)
+
+
+def test_attention_module_builds_without_a_cfg_with_the_flags_defaults():
+    """RFAAttention takes typed options (the --rfa-* flags without the prefix) with the flags' own defaults."""
+    import inspect
+
+    from rfa_fairseq.config import RFA_DEFAULTS
+
+    model_level = {"rfa_encoder_self_attn", "rfa_softmax_cross_attn"}  # choose modules, not their options
+    defaults = {name: p.default for name, p in inspect.signature(RFAAttention).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert {f"rfa_{name}": value for name, value in defaults.items() if f"rfa_{name}" in RFA_DEFAULTS} == {
+        name: value for name, value in RFA_DEFAULTS.items() if name.startswith("rfa_") and name not in model_level}
+    module = RFAAttention(16, 2, self_attention=True, causal=True)
+    out, _ = module(torch.randn(5, 3, 16), None, None, attn_mask=torch.zeros(()).expand(5, 5))
+    assert out.shape == (5, 3, 16) and module.gated and module.feature_map == "hedgehog"
+
+
+def test_decode_kernel_option_picks_the_step_and_every_kernel_decodes_alike(monkeypatch):
+    from rfa_fairseq.ops import fused_step
+
+    outputs = {}
+    for kernel in ("auto", "torch", "cpp"):
+        if kernel == "cpp" and fused_step.load_fused_extension() is None:
+            continue  # no C++ toolchain here (use_decoding_step skips such tests with the reason)
+        model, d = build_model(_flags("sincos", True, False) + ["--rfa-decode-kernel", kernel])
+        assert all(m.decode_kernel == kernel for m in model.rfa_modules())
+        model.eval()
+        src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)
+        builds = []
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_step, "load_fused_extension", lambda: builds.append(1) or None)
+            with torch.no_grad():
+                outputs[kernel] = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+        if kernel == "torch":
+            assert not builds, "--rfa-decode-kernel torch must not load the C++ step"
+    for kernel, out in outputs.items():
+        torch.testing.assert_close(out, outputs["torch"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(SystemExit):
+        parse_args(["--rfa-decode-kernel", "cuda"])
+
+
+@pytest.mark.parametrize("role", ["causal", "cross", "encoder_self"])
+def test_attention_dropout_drops_values_and_keeps_the_expected_output(role):
+    """--attention-dropout in RFA: per-key value dropout in the numerator, so the mean over masks is the
+    output without dropout; nothing is dropped in eval."""
+    torch.manual_seed(0)
+    kwargs = dict(self_attention=role != "cross", encoder_decoder_attention=role == "cross", causal=role == "causal",
+                  num_features=8, feature_map="positive")
+    module = RFAAttention(16, 2, dropout=0.3, **kwargs)
+    exact = RFAAttention(16, 2, dropout=0.0, **kwargs)
+    exact.load_state_dict(module.state_dict())
+    x = torch.randn(6, 2, 16)
+    mask = x.new_zeros(()).expand(6, 6) if role == "causal" else None
+    run = lambda m: m(x, x, x, attn_mask=mask)[0]  # noqa: E731
+    module.train(), exact.train()
+    module.set_num_updates(0), exact.set_num_updates(0)  # training draws: the same matrices in both
+    with torch.no_grad():
+        want = run(exact)
+        first, second = run(module), run(module)
+        assert not torch.allclose(first, second) and not torch.allclose(first, want)
+        mean = torch.stack([run(module) for _ in range(4000)]).mean(0)
+    torch.testing.assert_close(mean, want, rtol=0, atol=0.03)
+    module.eval(), exact.eval()
+    with torch.no_grad():
+        assert torch.equal(run(module), run(exact))
+
+
+def test_attention_dropout_reaches_rfa_and_softmax_layers():
+    model, _ = build_model(["--attention-dropout", "0.2"])  # softmax encoder and cross-attention, RFA decoder
+    assert [m.dropout for m in model.rfa_modules()] == [0.2, 0.2]
+    assert model.decoder.layers[0].encoder_attn.dropout_module.p == 0.2
+    assert model.encoder.layers[0].self_attn.dropout_module.p == 0.2

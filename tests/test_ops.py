@@ -366,3 +366,34 @@ def test_fused_step_rejects_an_out_of_range_order(monkeypatch):
     phi = torch.rand(2, 1, 1, 4)
     with torch.no_grad(), pytest.raises(RuntimeError, match="out of range"):
         causal_rfa_step_fused(phi, phi, torch.rand(2, 1, 1, 2), None, state, torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch", "cpp"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_causal_entry_point_decodes_with_its_state_object(kernel, gated):
+    """causal_rfa(..., CausalRFAState) keeps the pending beam order and the spare buffer itself: steps,
+    reorders (duplicated rows, a shrinking batch) and a multi-position call equal the recurrence on state[order]."""
+    from rfa_fairseq.ops import CausalRFAState, causal_rfa, load_fused_extension
+
+    if kernel == "cpp" and load_fused_extension() is None:
+        pytest.skip("the fused decoding step cannot be built here (no C++ toolchain)")
+    H, Fdim, d = 2, 6, 3
+    g = torch.Generator().manual_seed(11)
+    decoding, ref_state, rows = CausalRFAState(), None, 4
+    plan = [(None, 1), (None, 1), (torch.tensor([1, 1, 0, 3]), 1), (torch.tensor([2, 0, 3]), 1), (None, 3),
+            (torch.tensor([1, 0]), 1), (None, 1)]
+    with torch.no_grad():
+        for order, length in plan:
+            if order is not None:
+                decoding.reorder_(order)
+                ref_state, rows = ref_state[order], order.numel()
+            phi_q, phi_k = torch.rand(rows, H, length, Fdim, generator=g), torch.rand(rows, H, length, Fdim, generator=g)
+            v = torch.randn(rows, H, length, d, generator=g)
+            log_gate = F.logsigmoid(torch.randn(rows, H, length, generator=g)) if gated else None
+            ref_out, ref_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, ref_state)
+            out, returned = causal_rfa(phi_q, phi_k, v, log_gate, decoding, decode_kernel=kernel)
+            assert returned is decoding and decoding.order is None
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(decoding.state, ref_state, rtol=1e-5, atol=1e-6)
+    decoding.reorder_(torch.arange(rows))
+    assert decoding.order is None  # identity orders are dropped

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from helpers import build_model, parse_args, random_batch
+from helpers import build_model, random_batch
 
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_step_, noncausal_rfa
+from rfa_fairseq.ops import CausalRFAState, causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_step_, noncausal_rfa
 
 LONG = 8192
 DECODE_STEPS = 4096
@@ -33,10 +33,9 @@ def one_thread():
 @pytest.mark.parametrize("role", ["causal_gated", "causal", "cross", "encoder_self"])
 def test_bf16_attention_on_8192_tokens(role, feature_map):
     torch.manual_seed(0)
-    args = parse_args(["--rfa-num-features", "16", "--rfa-feature-map", feature_map, "--rfa-gate"])
     causal = role.startswith("causal")
-    module = RFAAttention(32, 4, args, self_attention=role != "cross", encoder_decoder_attention=role == "cross",
-                          causal=causal)
+    module = RFAAttention(32, 4, self_attention=role != "cross", encoder_decoder_attention=role == "cross",
+                          causal=causal, num_features=16, feature_map=feature_map, gate=True)
     if role == "causal":
         module.gate_proj = None
     reference, module = bf16_twin(module)
@@ -104,6 +103,13 @@ def test_bf16_model_forward_backward_on_8192_tokens():
         assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}.grad has inf/NaN"
 
 
+def _buffer_tensors(buffer):
+    """(key, tensor) of an RFA layer's incremental buffer, the tensors of its CausalRFAState included."""
+    for key, value in buffer.items():
+        for tensor in value.tensors() if isinstance(value, CausalRFAState) else [value]:
+            yield key, tensor
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
@@ -124,12 +130,12 @@ def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
                 logits, _ = m.decoder(tokens[:, : step + 1], encoder_out=encoder_out, incremental_state=state)
                 if step in (9, DECODE_STEPS - 1):
                     saved = [mod.get_incremental_state(state, "rfa_state") for mod in m.rfa_modules()]
-                    sizes[(name, step)] = sum(t.numel() for s in saved for t in s.values())
+                    sizes[(name, step)] = sum(t.numel() for s in saved for _, t in _buffer_tensors(s))
                 if step in (15, DECODE_STEPS - 1):
                     last[(name, step)] = logits.float().log_softmax(-1)
             saved = [mod.get_incremental_state(state, "rfa_state") for mod in m.rfa_modules()]
             for buffer in saved:
-                for key, tensor in buffer.items():
+                for key, tensor in _buffer_tensors(buffer):
                     if tensor.is_floating_point():
                         assert tensor.dtype == torch.float32, f"{name} {key} is {tensor.dtype}"
                         assert torch.isfinite(tensor).all(), f"{name} {key} has inf/NaN after {DECODE_STEPS} steps"

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from cli_support import (TINY_MODEL, TINY_TRAIN, UNROUNDED_TRAIN, assert_exit_code, debug_log, env, json_losses, run,
+from cli_support import (DEBUG_LOG_TRAIN, TINY_MODEL, TINY_TRAIN, assert_exit_code, debug_log, env, json_losses, run,
                          synthetic_data)
 from conftest import PLUGIN_DIR
 
@@ -26,9 +26,10 @@ def data(tmp_path_factory):
 
 
 def train_command(data, save_dir):
-    # the same arguments for all runs; the launcher only stops fairseq from rounding the logged loss
+    # the same arguments for all runs; the launcher only stops fairseq from rounding the logged loss and
+    # logs random-matrix draws and parameter checksums
     return [
-        sys.executable, UNROUNDED_TRAIN, str(data / "bin"), "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer",
+        sys.executable, DEBUG_LOG_TRAIN, "--unrounded", str(data / "bin"), "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer",
         *TINY_MODEL, "--rfa-feature-map", "sincos", "--rfa-num-features", "8", "--rfa-gate", *TINY_TRAIN, "--max-update", str(MAX_UPDATE),
         "--save-interval-updates", str(SAVE_EVERY), "--save-dir", str(save_dir),
         "--log-format", "json", "--log-interval", "1",
@@ -103,7 +104,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(data, tmp_path):
     truncated = save_dir / "checkpoint_last.pt"
     with open(truncated, "r+b") as handle:
         handle.truncate(os.path.getsize(truncated) // 2)
-    proc = run("fairseq-train", *command[2:], check=False)  # the real console script
+    proc = run("fairseq-train", *command[3:], check=False)  # the real console script (no launcher, no --unrounded)
     assert_exit_code(proc, 1)
     assert f"checkpoint {truncated} is truncated or not a torch checkpoint" in proc.stderr
     assert "Resume from an intact one with --restore-file" in proc.stderr

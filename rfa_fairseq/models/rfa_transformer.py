@@ -5,7 +5,6 @@ Defaults follow the paper's MT setup: RFA in decoder self-attention and in
 encoder-decoder attention, softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
-import os
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -27,7 +26,22 @@ from omegaconf import OmegaConf
 
 from ..config import add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention
-from ..modules.rfa_attention import DEBUG_LOG_ENV, debug_log
+
+
+def rfa_attention_options(cfg) -> dict:
+    """The RFAAttention keyword arguments of a model cfg: its rfa_* options, unpacked once per layer."""
+    return dict(
+        feature_map=str(cfg.rfa_feature_map),
+        num_features=cfg.rfa_num_features,
+        random_matrix=str(cfg.rfa_random_matrix),
+        fixed_random_matrix=bool(getattr(cfg, "rfa_fixed_random_matrix", False)),
+        sigma=str(cfg.rfa_sigma),
+        sigma_lr_multiplier=float(cfg.rfa_sigma_lr_multiplier),
+        temperature=float(cfg.rfa_temperature),
+        gate=bool(cfg.rfa_gate),
+        chunk_size=cfg.rfa_chunk_size,
+        decode_kernel=str(getattr(cfg, "rfa_decode_kernel", "auto")),
+    )
 
 
 def _wrap_layer(layer, cfg):
@@ -43,11 +57,11 @@ class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
         return RFAAttention(
             embed_dim,
             cfg.encoder.attention_heads,
-            cfg,
             dropout=cfg.attention_dropout,
             self_attention=True,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
+            **rfa_attention_options(cfg),
         )
 
 
@@ -58,12 +72,12 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
         return RFAAttention(
             embed_dim,
             cfg.decoder.attention_heads,
-            cfg,
             dropout=cfg.attention_dropout,
             self_attention=True,
             causal=True,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
+            **rfa_attention_options(cfg),
         )
 
     def build_encoder_attention(self, embed_dim, cfg):
@@ -72,13 +86,13 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
         return RFAAttention(
             embed_dim,
             cfg.decoder.attention_heads,
-            cfg,
             kdim=cfg.encoder.embed_dim,
             vdim=cfg.encoder.embed_dim,
             dropout=cfg.attention_dropout,
             encoder_decoder_attention=True,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
+            **rfa_attention_options(cfg),
         )
 
 
@@ -133,12 +147,6 @@ class RFATransformerModel(TransformerModel):
     def set_beam_size(self, beam_size: int) -> None:
         """Called by fairseq's SequenceGenerator: RFA cross-attention keeps one state per sentence."""
         self.decoder.set_beam_size(beam_size)
-
-    def set_num_updates(self, num_updates):
-        super().set_num_updates(num_updates)
-        if os.environ.get(DEBUG_LOG_ENV):
-            checksum = sum(p.detach().double().sum().item() for p in self.parameters())
-            debug_log(f"params update={num_updates} sum={checksum:.12e}")
 
     def rfa_modules(self):
         return [m for m in self.modules() if isinstance(m, RFAAttention)]

@@ -10,7 +10,6 @@ Projection names (q_proj, k_proj, v_proj, out_proj) match fairseq's MultiheadAtt
 so softmax transformer weights load into RFA layers unchanged.
 """
 import math
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -19,14 +18,15 @@ from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor, nn
 
 from ..ops import (
+    DECODE_KERNELS,
     LEARNED_FEATURE_MAPS,
+    CausalRFAState,
     causal_rfa,
-    causal_rfa_decode_step,
-    causal_rfa_recurrent,
     denominator_eps,
     draw_random_matrix,
     feature_map,
     gate_keys,
+    is_identity_order,
     learned_feature_map,
     learned_feature_weight_shape,
     noncausal_rfa,
@@ -35,20 +35,8 @@ from ..ops import (
     scale_inputs,
 )
 
+# fairseq's incremental_state; our buffer holds tensors and, under "causal", a CausalRFAState
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
-# set RFA_DEBUG_LOG=path to record every random-matrix draw (and, in the model, a
-# parameter checksum per update), one line per event and rank: used by the
-# multi-process tests to show that ranks agree without communicating
-DEBUG_LOG_ENV = "RFA_DEBUG_LOG"
-
-
-def debug_log(message: str) -> None:
-    path = os.environ.get(DEBUG_LOG_ENV)
-    if not path:
-        return
-    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-    with open(path, "a") as f:
-        f.write(f"rank={rank} {message}\n")
 
 # b_g starts at 2: g = sigmoid(2) = 0.88, a memory of ~8 tokens, so a fresh gated
 # model starts close to (but more local than) plain causal RFA.
@@ -63,7 +51,6 @@ class RFAAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        rfa_cfg,
         kdim: Optional[int] = None,
         vdim: Optional[int] = None,
         dropout: float = 0.0,
@@ -73,7 +60,26 @@ class RFAAttention(nn.Module):
         causal: bool = False,
         q_noise: float = 0.0,
         qn_block_size: int = 8,
+        *,
+        feature_map: str = "hedgehog",
+        num_features: int = 64,
+        random_matrix: str = "orthogonal",
+        fixed_random_matrix: bool = False,
+        sigma: str = "learned",
+        sigma_lr_multiplier: float = 10.0,
+        temperature: float = 1.0,
+        gate: bool = True,
+        chunk_size: int = 64,
+        decode_kernel: str = "auto",
     ):
+        """The RFA options are those of `RFAConfig` (config.py) without the rfa_ prefix, with the
+        same defaults; `gate` only applies to causal self-attention.
+
+        dropout (fairseq's --attention-dropout): RFA never forms the normalized attention weights
+        that softmax attention drops, so each key's value is dropped instead (per head and key,
+        scaled by 1 / (1 - p)) in the numerator only: the output's expectation over the mask is
+        the output without dropout, as for softmax attention's dropout on the weights.
+        """
         super().__init__()
         if self_attention == encoder_decoder_attention:
             raise ValueError("RFAAttention is either self-attention or encoder-decoder attention")
@@ -89,35 +95,39 @@ class RFAAttention(nn.Module):
         self.self_attention = self_attention
         self.encoder_decoder_attention = encoder_decoder_attention
         self.causal = causal
-        # kept for signature parity; RFA never forms attention probabilities to drop out
-        self.dropout = dropout
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"--rfa-decode-kernel={decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+        self.decode_kernel = str(decode_kernel)
 
-        self.feature_map = str(rfa_cfg.rfa_feature_map)
+        self.feature_map = str(feature_map)
         self.learned_map = self.feature_map in LEARNED_FEATURE_MAPS
         self.eps = denominator_eps(self.feature_map)
-        self.num_features = rfa_cfg.rfa_num_features
-        self.random_matrix_kind = str(rfa_cfg.rfa_random_matrix)
-        self.fixed_random_matrix = bool(getattr(rfa_cfg, "rfa_fixed_random_matrix", False))
-        self.chunk_size = rfa_cfg.rfa_chunk_size
-        self.gated = bool(rfa_cfg.rfa_gate) and causal
+        self.num_features = int(num_features)
+        self.random_matrix_kind = str(random_matrix)
+        self.fixed_random_matrix = bool(fixed_random_matrix)
+        self.chunk_size = int(chunk_size)
+        self.gated = bool(gate) and causal
 
         self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.v_proj = quant_noise(nn.Linear(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.q_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
 
-        sigma = torch.full((num_heads, self.head_dim), rfa_cfg.rfa_temperature ** -0.5)
+        initial_sigma = torch.full((num_heads, self.head_dim), temperature ** -0.5)  # (H, d)
         # learned maps have no sigma: an unused parameter would get no gradient (and break DDP)
-        self.sigma_mode = "none" if self.learned_map else str(rfa_cfg.rfa_sigma)
+        self.sigma_mode = "none" if self.learned_map else str(sigma)
         if self.sigma_mode == "log":
             # sigma = exp(m * log_sigma): Adam moves log_sigma by ~lr per step, so log sigma moves by
             # ~m * lr, a learning-rate multiplier m for sigma without a separate optimizer group
-            self.sigma_lr_multiplier = float(rfa_cfg.rfa_sigma_lr_multiplier)
-            self.log_sigma = nn.Parameter(sigma.log() / self.sigma_lr_multiplier)
+            self.sigma_lr_multiplier = float(sigma_lr_multiplier)
+            self.log_sigma = nn.Parameter(initial_sigma.log() / self.sigma_lr_multiplier)
         elif self.sigma_mode == "learned":
-            self.sigma = nn.Parameter(sigma)
+            self.sigma = nn.Parameter(initial_sigma)
         elif self.sigma_mode == "fixed":
-            self.register_buffer("sigma", sigma)
+            self.register_buffer("sigma", initial_sigma)
         self.gate_proj = nn.Linear(embed_dim, num_heads) if self.gated else None
         shapes = learned_feature_weight_shape(self.feature_map, num_heads, self.num_features, self.head_dim)
         self.feature_weight = nn.Parameter(torch.empty(shapes[0])) if shapes else None  # (H, D, d)
@@ -201,7 +211,6 @@ class RFAAttention(nn.Module):
         if self._train_matrix_update != self.num_updates:
             self._train_matrix = self._draw(self.num_updates).to(self.eval_random_matrix.device)
             self._train_matrix_update = self.num_updates
-            debug_log(f"draw update={self.num_updates} module={self.module_index} sum={self._train_matrix.double().sum().item():.12e}")
         return self._train_matrix
 
     # ------------------------------------------------------------ forward
@@ -226,6 +235,15 @@ class RFAAttention(nn.Module):
         if attn_mask.shape != (length, length) or not torch.equal(attn_mask.isinf() | (attn_mask < -1e3), expected):
             raise ValueError("RFA causal self-attention supports only the causal future mask as attn_mask")
 
+    def _values(self, x: Tensor) -> Tensor:
+        """(T, B, C) projected values -> (B, H, T, d), with attention dropout in training (see __init__)."""
+        v = self._heads(x)
+        if self.training and self.dropout > 0:
+            # one mask entry per (batch, head, key): the key's whole value, never the ones column of z
+            keep = nn.functional.dropout(v.new_ones(v.shape[:-1] + (1,)), self.dropout, training=True)  # (B, H, T, 1)
+            v = v * keep
+        return v
+
     def forward(
         self,
         query: Tensor,
@@ -246,51 +264,54 @@ class RFAAttention(nn.Module):
         if before_softmax:
             raise ValueError("RFA has no attention logits (before_softmax=True is unsupported)")
         tgt_len, bsz, _ = query.shape
-        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
-        w = self.random_matrix()
+        w = self.random_matrix()  # (H, D, d) or None
         phi_q = self._phi(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
-
         if self.encoder_decoder_attention:
-            if incremental_state is not None and static_kv:
-                out = self._cross_attention_step(phi_q, key, value, key_padding_mask, w, saved)
-                self._set_input_buffer(incremental_state, saved)
-            else:
-                phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
-                out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)), eps=self.eps)
+            out = self._cross_attention(phi_q, key, value, key_padding_mask, incremental_state, static_kv, w)
         elif self.causal and (incremental_state is not None or attn_mask is not None):
-            if attn_mask is not None:
-                self._check_causal_mask(attn_mask, tgt_len)
-            phi_k = self._phi(self.k_proj(query), w, is_query=False)
-            v = self._heads(self.v_proj(query))
-            gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
-            phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
-            if incremental_state is not None:
-                state, order = saved.get("causal_state"), saved.pop("causal_order", None)
-                if tgt_len == 1 and not torch.is_grad_enabled():
-                    # reorder + update + read-out in one pass; the old state becomes the spare buffer
-                    out, new_state = causal_rfa_decode_step(
-                        phi_q, phi_k, v, log_gate, state, order, out_state=saved.get("causal_state_spare"), eps=self.eps
-                    )
-                    if state is not None and new_state is not state:
-                        saved["causal_state_spare"] = state
-                else:
-                    if order is not None:
-                        state = state.index_select(0, order)
-                    out, new_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, state, eps=self.eps)
-                saved["causal_state"] = new_state
-                self._set_input_buffer(incremental_state, saved)
-            else:
-                out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps)
+            out = self._causal_self_attention(phi_q, query, key_padding_mask, incremental_state, attn_mask, w)
         else:
             # encoder self-attention, or decoder self-attention with full context
-            if attn_mask is not None:
-                raise ValueError("non-causal RFA self-attention does not support attn_mask")
-            phi_k = self._phi(self.k_proj(key), w, is_query=False)
-            phi_k, _ = gate_keys(phi_k, None, key_padding_mask)
-            out, _ = noncausal_rfa(phi_q, phi_k, self._heads(self.v_proj(value)), eps=self.eps)
-
+            out = self._self_attention(phi_q, key, value, key_padding_mask, attn_mask, w)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim).to(query.dtype)  # (T, B, C)
         return self.out_proj(out), None
+
+    def _causal_self_attention(self, phi_q, query, key_padding_mask, incremental_state, attn_mask, w) -> Tensor:
+        """Decoder self-attention: chunked over whole sequences, a CausalRFAState while decoding. -> (B, H, T, d)"""
+        if attn_mask is not None:
+            self._check_causal_mask(attn_mask, query.size(0))
+        phi_k = self._phi(self.k_proj(query), w, is_query=False)  # (B, H, T, F)
+        v = self._values(self.v_proj(query))  # (B, H, T, d)
+        gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
+        phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
+        if incremental_state is None:
+            out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps)
+            return out
+        saved = self._get_input_buffer(incremental_state)
+        decoding = saved.get("causal")
+        out, saved["causal"] = causal_rfa(phi_q, phi_k, v, log_gate, decoding if decoding is not None else CausalRFAState(),
+                                          eps=self.eps, decode_kernel=self.decode_kernel)
+        self._set_input_buffer(incremental_state, saved)
+        return out
+
+    def _cross_attention(self, phi_q, key, value, key_padding_mask, incremental_state, static_kv, w) -> Tensor:
+        """Encoder-decoder attention: S = phi(K)^T [V, 1], cached per source sentence while decoding. -> (B, H, T, d)"""
+        if incremental_state is not None and static_kv:
+            saved = self._get_input_buffer(incremental_state)
+            out = self._cross_attention_step(phi_q, key, value, key_padding_mask, w, saved)
+            self._set_input_buffer(incremental_state, saved)
+            return out
+        phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
+        out, _ = noncausal_rfa(phi_q, phi_k, self._values(self.v_proj(value)), eps=self.eps)
+        return out
+
+    def _self_attention(self, phi_q, key, value, key_padding_mask, attn_mask, w) -> Tensor:
+        """Non-causal self-attention (encoder, or a decoder pass without a mask). -> (B, H, T, d)"""
+        if attn_mask is not None:
+            raise ValueError("non-causal RFA self-attention does not support attn_mask")
+        phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
+        out, _ = noncausal_rfa(phi_q, phi_k, self._values(self.v_proj(value)), eps=self.eps)
+        return out
 
     # ------------------------------------------------------------ incremental state
 
@@ -325,30 +346,21 @@ class RFAAttention(nn.Module):
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
         """Beam search: select rows of the cached states; new_order may also shrink the batch.
 
-        The causal state is not gathered here: the order is kept (composed with any
-        pending one) and applied by the next decoding step while it reads the state
-        anyway (causal_rfa_step_fused), so a reorder costs no pass over the state.
-        Identity orders are dropped; the cross state only moves when whole sentences
-        leave the batch.
+        The causal state keeps the order for its next step (CausalRFAState.reorder_: no pass
+        over the state here); the cross state only moves when whole sentences leave the batch.
         """
         buffer = self._get_input_buffer(incremental_state)
         if not buffer:
             return incremental_state
-        state = buffer.get("causal_state")
-        if state is not None:
-            pending = buffer.get("causal_order")
-            order = new_order if pending is None else pending.index_select(0, new_order)
-            if _is_identity(order, state.size(0)):
-                buffer.pop("causal_order", None)
-            else:
-                buffer["causal_order"] = order
+        if buffer.get("causal") is not None:
+            buffer["causal"].reorder_(new_order)
         if "cross_rows" in buffer:
             rows = buffer["cross_rows"].index_select(0, new_order)
             beam = self.beam_size if self.beam_size > 1 and rows.numel() % self.beam_size == 0 else 1
             groups = rows.view(-1, beam)
             if _beams_grouped(groups):
                 sentences = groups[:, 0]
-                if not _is_identity(sentences, buffer["cross_state"].size(0)):
+                if not is_identity_order(sentences, buffer["cross_state"].size(0)):
                     buffer["cross_state"] = buffer["cross_state"].index_select(0, sentences)
                 rows = torch.arange(sentences.numel(), device=rows.device).repeat_interleave(beam)
             buffer["cross_rows"] = rows
@@ -369,14 +381,8 @@ class RFAAttention(nn.Module):
         return (
             f"role={role}, heads={self.num_heads}, head_dim={self.head_dim}, feature_map={self.feature_map}, "
             f"D={self.num_features}, matrix={self.random_matrix_kind}, sigma={self.sigma_mode}, gated={self.gated}, "
-            f"module_index={self.module_index}"
+            f"decode_kernel={self.decode_kernel}, dropout={self.dropout}, module_index={self.module_index}"
         )
-
-
-def _is_identity(order: Tensor, size: int) -> bool:
-    if order.is_cuda:  # checking would wait for the GPU at every step; a kept order costs one gather
-        return False
-    return order.numel() == size and torch.equal(order, torch.arange(size, device=order.device))
 
 
 def _beams_grouped(groups: Tensor) -> bool:

@@ -6,29 +6,31 @@ from .feature_maps import (  # noqa: F401
     RANDOM_FEATURE_MAPS,
     RANDOM_MATRIX_KINDS,
     draw_random_matrix,
-    exact_kernel,
     feature_map,
-    feature_map_reference,
     learned_feature_map,
-    learned_feature_map_reference,
     learned_feature_weight_shape,
     num_feature_dims,
     random_matrix_seed,
     scale_inputs,
 )
-from .dispatch import causal_rfa, causal_rfa_decode_step  # noqa: F401
+from .dispatch import CausalRFAState, causal_rfa, causal_rfa_decode_step, is_identity_order  # noqa: F401
 from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available, fla_import_error  # noqa: F401
-from .fused_step import causal_rfa_step_fused, load_fused_extension  # noqa: F401
+from .fused_step import DECODE_KERNELS, causal_rfa_step_fused, load_fused_extension  # noqa: F401
+from .naive import (  # noqa: F401
+    causal_rfa_recurrent,
+    causal_rfa_reference,
+    exact_kernel,
+    feature_map_reference,
+    learned_feature_map_reference,
+    noncausal_rfa_reference,
+)
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,
     POSITIVE_EPS,
     causal_rfa_chunked,
-    causal_rfa_recurrent,
-    causal_rfa_reference,
     causal_rfa_step_,
     denominator_eps,
     gate_keys,
     noncausal_rfa,
     noncausal_rfa_state,
-    noncausal_rfa_reference,
 )

@@ -1,28 +1,104 @@
-"""Which implementation of causal RFA runs: fla on CUDA when it is installed, torch/C++ otherwise.
+"""Causal RFA's one entry point: it picks the implementation for the call.
 
-    causal_rfa(...)              whole sequences: causal_rfa_fla | causal_rfa_chunked
-    causal_rfa_decode_step(...)  one decoding step with a pending beam order:
-                                 causal_rfa_step_fla | causal_rfa_step_fused (C++ on CPU, torch elsewhere)
+    causal_rfa(phi_q, phi_k, v, log_gate=None, state=None) -> (out, state)
 
-Both have the signatures of the functions they choose between. The torch path stays the
-reference: the fla path is tested against it on CUDA (tests/test_cuda.py).
+    state None or a tensor:   whole sequences (training, scoring): causal_rfa_fla on CUDA when
+                              fla is installed, causal_rfa_chunked otherwise; the final state is a tensor
+    state a CausalRFAState:   incremental decoding; the state object is updated and returned
+        one position, no autograd:  the fused step with the pending beam order folded in:
+                                    causal_rfa_step_fla (CUDA) | causal_rfa_step_fused (C++ on CPU, torch elsewhere)
+        otherwise:                  the recurrence (naive.causal_rfa_recurrent) on state[order]
+
+The torch path stays the reference: the fla path is tested against it on CUDA (tests/test_cuda.py).
 """
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
 from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available
-from .fused_step import causal_rfa_step_fused
+from .fused_step import DECODE_KERNELS, causal_rfa_step_fused
+from .naive import causal_rfa_recurrent
 from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
 
 
-def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS):
-    """(B, H, T, F), (B, H, T, F), (B, H, T, d), (B, H, T) -> out (B, H, T, d), state (B, H, F, d + 1)."""
-    if fla_available(phi_q):
-        return causal_rfa_fla(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
-    return causal_rfa_chunked(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
+class CausalRFAState:
+    """Decoding state of one causal RFA layer: S and z, a pending beam order and a spare buffer.
+
+    state: (B0, H, F, d + 1) fp32 or None before the first step
+    order: (B,) int64 rows of `state` that the next step starts from, or None (identity). Beam
+           search's reorder is not applied when fairseq asks for it but kept here (composed with
+           any pending one) and applied by the next step while it reads the state anyway, so a
+           reorder costs no pass over the state.
+    spare: the previous step's state, the buffer the next step writes into (double buffering)
+    """
+
+    __slots__ = ("state", "order", "spare")
+
+    def __init__(self, state: Optional[Tensor] = None):
+        self.state = state
+        self.order: Optional[Tensor] = None
+        self.spare: Optional[Tensor] = None
+
+    def reorder_(self, new_order: Tensor) -> None:
+        """Beam search: row i continues from row new_order[i]; new_order may shrink the batch."""
+        if self.state is None:
+            return
+        order = new_order if self.order is None else self.order.index_select(0, new_order)
+        self.order = None if is_identity_order(order, self.state.size(0)) else order
+
+    def tensors(self) -> List[Tensor]:
+        """Every tensor it holds (state sizes, dtypes)."""
+        return [t for t in (self.state, self.order, self.spare) if t is not None]
+
+    def __repr__(self) -> str:
+        shape = tuple(self.state.shape) if self.state is not None else None
+        return f"CausalRFAState(state={shape}, pending_order={self.order is not None})"
+
+
+def is_identity_order(order: Tensor, size: int) -> bool:
+    if order.is_cuda:  # checking would wait for the GPU at every step; a kept order costs one gather
+        return False
+    return order.numel() == size and torch.equal(order, torch.arange(size, device=order.device))
+
+
+def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS,
+               decode_kernel: str = "auto"):
+    """phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
+    state: None, a (B, H, F, d + 1) tensor entering the sequence, or a CausalRFAState (decoding)
+    -> out (B, H, T, d) fp32, state (a tensor, or the CausalRFAState, updated)
+
+    chunk_size: the torch path's chunks (whole sequences). decode_kernel: the decoding step,
+    "auto" (fla on CUDA, C++ on CPU when they are usable), "torch" or "cpp" (--rfa-decode-kernel).
+    """
+    if not isinstance(state, CausalRFAState):
+        if fla_available(phi_q):
+            return causal_rfa_fla(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
+        return causal_rfa_chunked(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+
+    decoding = state
+    previous, order = decoding.state, decoding.order
+    decoding.order = None
+    if phi_q.size(2) == 1 and not torch.is_grad_enabled():
+        # reorder + update + read-out in one pass; the old state becomes the spare buffer
+        out, new_state = causal_rfa_decode_step(phi_q, phi_k, v, log_gate, previous, order, out_state=decoding.spare,
+                                                eps=eps, decode_kernel=decode_kernel)
+        if previous is not None and new_state is not previous:
+            decoding.spare = previous
+    else:
+        if order is not None:
+            previous = previous.index_select(0, order)
+        out, new_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, previous, eps=eps)
+    decoding.state = new_state
+    return out, decoding
 
 
 def causal_rfa_decode_step(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None,
-                           eps: float = DENOMINATOR_EPS):
+                           eps: float = DENOMINATOR_EPS, decode_kernel: str = "auto"):
     """(B, H, 1, F), (B, H, 1, F), (B, H, 1, d), (B, H, 1); state[order] enters the step
     -> out (B, H, 1, d), new state (B, H, F, d + 1)."""
-    if fla_available(phi_q):
+    if decode_kernel == "auto" and fla_available(phi_q):
         return causal_rfa_step_fla(phi_q, phi_k, v, log_gate, state, order, out_state, eps=eps)
-    return causal_rfa_step_fused(phi_q, phi_k, v, log_gate, state, order, out_state, eps=eps)
+    return causal_rfa_step_fused(phi_q, phi_k, v, log_gate, state, order, out_state, eps=eps, kernel=decode_kernel)

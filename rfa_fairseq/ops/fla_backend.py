@@ -41,7 +41,10 @@ from torch import Tensor
 
 from .rfa import DENOMINATOR_EPS, _normalize, _with_ones
 
-FLA_ENV = "RFA_FLA"  # "0": never use fla
+# "0": never use fla. Left as a process-wide switch for comparisons and debugging on CUDA (test_cuda,
+# benchmark_train's *_torch kinds): it selects between implementations with the same results and is
+# read per call; decoding has its own option (--rfa-decode-kernel torch keeps decoding off fla)
+FLA_ENV = "RFA_FLA"
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp64 stays on the torch path
 
 

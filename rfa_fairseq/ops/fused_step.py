@@ -13,13 +13,15 @@ between steps: double buffering) or a new tensor, never `state` itself.
 The C++ step is built once with torch.utils.cpp_extension (a C++ compiler and ninja are
 needed; the build is cached under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions). Without them, on other devices, with autograd, or with
-RFA_FUSED_DECODE=0, the torch path runs instead: index_select into out_state, then
+kernel="torch" (--rfa-decode-kernel torch), the torch path runs instead: index_select into out_state, then
 `causal_rfa_step_`. Both are tested against `causal_rfa_recurrent` on state[order].
 """
 import contextlib
 import functools
 import logging
 import os
+import shutil
+import unittest.mock
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from .rfa import DENOMINATOR_EPS, causal_rfa_step_
 
-FUSED_DECODE_ENV = "RFA_FUSED_DECODE"  # "0": never build or use the C++ step
+DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 EXTENSION_NAME = "rfa_fairseq_decode_step_v2"  # bump when the C++ source changes incompatibly
 SOURCE = Path(__file__).with_name("csrc") / "rfa_decode_step.cpp"
 
@@ -37,24 +39,39 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
-def load_fused_extension():
-    """The compiled C++ module, or None (disabled, or it cannot be built: warned once)."""
-    if os.environ.get(FUSED_DECODE_ENV, "1") == "0":
-        return None
+def _build_fused_extension():
+    """(the compiled C++ module, None) or (None, why it could not be built); built once per process."""
     try:
         from torch.utils.cpp_extension import load
 
         logger.info("building/loading the fused C++ RFA decoding step (%s; built once, then cached)", SOURCE.name)
         with _pinned_ninja_first_on_path():
             return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], verbose=False)
+                        extra_ldflags=["-fopenmp"], verbose=False), None
     except Exception as error:  # no compiler, no ninja, read-only cache, ...
         first_line = (str(error).strip().splitlines() or [""])[0]
+        return None, f"{type(error).__name__}: {first_line}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_fused_extension():
+    """The compiled C++ module, or None when it cannot be built (warned once)."""
+    extension, error = _build_fused_extension()
+    if extension is None:
         warnings.warn(
-            f"rfa_fairseq: the fused C++ decoding step could not be built ({type(error).__name__}: {first_line}); "
-            f"decoding uses the torch path instead (same results, slower). Set {FUSED_DECODE_ENV}=0 to skip the build."
+            f"rfa_fairseq: the fused C++ decoding step could not be built ({error}); decoding uses the torch "
+            "path instead (same results, slower). --rfa-decode-kernel torch skips the build."
         )
-        return None
+    return extension
+
+
+def require_fused_extension():
+    """The compiled C++ module (--rfa-decode-kernel cpp), or a RuntimeError saying why not."""
+    extension, error = _build_fused_extension()
+    if extension is None:
+        raise RuntimeError(f"--rfa-decode-kernel cpp: the fused C++ decoding step could not be built ({error}); "
+                           "use --rfa-decode-kernel auto or torch")
+    return extension
 
 
 @contextlib.contextmanager
@@ -65,16 +82,18 @@ def _pinned_ninja_first_on_path():
     try:
         import ninja
 
-        bin_dir = ninja.BIN_DIR
+        pinned = os.path.join(ninja.BIN_DIR, "ninja")
     except (ImportError, AttributeError):
         yield
         return
-    old_path = os.environ.get("PATH", "")
-    os.environ["PATH"] = bin_dir + os.pathsep + old_path
-    try:
+    found = shutil.which("ninja")
+    if found is not None and os.path.realpath(found) == os.path.realpath(pinned):
+        yield  # already first on PATH (a venv's bin): nothing to change
+        return
+    # torch.utils.cpp_extension runs `ninja` from PATH and has no way to name the binary, so
+    # PATH names it for the duration of the build only; restored exactly (unset stays unset)
+    with unittest.mock.patch.dict(os.environ, {"PATH": ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")}):
         yield
-    finally:
-        os.environ["PATH"] = old_path
 
 
 def _fused_applies(phi_q: Tensor, state: Optional[Tensor]) -> bool:
@@ -86,11 +105,27 @@ def _fused_applies(phi_q: Tensor, state: Optional[Tensor]) -> bool:
     )
 
 
+def _fused_extension(kernel: str, phi_q: Tensor, state: Optional[Tensor]):
+    """The C++ module when `kernel` asks for it and it applies here, else None (the torch path)."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel {kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+    if kernel == "torch":
+        return None
+    if kernel == "cpp":
+        if phi_q.device.type != "cpu":
+            raise ValueError(f"--rfa-decode-kernel cpp: the C++ decoding step runs on the CPU, not {phi_q.device.type}")
+        return require_fused_extension() if _fused_applies(phi_q, state) else None
+    return load_fused_extension() if _fused_applies(phi_q, state) else None
+
+
 def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None,
-                          eps: float = DENOMINATOR_EPS):
+                          eps: float = DENOMINATOR_EPS, kernel: str = "auto"):
     """phi_q, phi_k: (B, H, 1, F)   v: (B, H, 1, d)   log_gate: (B, H, 1)
     state: (B0, H, F, d + 1) or None   order: (B,) int64 rows of state, or None (identity)
     -> out (B, H, 1, d) fp32, new_state (B, H, F, d + 1) fp32
+
+    kernel: "auto" (the C++ step where it applies and builds), "cpp" (the C++ step, an error
+    when it cannot be built) or "torch".
     """
     B, H, T, F_ = phi_q.shape
     if T != 1:
@@ -103,7 +138,7 @@ def causal_rfa_step_fused(phi_q, phi_k, v, log_gate=None, state=None, order=None
             return out_state
         return state.new_empty((rows,) + state.shape[1:])
 
-    ext = load_fused_extension() if _fused_applies(phi_q, state) else None
+    ext = _fused_extension(kernel, phi_q, state)
     if ext is None:
         if order is not None:
             state = torch.index_select(state, 0, order, out=spare(order.numel()))

@@ -28,8 +28,8 @@ multiplies it by exp(-max_i w_i.q), tiny at large sigma), so an absolute floor o
 clip healthy values. They use POSITIVE_EPS, which only guards an underflow to 0;
 `denominator_eps(feature_map)` picks the guard.
 
-Reference implementations (`*_reference`, `causal_rfa_recurrent`) are the plain
-O(L^2) masked form and the literal recurrence; the fast ones are tested against them.
+The plain references (`*_reference`, the literal recurrence `causal_rfa_recurrent`) are in
+naive.py; the fast ops here are tested against them.
 """
 import math
 from typing import Optional, Tuple
@@ -86,53 +86,10 @@ def gate_keys(
     return phi_k, log_gate
 
 
-# ---------------------------------------------------------------- causal, reference
-
-
-def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
-    """O(T^2) masked form: out_t = sum_{i<=t} (prod_{i<j<=t} g_j) phi(q_t).phi(k_i) [v_i, 1]."""
-    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
-    T = q.size(-2)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    if log_gate is None:
-        decay = causal.to(q.dtype)  # (T, T)
-        decay_from_start = q.new_ones(q.shape[:-1])  # (B, H, T)
-        decay_to_end = q.new_ones(q.shape[:-1])
-        total = q.new_zeros(q.shape[:-2])
-    else:
-        cum = log_gate.to(q.dtype).cumsum(-1)  # (B, H, T)
-        decay = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, -math.inf))
-        decay_from_start = torch.exp(cum)
-        decay_to_end = torch.exp(cum[..., -1:] - cum)
-        total = cum[..., -1]
-    out = ((q @ k.transpose(-1, -2)) * decay) @ va  # (B, H, T, d + 1)
-    new_state = (k * decay_to_end.unsqueeze(-1)).transpose(-1, -2) @ va  # (B, H, F, d + 1)
-    if state is not None:
-        out = out + (q * decay_from_start.unsqueeze(-1)) @ state
-        new_state = new_state + torch.exp(total)[..., None, None] * state
-    return _normalize(out, eps), new_state
-
-
-def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
-    """The literal recurrence, one step at a time (also the decoding path, T = 1)."""
-    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
-    B, H, T, F_ = q.shape
-    if state is None:
-        state = q.new_zeros(B, H, F_, va.size(-1))
-    outs = []
-    for t in range(T):
-        update = k[:, :, t].unsqueeze(-1) * va[:, :, t].unsqueeze(-2)  # (B, H, F, d + 1)
-        if log_gate is not None:
-            state = torch.exp(log_gate[:, :, t].to(q.dtype))[..., None, None] * state
-        state = state + update
-        outs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
-    return _normalize(torch.stack(outs, dim=2), eps), state
-
-
 def causal_rfa_step_(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """One decoding step (T = 1) that updates `state` in place: no autograd, no new state.
 
-    Same result as `causal_rfa_recurrent` (its reference); one batched outer-product
+    Same result as `causal_rfa_recurrent` (naive.py, its reference); one batched outer-product
     update and one batched matmul for all heads.
     """
     B, H, T, F_ = phi_q.shape
@@ -181,44 +138,30 @@ def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: i
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = q @ k.transpose(-1, -2)  # (B, H, N, C, C)
 
+    # ungated RFA is gated RFA with log_gate = 0 (nothing decays): one form for both
     if log_gate is None:
-        scores = scores.masked_fill(~causal, 0.0)
-        chunk_states = k.transpose(-1, -2) @ va  # (B, H, N, F, d + 1)
-        prefix = chunk_states.cumsum(dim=2) - chunk_states  # state entering chunk n
-        if state is not None:
-            prefix = prefix + state.unsqueeze(2)
-        out = scores @ va + q @ prefix
-        final_state = prefix[:, :, -1] + chunk_states[:, :, -1]
-    else:
-        cum = log_gate.to(q.dtype).view(B, H, N, C).cumsum(-1)  # log decay from chunk start, inclusive
-        total = cum[..., -1]  # (B, H, N) log decay across each chunk
-        decay = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, -math.inf))
-        scores = scores * decay
-        # each key decayed to its chunk's end: exp(total - cum) <= 1
-        chunk_states = (k * torch.exp(total.unsqueeze(-1) - cum).unsqueeze(-1)).transpose(-1, -2) @ va
-        # S entering chunk n = sum_{m<n} exp(G_n - G_{m+1}) U_m + exp(G_n) S_0, G = exclusive cumsum of totals
-        G = total.cumsum(-1) - total  # (B, H, N)
-        before = torch.ones(N, N, dtype=torch.bool, device=q.device).tril(-1)
-        chunk_decay = torch.exp((G.unsqueeze(-1) - (G + total).unsqueeze(-2)).masked_fill(~before, -math.inf))
-        prefix = (chunk_decay @ chunk_states.flatten(-2)).view(B, H, N, F_, d1)
-        if state is not None:
-            prefix = prefix + torch.exp(G)[..., None, None] * state.unsqueeze(2)
-        out = scores @ va + (q * torch.exp(cum).unsqueeze(-1)) @ prefix
-        final_state = torch.exp(total[..., -1])[..., None, None] * prefix[:, :, -1] + chunk_states[:, :, -1]
+        log_gate = q.new_zeros(B, H, N * C)
+    cum = log_gate.to(q.dtype).view(B, H, N, C).cumsum(-1)  # log decay from chunk start, inclusive
+    total = cum[..., -1]  # (B, H, N) log decay across each chunk
+    decay = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, -math.inf))  # (B, H, N, C, C)
+    scores = scores * decay
+    # each key decayed to its chunk's end: exp(total - cum) <= 1
+    chunk_states = (k * torch.exp(total.unsqueeze(-1) - cum).unsqueeze(-1)).transpose(-1, -2) @ va  # (B, H, N, F, d + 1)
+    # S entering chunk n = sum_{m<n} exp(G_n - G_{m+1}) U_m + exp(G_n) S_0, G = exclusive cumsum of totals
+    G = total.cumsum(-1) - total  # (B, H, N)
+    before = torch.ones(N, N, dtype=torch.bool, device=q.device).tril(-1)
+    chunk_decay = torch.exp((G.unsqueeze(-1) - (G + total).unsqueeze(-2)).masked_fill(~before, -math.inf))  # (B, H, N, N)
+    prefix = (chunk_decay @ chunk_states.flatten(-2)).view(B, H, N, F_, d1)
+    if state is not None:
+        prefix = prefix + torch.exp(G)[..., None, None] * state.unsqueeze(2)
+    out = scores @ va + (q * torch.exp(cum).unsqueeze(-1)) @ prefix  # (B, H, N, C, d + 1)
+    final_state = torch.exp(total[..., -1])[..., None, None] * prefix[:, :, -1] + chunk_states[:, :, -1]
 
     out = out.view(B, H, N * C, d1)[:, :, :T]
     return _normalize(out, eps), final_state
 
 
 # ---------------------------------------------------------------- non-causal
-
-
-def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
-    """Explicit (Tq x Tk) kernel matrix; state is ignored (it is derived from phi_k, v)."""
-    va = _with_ones(v)
-    q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
-    out = (q @ k.transpose(-1, -2)) @ va
-    return _normalize(out, eps), k.transpose(-1, -2) @ va
 
 
 def noncausal_rfa_state(phi_k: Tensor, v: Tensor) -> Tensor:

@@ -1,0 +1,130 @@
+"""Plain reference implementations: the formulas as written, slow and simple; the fast ops
+(rfa.py, fused_step.py, fla_backend.py) and feature maps (feature_maps.py) are tested against them.
+
+As in flash-linear-attention (ops/*/naive.py beside the chunked and fused kernels), the
+attention references share the fast ops' signature
+
+    f(phi_q, phi_k, v, log_gate=None, state=None, eps=...) -> (out, state)
+
+with the shapes and the state layout of rfa.py's docstring.
+"""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .rfa import DENOMINATOR_EPS, _normalize, _with_ones, accumulation_dtype
+
+# ---------------------------------------------------------------- feature maps
+
+
+def feature_map_reference(x_scaled: Tensor, w: Tensor, kind: str) -> Tensor:
+    """One random vector at a time, straight from the formulas in the module docstring."""
+    num_features = w.size(1)
+    feats = []
+    for i in range(num_features):
+        wx = (x_scaled * w[:, i].to(x_scaled.dtype).unsqueeze(1)).sum(-1)  # (B, H, T)
+        if kind == "sincos":
+            feats.append((torch.sin(wx), torch.cos(wx)))
+        elif kind == "arccos":
+            feats.append((torch.clamp(wx, min=0),))
+        elif kind == "positive":
+            feats.append((torch.exp(wx - 0.5 * (x_scaled**2).sum(-1)),))
+        else:
+            raise ValueError(kind)
+    # sincos layout is [sin_1..sin_D, cos_1..cos_D]
+    columns = [f[j] for j in range(len(feats[0])) for f in feats]
+    return torch.stack(columns, dim=-1) / math.sqrt(num_features)
+
+
+def learned_feature_map_reference(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], kind: str) -> Tensor:
+    """One position and head at a time, straight from the formulas in the module docstring."""
+    x = x.double()
+    B, H, T, d = x.shape
+    out = []
+    for bi in range(B):
+        for h in range(H):
+            for t in range(T):
+                xi = x[bi, h, t]
+                if kind == "elu":
+                    out.append(torch.where(xi > 0, xi + 1, torch.exp(xi)))
+                    continue
+                z = w[h].double() @ xi + b[h].double()
+                if kind == "hedgehog":
+                    out.append(torch.cat([torch.exp(z) / torch.exp(z).sum(), torch.exp(-z) / torch.exp(-z).sum()]))
+                elif kind == "relu":
+                    out.append(torch.clamp(z, min=0) / math.sqrt(z.numel()))
+                else:
+                    raise ValueError(kind)
+    return torch.stack(out).view(B, H, T, -1)
+
+
+def exact_kernel(x_scaled: Tensor, y_scaled: Tensor, kind: str) -> Optional[Tensor]:
+    """The kernel each feature map estimates, for tests. (B, H, Tq, d), (B, H, Tk, d) -> (B, H, Tq, Tk)."""
+    if kind == "sincos":
+        return torch.exp(-0.5 * torch.cdist(x_scaled, y_scaled).pow(2))
+    if kind == "positive":
+        return torch.exp(x_scaled @ y_scaled.transpose(-1, -2))
+    if kind == "arccos":
+        # degree-1 arc-cosine kernel with the E[relu(w.x) relu(w.y)] normalization
+        nx, ny = x_scaled.norm(dim=-1), y_scaled.norm(dim=-1)
+        cos = (x_scaled @ y_scaled.transpose(-1, -2)) / (nx.unsqueeze(-1) * ny.unsqueeze(-2))
+        theta = torch.acos(cos.clamp(-1, 1))
+        j1 = torch.sin(theta) + (math.pi - theta) * torch.cos(theta)
+        return nx.unsqueeze(-1) * ny.unsqueeze(-2) * j1 / (2 * math.pi)
+    return None
+
+
+# ---------------------------------------------------------------- causal
+
+
+def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
+    """O(T^2) masked form: out_t = sum_{i<=t} (prod_{i<j<=t} g_j) phi(q_t).phi(k_i) [v_i, 1]."""
+    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+    T = q.size(-2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if log_gate is None:
+        decay = causal.to(q.dtype)  # (T, T)
+        decay_from_start = q.new_ones(q.shape[:-1])  # (B, H, T)
+        decay_to_end = q.new_ones(q.shape[:-1])
+        total = q.new_zeros(q.shape[:-2])
+    else:
+        cum = log_gate.to(q.dtype).cumsum(-1)  # (B, H, T)
+        decay = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, -math.inf))
+        decay_from_start = torch.exp(cum)
+        decay_to_end = torch.exp(cum[..., -1:] - cum)
+        total = cum[..., -1]
+    out = ((q @ k.transpose(-1, -2)) * decay) @ va  # (B, H, T, d + 1)
+    new_state = (k * decay_to_end.unsqueeze(-1)).transpose(-1, -2) @ va  # (B, H, F, d + 1)
+    if state is not None:
+        out = out + (q * decay_from_start.unsqueeze(-1)) @ state
+        new_state = new_state + torch.exp(total)[..., None, None] * state
+    return _normalize(out, eps), new_state
+
+
+def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
+    """The literal recurrence, one step at a time (also the decoding path, T = 1)."""
+    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+    B, H, T, F_ = q.shape
+    if state is None:
+        state = q.new_zeros(B, H, F_, va.size(-1))
+    outs = []
+    for t in range(T):
+        update = k[:, :, t].unsqueeze(-1) * va[:, :, t].unsqueeze(-2)  # (B, H, F, d + 1)
+        if log_gate is not None:
+            state = torch.exp(log_gate[:, :, t].to(q.dtype))[..., None, None] * state
+        state = state + update
+        outs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
+    return _normalize(torch.stack(outs, dim=2), eps), state
+
+
+# ---------------------------------------------------------------- non-causal
+
+
+def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
+    """Explicit (Tq x Tk) kernel matrix; state is ignored (it is derived from phi_k, v)."""
+    va = _with_ones(v)
+    q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
+    out = (q @ k.transpose(-1, -2)) @ va
+    return _normalize(out, eps), k.transpose(-1, -2) @ va
