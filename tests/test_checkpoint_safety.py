@@ -12,7 +12,7 @@ from conftest import PLUGIN_DIR
 
 import rfa_fairseq  # noqa: F401  (allowlists the checkpoint classes, installs the fairseq wrappers)
 from fairseq import checkpoint_utils
-from rfa_fairseq.checkpoint_safety import (
+from rfa_fairseq.checkpoints import (
     FAIRSEQ_CHECKPOINT_CLASSES,
     PLUGIN_MARKER_KEY,
     CheckpointLoadError,

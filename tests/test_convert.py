@@ -13,9 +13,9 @@ from conftest import PLUGIN_DIR
 import rfa_fairseq  # noqa: F401
 from fairseq import checkpoint_utils
 from fairseq.models import ARCH_MODEL_REGISTRY
-from rfa_fairseq.checkpoint_safety import safe_load
-from rfa_fairseq.convert import main as convert_main
-from rfa_fairseq.convert import teacher_forced_agreement
+from rfa_fairseq.checkpoints import safe_load
+from rfa_fairseq.cli.convert import main as convert_main
+from rfa_fairseq.cli.convert import teacher_forced_agreement
 
 CONVERT = os.path.join(REPO, "scripts", "convert_transformer_to_rfa.py")
 # head dimension 16, 2 + 2 layers: small enough for a CPU test, large enough to learn the task well

@@ -296,7 +296,7 @@ def test_fairseq_train_and_generate_on_cuda(corpus, precision, rfa_flags, update
     fp32 is covered above (the model tests and fairseq's SequenceGenerator on CUDA)."""
     save_dir = corpus / f"ckpt_{precision}"
     precision_flags = {"fp16": ["--fp16"], "bf16": ["--bf16"]}[precision]
-    proc = run_module("rfa_fairseq.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *rfa_flags, *CLI_TRAIN,
+    proc = run_module("rfa_fairseq.cli.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *rfa_flags, *CLI_TRAIN,
                       *precision_flags, "--max-update", updates, "--save-dir", save_dir)
     log = proc.stdout + proc.stderr
     losses = json_losses(log)
