@@ -1,7 +1,9 @@
 # Shared helpers for data-prep/prepare-*.sh. Sourced, not executed.
 #
 # A recipe sets RECIPE_NAME, DEFAULT_VOCAB_SIZE and the usage text, sources this
-# file, calls parse_common_args "$@", then runs its steps with run_step.
+# file, calls parse_common_args "$@", then runs its own download and text steps
+# with run_step and ends with subword_and_binarize (SentencePiece, fairseq-preprocess,
+# summary), which every recipe shares.
 #
 # Layout of the output directory <out>:
 #   download/   archives (or symlinks into --mirror), verified
@@ -294,6 +296,35 @@ write_summary() {
     cat "$OUT/summary.txt"
 }
 
+# ------------------------------------------------------------------ pipeline tail
+
+# subword_and_binarize TEST_PREFIX [CLEAN_OPTION...]: the steps every recipe ends with, once its text
+# is in $WORK_DIR/{train,valid}.{$SRC,$TGT} and TEST_PREFIX.{$SRC,$TGT}: a joint SentencePiece model
+# trained on train, every split encoded into $OUT/{train,valid,test}.spm.*, fairseq-preprocess into
+# $OUT/data-bin, and summary.txt. With CLEAN_OPTIONs (textprep.py clean options, e.g. --ratio 1.5
+# --min-len 1 --max-len 250), the encoded training pairs are first filtered by their piece counts
+# (clean-corpus-n on subwords, as fairseq's recipes do after BPE); valid and test never are.
+subword_and_binarize() {
+    local test_prefix=$1
+    shift
+    local W=$WORK_DIR train_pieces=$OUT/train.spm
+    if (($#)); then
+        train_pieces=$W/train.spm  # cleaned from work/ into $OUT/train.spm.* below
+    fi
+    spm_train "$W/train.$SRC" "$W/train.$TGT"
+    run_step spm-encode py spm-encode --model "$OUT/spm.model" --workers "$WORKERS" \
+        "$W/train.$SRC" "$train_pieces.$SRC" "$W/train.$TGT" "$train_pieces.$TGT" \
+        "$W/valid.$SRC" "$OUT/valid.spm.$SRC" "$W/valid.$TGT" "$OUT/valid.spm.$TGT" \
+        "$test_prefix.$SRC" "$OUT/test.spm.$SRC" "$test_prefix.$TGT" "$OUT/test.spm.$TGT"
+    if (($#)); then
+        run_step train-clean py clean --count whitespace "$@" \
+            --in-src "$W/train.spm.$SRC" --in-tgt "$W/train.spm.$TGT" \
+            --out-src "$OUT/train.spm.$SRC" --out-tgt "$OUT/train.spm.$TGT"
+    fi
+    binarize "$SRC" "$TGT"
+    write_summary "$SRC" "$TGT"
+}
+
 # ------------------------------------------------------------------ WMT14 pipeline
 
 # wmt14_pipeline: shared by prepare-wmt14en2de.sh and prepare-wmt14en2fr.sh, as in
@@ -345,15 +376,5 @@ wmt14_pipeline() {
     run_step test-raw py build-parallel --segs --src-lang "$SRC" --tgt-lang "$TGT" \
         --out-src "$OUT/test.raw.$SRC" --out-tgt "$OUT/test.raw.$TGT" "${test_inputs[@]}"
 
-    spm_train "$W/train.$SRC" "$W/train.$TGT"
-    run_step spm-encode py spm-encode --model "$OUT/spm.model" --workers "$WORKERS" \
-        "$W/train.$SRC" "$W/train.spm.$SRC" "$W/train.$TGT" "$W/train.spm.$TGT" \
-        "$W/valid.$SRC" "$OUT/valid.spm.$SRC" "$W/valid.$TGT" "$OUT/valid.spm.$TGT" \
-        "$W/test.$SRC" "$OUT/test.spm.$SRC" "$W/test.$TGT" "$OUT/test.spm.$TGT"
-    run_step train-clean py clean --count whitespace --ratio 1.5 --min-len 1 --max-len 250 \
-        --workers "$WORKERS" --in-src "$W/train.spm.$SRC" --in-tgt "$W/train.spm.$TGT" \
-        --out-src "$OUT/train.spm.$SRC" --out-tgt "$OUT/train.spm.$TGT"
-
-    binarize "$SRC" "$TGT"
-    write_summary "$SRC" "$TGT"
+    subword_and_binarize "$W/test" --ratio 1.5 --min-len 1 --max-len 250 --workers "$WORKERS"
 }

@@ -76,12 +76,5 @@ run_step test-text py build-parallel --src-lang $SRC --tgt-lang $TGT --segs --xm
     --remove-nonprint --fix-apostrophe --lowercase \
     --out-src "$OUT/test.raw.$SRC" --out-tgt "$OUT/test.raw.$TGT" "${TEST_INPUTS[@]}"
 
-spm_train "$W/train.$SRC" "$W/train.$TGT"
-
-run_step spm-encode py spm-encode --model "$OUT/spm.model" --workers "$WORKERS" \
-    "$W/train.$SRC" "$OUT/train.spm.$SRC" "$W/train.$TGT" "$OUT/train.spm.$TGT" \
-    "$W/valid.$SRC" "$OUT/valid.spm.$SRC" "$W/valid.$TGT" "$OUT/valid.spm.$TGT" \
-    "$OUT/test.raw.$SRC" "$OUT/test.spm.$SRC" "$OUT/test.raw.$TGT" "$OUT/test.spm.$TGT"
-
-binarize $SRC $TGT
-write_summary $SRC $TGT
+# no cleaning of the pieces: train was cleaned on Moses tokens above, as fairseq does
+subword_and_binarize "$OUT/test.raw"

@@ -92,14 +92,4 @@ run_step test-raw py build-parallel --src-lang "$SRC" --tgt-lang "$TGT" \
     --out-src "$OUT/test.raw.$SRC" --out-tgt "$OUT/test.raw.$TGT" \
     "$DL_DIR/test_2016_flickr.$SRC.gz" "$DL_DIR/test_2016_flickr.$TGT.gz"
 
-spm_train "$W/train.$SRC" "$W/train.$TGT"
-run_step spm-encode py spm-encode --model "$OUT/spm.model" --workers "$WORKERS" \
-    "$W/train.$SRC" "$W/train.spm.$SRC" "$W/train.$TGT" "$W/train.spm.$TGT" \
-    "$W/valid.$SRC" "$OUT/valid.spm.$SRC" "$W/valid.$TGT" "$OUT/valid.spm.$TGT" \
-    "$W/test.$SRC" "$OUT/test.spm.$SRC" "$W/test.$TGT" "$OUT/test.spm.$TGT"
-run_step train-clean py clean --count whitespace --ratio 9 --min-len 1 --max-len 250 \
-    --in-src "$W/train.spm.$SRC" --in-tgt "$W/train.spm.$TGT" \
-    --out-src "$OUT/train.spm.$SRC" --out-tgt "$OUT/train.spm.$TGT"
-
-binarize "$SRC" "$TGT"
-write_summary "$SRC" "$TGT"
+subword_and_binarize "$W/test" --ratio 9 --min-len 1 --max-len 250

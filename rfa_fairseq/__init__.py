@@ -2,17 +2,21 @@
 
 Load with `--user-dir path/to/rfa_fairseq` or, when pip-installed, `--user-dir
 $(python -c 'import rfa_fairseq, os; print(os.path.dirname(rfa_fairseq.__file__))')`.
-Importing registers the `rfa_transformer` model and its architectures and allowlists
-the classes fairseq checkpoints need for torch's weights_only loading, and stops fairseq's
-background data thread before the interpreter exits (`fairseq_compat`; without it a run that stops
-mid-epoch, e.g. at --max-update, can abort at exit with SIGABRT).
-"""
-from .checkpoint_safety import allowlist_fairseq_checkpoint_classes
-from .fairseq_compat import stop_data_threads_at_exit
+Importing registers the `rfa_transformer` model and its architectures and applies the plugin's
+fairseq/torch patches (`fairseq_compat`, which lists each and why): the classes fairseq checkpoints
+need for torch's weights_only loading are allowlisted, fairseq's checkpoint loading names the file
+and the cause when it fails, and fairseq's background data thread is stopped before the interpreter
+exits (without it a run that stops mid-epoch, e.g. at --max-update, can abort at exit with SIGABRT).
 
-allowlist_fairseq_checkpoint_classes()
-stop_data_threads_at_exit()
+Layout: `models`, `modules`, `ops` and `config` are the plugin; `checkpoints` loads and saves
+checkpoints; `cli` holds the command-line tools (rfa-convert-transformer, rfa-average-checkpoints,
+rfa-check-data, rfa-score, rfa-train).
+"""
+# the one place the version is written (setup.cfg reads it: version = attr: rfa_fairseq.__version__)
+__version__ = "0.1.0"
+
+from .fairseq_compat import apply_patches  # noqa: E402
+
+apply_patches()
 
 from . import models  # noqa: E402,F401  (registration happens on import)
-
-__version__ = "0.1.0"

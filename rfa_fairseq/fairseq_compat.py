@@ -1,34 +1,67 @@
-"""fairseq 0.12's background data thread, stopped before the interpreter exits.
+"""Every patch the plugin applies to fairseq 0.12 and torch when it is imported, and why.
 
-The problem. fairseq wraps every epoch iterator in a `BufferedIterator` (`--data-buffer-size`,
-default 10): a daemon thread (`BackgroundConsumer`) pulls batches from the torch DataLoader (with
-`--num-workers 0` it collates them itself) and keeps up to 10 ready in a queue. Training that stops
-at `--max-update` (or `--max-valid-steps`, an error, ...) in the middle of an epoch leaves that thread
-running. At exit, CPython (3.11, 3.12) lets daemon threads run until finalization starts and then
-ends any of them that tries to take the GIL back with `pthread_exit`. When the thread is inside a
-torch call at that moment (a collate, a tensor freed, both release the GIL), `pthread_exit` unwinds
-through torch's C++ frames, meets a `noexcept` one, and the C++ runtime calls std::terminate:
+`apply_patches()` runs when rfa_fairseq is imported, which `--user-dir` does in fairseq-train,
+fairseq-hydra-train, fairseq-generate/-interactive/-validate and in every distributed worker. It is
+idempotent (the plugin may be imported more than once, e.g. by a test and by --user-dir). The patches:
+
+1. torch's weights_only allowlist (`checkpoints.allowlist_checkpoint_classes`). torch >= 2.6 loads
+   with weights_only=True, which refuses every pickled class that is not allowlisted, and fairseq
+   0.12 calls `torch.load` without arguments. We allowlist exactly the classes fairseq checkpoints
+   pickle (`checkpoints.FAIRSEQ_CHECKPOINT_CLASSES`); anything else is still refused. weights_only
+   is never turned off.
+2. `fairseq.checkpoint_utils.load_checkpoint_to_cpu` (fairseq-train resume, --restore-file,
+   --finetune-from-model, fairseq-generate/-interactive/-validate): a refused class, a truncated file
+   or an RFA option changed by --model-overrides gives one clear error naming the file
+   (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of torch's generic text.
+3. `fairseq.checkpoint_utils.torch_persistent_save`: an rfa_* checkpoint gets a first entry
+   `NeedsUserDirRfaFairseq()` so that loading it WITHOUT the plugin fails with torch's
+   "Unsupported global: GLOBAL rfa_fairseq.checkpoint_safety.NeedsUserDirRfaFairseq": the only text
+   we can put in front of a user whose process never imported this plugin.
+4. `fairseq.distributed.utils._broadcast_object_slow`: with several ranks, rank 0 loads the
+   checkpoint (through the checks above) and broadcasts it, as a pickle that now holds omegaconf
+   DictConfig objects, to the other ranks, which `torch.load` it with weights_only. The omegaconf
+   classes (`checkpoints.broadcast_checkpoint_classes`) are allowlisted only while such a broadcast
+   is read, never for files.
+5. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
+   replaces `fairseq.data.iterators.BackgroundConsumer`; `stop_data_threads` runs at exit). Without
+   it a run that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT. Details below.
+
+Not applied at import: `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch` only in
+its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
+
+The background data thread (5). fairseq wraps every epoch iterator in a `BufferedIterator`
+(`--data-buffer-size`, default 10): a daemon thread (`BackgroundConsumer`) pulls batches from the
+torch DataLoader (with `--num-workers 0` it collates them itself) and keeps up to 10 ready in a queue.
+Training that stops at `--max-update` (or `--max-valid-steps`, an error, ...) in the middle of an epoch
+leaves that thread running. At exit, CPython (3.11, 3.12) lets daemon threads run until finalization
+starts and then ends any of them that tries to take the GIL back with `pthread_exit`. When the thread
+is inside a torch call at that moment (a collate, a tensor freed, both release the GIL), `pthread_exit`
+unwinds through torch's C++ frames, meets a `noexcept` one, and the C++ runtime calls std::terminate:
 "terminate called without an active exception", SIGABRT, exit code 134, after a training that
 finished and saved its checkpoints. A thread that is waiting on its full queue is not in torch and
 dies quietly, so whether a run aborts depends on timing.
 
-The fix. `stop_data_threads_at_exit()` (called when rfa_fairseq is imported, which `--user-dir` does
-in fairseq-train, fairseq-hydra-train, fairseq-generate/-interactive/-validate and in every
-distributed worker) replaces fairseq's `BackgroundConsumer` with `StoppableConsumer` and registers
-`stop_data_threads` to run at interpreter exit, before finalization, while the thread is still
-running normally. It tells each live consumer to stop and joins it: the thread finishes the batch it
-is making (inside torch, with the GIL handed back normally), puts nothing more in the queue and
-returns. Nothing else changes: the same batches in the same order, the same buffer size, prefetching
-during training as before; the iterator position saved in checkpoints (`iterations_in_epoch`) counts
-the batches training took, never the prefetched ones, so resume is exact as before.
+The fix registers `stop_data_threads` to run at interpreter exit, before finalization, while the
+thread is still running normally. It tells each live consumer to stop and joins it: the thread
+finishes the batch it is making (inside torch, with the GIL handed back normally), puts nothing more
+in the queue and returns. Nothing else changes: the same batches in the same order, the same buffer
+size, prefetching during training as before; the iterator position saved in checkpoints
+(`iterations_in_epoch`) counts the batches training took, never the prefetched ones, so resume is
+exact as before.
 """
 import atexit
+import functools
 import logging
+import pickle
 import queue
 import threading
 
 import torch
+from fairseq import checkpoint_utils
 from fairseq.data import iterators
+from fairseq.distributed import utils as distributed_utils
+
+from . import checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +135,61 @@ def stop_data_threads_at_exit():
     # waiting for a batch. (Private but stable since Python 3.9; concurrent.futures relies on it.)
     register = getattr(threading, "_register_atexit", atexit.register)
     register(stop_data_threads)
+
+
+# ---------------------------------------------------------------- checkpoint loading and saving (2-4)
+
+
+def _wrap_load_checkpoint_to_cpu(original):
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        checkpoints.check_checkpoint_against_overrides(path, arg_overrides)
+        try:
+            return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+            explained = checkpoints.explain_load_failure(path, exc)
+            if explained is None:
+                raise
+            raise explained from exc
+
+    load_checkpoint_to_cpu.rfa_fairseq_wrapper = True
+    return load_checkpoint_to_cpu
+
+
+def _wrap_torch_persistent_save(original):
+    @functools.wraps(original)
+    def torch_persistent_save(obj, filename, *args, **kwargs):
+        return original(checkpoints.mark_rfa_checkpoint(obj), filename, *args, **kwargs)
+
+    torch_persistent_save.rfa_fairseq_wrapper = True
+    return torch_persistent_save
+
+
+def _wrap_broadcast_object_slow(original):
+    @functools.wraps(original)
+    def _broadcast_object_slow(*args, **kwargs):
+        with torch.serialization.safe_globals(checkpoints.broadcast_checkpoint_classes()):
+            return original(*args, **kwargs)
+
+    _broadcast_object_slow.rfa_fairseq_wrapper = True
+    return _broadcast_object_slow
+
+
+def install_checkpoint_hooks() -> None:
+    """Install the wrappers 2-4 (see the module docstring); a no-op where they are installed."""
+    hooks = [
+        (checkpoint_utils, "load_checkpoint_to_cpu", _wrap_load_checkpoint_to_cpu),
+        (checkpoint_utils, "torch_persistent_save", _wrap_torch_persistent_save),
+        (distributed_utils, "_broadcast_object_slow", _wrap_broadcast_object_slow),
+    ]
+    for module, name, wrap in hooks:
+        current = getattr(module, name, None)
+        if current is not None and not getattr(current, "rfa_fairseq_wrapper", False):
+            setattr(module, name, wrap(current))
+
+
+def apply_patches() -> None:
+    """Apply every patch of the module docstring (plugin import); idempotent."""
+    checkpoints.allowlist_checkpoint_classes()
+    install_checkpoint_hooks()
+    stop_data_threads_at_exit()

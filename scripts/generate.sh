@@ -10,7 +10,7 @@
 # scaling_nmt recipe), length penalty 1.0 otherwise; output length <= 1 * source + 50
 # (Vaswani et al.). Hypotheses are SentencePiece-decoded by --post-process sentencepiece.
 # Optionally the last N epoch (or update) checkpoints are averaged first
-# (rfa_fairseq/average_checkpoints.py). The RFA plugin is loaded with --user-dir.
+# (rfa_fairseq/cli/average_checkpoints.py). The RFA plugin is loaded with --user-dir.
 #
 # Outputs, each written under a temporary name and renamed when complete:
 #   OUTPUT                 hypotheses, one per line, in test-set order
@@ -124,7 +124,7 @@ if ((AVERAGE_LAST > 0 || AVERAGE_LAST_UPDATES > 0)); then
         AVERAGE_ARGS=(--num-update-checkpoints "$AVERAGE_LAST_UPDATES")
     fi
     # Always re-averaged: the checkpoints may have changed since the last run.
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m rfa_fairseq.average_checkpoints \
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m rfa_fairseq.cli.average_checkpoints \
         --inputs "$CHECKPOINT_DIR" "${AVERAGE_ARGS[@]}" --output "$CHECKPOINT" ||
         die "checkpoint averaging failed"
 elif [[ -z $CHECKPOINT ]]; then
@@ -160,11 +160,11 @@ torch.serialization.add_safe_globals([argparse.Namespace])
 fairseq_main = generate.main
 def main(args):
     try:  # importable once fairseq has loaded --user-dir
-        from rfa_fairseq.checkpoint_safety import allowlist_fairseq_checkpoint_classes
+        from rfa_fairseq.checkpoints import allowlist_checkpoint_classes
     except ImportError:
         pass
     else:
-        allowlist_fairseq_checkpoint_classes()
+        allowlist_checkpoint_classes()
     return fairseq_main(args)
 generate.main = main
 sys.argv[0] = "fairseq-generate"
@@ -183,7 +183,7 @@ mv -f "$LOG.tmp" "$LOG"
 # Every source sentence (S- line) must have a hypothesis, or scoring would misalign.
 N_SOURCES=$(grep -c '^S-' "$LOG" || true)
 # Run as a file, not -m: importing the rfa_fairseq package would import fairseq (seconds).
-"$PYTHON" "$REPO/rfa_fairseq/scoring.py" \
+"$PYTHON" "$REPO/rfa_fairseq/cli/scoring.py" \
     --generate-output "$LOG" --spm-model "$SPM_MODEL" --save-hyp "$OUTPUT.tmp" --extract-only ||
     die "could not extract hypotheses from $LOG"
 N_HYPS=$(wc -l <"$OUTPUT.tmp")

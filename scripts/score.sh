@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Score detokenized hypotheses: sacreBLEU (with signature) and chrF, via
-# rfa_fairseq.scoring; all arguments are passed through (see --help).
+# rfa_fairseq.cli.scoring; all arguments are passed through (see --help).
 #
 #   scripts/score.sh --hyp RESULTS/test.hyp.en --ref PREP/test.raw.en --json RESULTS/scores.json
 #   scripts/score.sh --hyp RESULTS/test.hyp.de --ref PREP/test.raw.de --compound-split   # WMT14 EN-DE
@@ -17,4 +17,4 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "Python interpreter '$PYTHON' not fo
     die "$PYTHON cannot import sacrebleu and sacremoses (activate the project environment)"
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m rfa_fairseq.scoring "$@"
+exec "$PYTHON" -m rfa_fairseq.cli.scoring "$@"

@@ -124,7 +124,7 @@ command -v fairseq-train >/dev/null 2>&1 || die "fairseq-train not found on PATH
 # Check the binarized data before anything is written: dictionaries, splits, equal sentence counts,
 # empty or too long sentences (fairseq reports these late, vaguely, or not at all). CHECK_DATA=0 skips.
 if [[ "${CHECK_DATA:-1}" == 1 ]]; then
-    PYTHONPATH="$(dirname "$USER_DIR")${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m rfa_fairseq.check_data bin "$DATA" \
+    PYTHONPATH="$(dirname "$USER_DIR")${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m rfa_fairseq.cli.check_data bin "$DATA" \
         -s "$SRC_LANG" -t "$TGT_LANG" --splits train valid --max-positions 1024 ||
         die "problems in DATA='$DATA' (listed above); fix them, or skip this check with CHECK_DATA=0"
 fi

@@ -9,6 +9,7 @@ import sys
 from collections import defaultdict
 
 from conftest import REPO
+from tiny_models import CLI_TINY_MODEL as TINY_MODEL  # noqa: F401  (the CLI tests import it from here)
 
 BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -17,13 +18,6 @@ UNROUNDED_TRAIN = os.path.join(TESTS, "fairseq_train_unrounded.py")
 # fairseq-train that logs random-matrix draws and parameter checksums to $RFA_DEBUG_LOG (see debug_log)
 DEBUG_LOG_TRAIN = os.path.join(TESTS, "fairseq_train_debug_log.py")
 
-# 16-dim model: fast on a shared 2-core CPU, still every RFA role (decoder self + cross)
-TINY_MODEL = [
-    "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "1",
-    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-]
 TINY_TRAIN = [
     "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
     "--dropout", "0.1", "--max-tokens", "500", "--num-workers", "0", "--seed", "3", "--cpu",

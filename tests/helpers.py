@@ -8,12 +8,10 @@ from fairseq.data import Dictionary
 from fairseq.models import ARCH_MODEL_REGISTRY
 
 from conftest import PLUGIN_DIR
+from tiny_models import tiny_model_flags
 
 TINY_ARGS = [
-    "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    *tiny_model_flags(embed_dim=32, ffn_dim=64, heads=4, encoder_layers=2, decoder_layers=2, share_all_embeddings=False),
     "--dropout", "0.0", "--max-target-positions", "1024", "--max-source-positions", "1024",
 ]
 

@@ -1,11 +1,11 @@
-"""Tests of rfa_fairseq.average_checkpoints on tiny saved state dicts."""
+"""Tests of rfa_fairseq.cli.average_checkpoints on tiny saved state dicts."""
 import argparse
 import collections
 
 import pytest
 import torch
 
-from rfa_fairseq import average_checkpoints as avg
+from rfa_fairseq.cli import average_checkpoints as avg
 
 
 def save_checkpoint(path, seed, extra=None):

@@ -12,8 +12,8 @@ from helpers import build_model, make_dictionary
 
 import rfa_fairseq  # noqa: F401
 from fairseq import checkpoint_utils
-from rfa_fairseq import check_data
-from rfa_fairseq.checkpoint_safety import CheckpointLoadError, safe_load
+from rfa_fairseq.cli import check_data
+from rfa_fairseq.checkpoints import CheckpointLoadError, safe_load
 from rfa_fairseq.config import RFAOptionMismatchError
 
 # ---------------------------------------------------------------- flags

@@ -9,10 +9,11 @@ import pytest
 import torch
 from cli_support import TINY_MODEL, TINY_TRAIN, assert_exit_code, run, synthetic_data
 from conftest import PLUGIN_DIR
+from tiny_models import tiny_model_fields
 
 import rfa_fairseq  # noqa: F401  (allowlists the checkpoint classes, installs the fairseq wrappers)
 from fairseq import checkpoint_utils
-from rfa_fairseq.checkpoint_safety import (
+from rfa_fairseq.checkpoints import (
     FAIRSEQ_CHECKPOINT_CLASSES,
     PLUGIN_MARKER_KEY,
     CheckpointLoadError,
@@ -106,12 +107,13 @@ def globals_needed(path):
         torch.serialization.add_safe_globals(saved)
 
 
+# the CLI tests' model (tiny_models.CLI_TINY_MODEL) as YAML fields
+HYDRA_TINY_MODEL = ", ".join(f"{name}: {value}" for name, value in
+                             tiny_model_fields(embed_dim=16, ffn_dim=32, heads=2, encoder_layers=1, decoder_layers=1).items())
 HYDRA_CONFIG = """
 common: {{seed: 3, cpu: true, log_format: simple, log_interval: 1, user_dir: {plugin}}}
 task: {{_name: translation, data: {data}, source_lang: src, target_lang: tgt}}
-model: {{_name: rfa_transformer, encoder_embed_dim: 16, decoder_embed_dim: 16, encoder_ffn_embed_dim: 32,
-        decoder_ffn_embed_dim: 32, encoder_layers: 1, decoder_layers: 1, encoder_attention_heads: 2,
-        decoder_attention_heads: 2, share_all_embeddings: true, rfa_num_features: 8}}
+model: {{_name: rfa_transformer, {tiny_model}, share_all_embeddings: true, rfa_num_features: 8}}
 criterion: {{_name: label_smoothed_cross_entropy, label_smoothing: 0.1}}
 optimizer: {{_name: adam}}
 lr_scheduler: {{_name: fixed}}
@@ -144,7 +146,7 @@ def test_checkpoints_of_many_kinds_of_runs_load_and_need_only_the_allowlist(data
     config_dir = tmp_path / "hydra"
     config_dir.mkdir()
     (config_dir / "tiny.yaml").write_text(HYDRA_CONFIG.format(plugin=PLUGIN_DIR, data=data / "bin",
-                                                              save_dir=tmp_path / "hydra_rfa"))
+                                                              save_dir=tmp_path / "hydra_rfa", tiny_model=HYDRA_TINY_MODEL))
     run("fairseq-hydra-train", "--config-dir", config_dir, "--config-name", "tiny", cwd=tmp_path)
     checkpoints["hydra_rfa"] = sorted((tmp_path / "hydra_rfa").glob("*.pt"))
 

@@ -2,13 +2,9 @@
 import pytest
 from cli_support import assert_exit_code, run, synthetic_data
 from conftest import PLUGIN_DIR
+from tiny_models import tiny_model_flags
 
-TINY_MODEL = [
-    "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "2",
-    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-]
+TINY_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
 TRAIN = [
     "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
     "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",

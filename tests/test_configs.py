@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import PLUGIN_DIR, REPO
+from tiny_models import as_flags, tiny_model_fields
 
 import rfa_fairseq  # noqa: F401  (registers the architectures, allowlists checkpoint classes for torch.load)
 from fairseq import options
@@ -215,9 +216,8 @@ def data(tmp_path_factory):
 
 
 # Small enough that the big configs cost no more than the others; every other field stays.
-TINY = {"encoder_embed_dim": 32, "decoder_embed_dim": 32, "decoder_input_dim": 32, "decoder_output_dim": 32,
-        "encoder_ffn_embed_dim": 64, "decoder_ffn_embed_dim": 64, "encoder_layers": 1, "decoder_layers": 2,
-        "encoder_attention_heads": 2, "decoder_attention_heads": 2}
+TINY_FIELDS = tiny_model_fields(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
+TINY = {**TINY_FIELDS, "decoder_input_dim": 32, "decoder_output_dim": 32}
 TINY_RFA = {"rfa_num_features": 8}
 RUN = {"task.source_lang": "src", "task.target_lang": "tgt", "common.fp16": False, "common.log_interval": 1,
        "optimization.max_update": 2, "dataset.max_tokens": 1000, "dataset.num_workers": 0}
@@ -280,10 +280,7 @@ def test_config_trains_and_builds_what_it_says(name, data, tmp_path):
 @pytest.mark.slow
 def test_train_sh_trains_and_resumes(data, tmp_path):
     save_dir = tmp_path / "ckpt"
-    tiny = ["--encoder-embed-dim", 32, "--decoder-embed-dim", 32, "--encoder-ffn-embed-dim", 64,
-            "--decoder-ffn-embed-dim", 64, "--encoder-layers", 1, "--decoder-layers", 2,
-            "--encoder-attention-heads", 2, "--decoder-attention-heads", 2, "--rfa-num-features", 8,
-            "--max-tokens", 1000, "--num-workers", 0]
+    tiny = [*as_flags(TINY_FIELDS), "--rfa-num-features", 8, "--max-tokens", 1000, "--num-workers", 0]
     variables = dict(DATA=data, SRC_LANG="src", TGT_LANG="tgt", RECIPE="iwslt14_de_en", MODEL="rfa", SAVE_DIR=save_dir)
 
     first = train_sh(*tiny, MAX_UPDATE=2, **variables).stdout

@@ -9,22 +9,18 @@ import pytest
 import torch
 from cli_support import REPO, run, synthetic_data
 from conftest import PLUGIN_DIR
+from tiny_models import tiny_model_flags
 
 import rfa_fairseq  # noqa: F401
 from fairseq import checkpoint_utils
 from fairseq.models import ARCH_MODEL_REGISTRY
-from rfa_fairseq.checkpoint_safety import safe_load
-from rfa_fairseq.convert import main as convert_main
-from rfa_fairseq.convert import teacher_forced_agreement
+from rfa_fairseq.checkpoints import safe_load
+from rfa_fairseq.cli.convert import main as convert_main
+from rfa_fairseq.cli.convert import teacher_forced_agreement
 
 CONVERT = os.path.join(REPO, "scripts", "convert_transformer_to_rfa.py")
 # head dimension 16, 2 + 2 layers: small enough for a CPU test, large enough to learn the task well
-MODEL = [
-    "--share-all-embeddings", "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
-    "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-]
+MODEL = tiny_model_flags(embed_dim=64, ffn_dim=128, heads=4, encoder_layers=2, decoder_layers=2)
 # 128 random vectors (256 sincos features) per 16-dim head: fidelity grows with D (measured on this
 # task, teacher-forced top-1 agreement: 0.70 at D=64, 0.79 at 128, 0.88 at 512)
 # the converter fits sigma of the random maps: the paper's setup (sincos, RFA cross-attention)

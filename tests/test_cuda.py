@@ -17,6 +17,7 @@ from cli_support import env, json_losses, run
 from conftest import PLUGIN_DIR, REPO
 from helpers import build_model, random_batch
 from test_model import _decode_incrementally
+from tiny_models import tiny_model_flags
 
 from rfa_fairseq.ops import (
     causal_rfa,
@@ -246,12 +247,8 @@ def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(feature_map, ga
 
 # ------------------------------------------------------------------ fairseq-train / fairseq-generate
 
-CLI_MODEL = [
-    "--arch", "rfa_transformer", "--share-all-embeddings", "--encoder-layers", "1", "--decoder-layers", "2",
-    "--encoder-embed-dim", str(H * D), "--decoder-embed-dim", str(H * D),
-    "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
-    "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
-]
+CLI_MODEL = ["--arch", "rfa_transformer",
+             *tiny_model_flags(embed_dim=H * D, ffn_dim=1024, heads=H, encoder_layers=1, decoder_layers=2)]
 CLI_TRAIN = [
     "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
     "--warmup-updates", "50", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -296,7 +293,7 @@ def test_fairseq_train_and_generate_on_cuda(corpus, precision, rfa_flags, update
     fp32 is covered above (the model tests and fairseq's SequenceGenerator on CUDA)."""
     save_dir = corpus / f"ckpt_{precision}"
     precision_flags = {"fp16": ["--fp16"], "bf16": ["--bf16"]}[precision]
-    proc = run_module("rfa_fairseq.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *rfa_flags, *CLI_TRAIN,
+    proc = run_module("rfa_fairseq.cli.train", corpus / "bin", "--user-dir", PLUGIN_DIR, *CLI_MODEL, *rfa_flags, *CLI_TRAIN,
                       *precision_flags, "--max-update", updates, "--save-dir", save_dir)
     log = proc.stdout + proc.stderr
     losses = json_losses(log)

@@ -15,17 +15,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data_prep_fixtures import build_multi30k  # noqa: E402
+from tiny_models import CLI_TINY_MODEL  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_BIN = Path(sys.executable).parent
 
-TINY_TRANSFORMER = [
-    "--arch", "transformer", "--share-all-embeddings",
-    "--encoder-layers", "1", "--decoder-layers", "1",
-    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-]
+TINY_TRANSFORMER = ["--arch", "transformer", *CLI_TINY_MODEL]
 
 
 def env():

@@ -1,4 +1,4 @@
-"""Tests of rfa_fairseq.scoring: sacreBLEU/chrF scoring, compound-split BLEU and
+"""Tests of rfa_fairseq.cli.scoring: sacreBLEU/chrF scoring, compound-split BLEU and
 extraction of hypotheses from fairseq-generate output."""
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 
-from rfa_fairseq import scoring
+from rfa_fairseq.cli import scoring
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ def test_generate_output_with_missing_ids_is_rejected(tmp_path, capsys):
 def test_module_cli_runs(tmp_path):
     hyp = write(tmp_path / "hyp.txt", HYPS)
     ref = write(tmp_path / "ref.txt", REFS)
-    proc = subprocess.run([sys.executable, "-m", "rfa_fairseq.scoring", "--hyp", hyp, "--ref", ref],
+    proc = subprocess.run([sys.executable, "-m", "rfa_fairseq.cli.scoring", "--hyp", hyp, "--ref", ref],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"{sacrebleu.corpus_bleu(HYPS, [REFS]).score:6.2f}" in proc.stdout

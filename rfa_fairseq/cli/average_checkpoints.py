@@ -1,62 +1,39 @@
 """Average the parameters of several fairseq checkpoints (as fairseq's
 scripts/average_checkpoints.py, which the installed fairseq does not ship).
 
-Console script `rfa-average-checkpoints` (also `python -m rfa_fairseq.average_checkpoints`):
+Console script `rfa-average-checkpoints` (also `python -m rfa_fairseq.cli.average_checkpoints`):
 
   rfa-average-checkpoints --inputs CKPT_DIR --num-epoch-checkpoints 5 --output avg.pt
   rfa-average-checkpoints --inputs CKPT_DIR --num-update-checkpoints 5 --output avg.pt
   rfa-average-checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 
 Epoch checkpoints are checkpoint<EPOCH>.pt, update checkpoints checkpoint_<EPOCH>_<UPDATE>.pt;
-the last N by number are used. Checkpoints are read with torch's weights_only loader
-(never weights_only=False): only the classes fairseq checkpoints need are allowlisted.
-The output keeps everything but "model" from the newest input, and is written atomically.
+the last N by number are used. Checkpoints are read with the plugin's loader
+(`checkpoints.safe_load`: torch's weights_only unpickler, never weights_only=False, with only
+the classes fairseq checkpoints need allowlisted). The output keeps everything but "model" from
+the newest input, and is written atomically.
 """
 import argparse
 import collections
 import os
-import pickle
 import re
 import sys
 
 import torch
 
-# Classes a fairseq checkpoint pickles besides tensors and builtin containers:
-# the legacy training args (also nested in cfg["model"] for legacy architectures).
-_FALLBACK_SAFE_GLOBALS = [argparse.Namespace]
+from ..checkpoints import CheckpointLoadError, safe_load, save_atomic
 
 
 class AveragingError(Exception):
     """A user-facing failure: missing or unreadable checkpoints, mismatched models."""
 
 
-def _allowlist_checkpoint_classes():
-    try:
-        from rfa_fairseq.checkpoint_safety import allowlist_fairseq_checkpoint_classes
-    except ImportError:  # run as a plain file without the package on the path
-        torch.serialization.add_safe_globals(_FALLBACK_SAFE_GLOBALS)
-        return
-    allowlist_fairseq_checkpoint_classes()
-
-
 def load_checkpoint(path):
-    """Load a checkpoint onto the CPU with weights_only loading."""
-    if not os.path.isfile(path):
-        raise AveragingError(f"checkpoint not found: {path}")
-    _allowlist_checkpoint_classes()
+    """Load a checkpoint onto the CPU with the plugin's explicit weights_only loader."""
     try:
-        return torch.load(path, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # the diagnosis itself must not hide the original error
-            unsafe = []
-        detail = f" It pickles classes that are not allowlisted: {', '.join(unsafe)}." if unsafe else ""
-        raise AveragingError(
-            f"cannot load {path} with torch's weights_only loader.{detail} "
-            f"If the file is trusted, allowlist those classes with torch.serialization.add_safe_globals "
-            f"(see rfa_fairseq.checkpoint_safety). Original error: {exc}"
-        ) from exc
+        return safe_load(path)
+    except (CheckpointLoadError, FileNotFoundError) as exc:  # refused classes, damaged or missing file
+        raise AveragingError(str(exc)) from exc
     except (RuntimeError, OSError, EOFError) as exc:
         raise AveragingError(f"cannot read checkpoint {path}: {exc}") from exc
 
@@ -125,18 +102,6 @@ def average_checkpoints(paths):
             averaged[key] = total // len(paths)
     new_state["model"] = averaged
     return new_state
-
-
-def save_atomic(state, output):
-    directory = os.path.dirname(os.path.abspath(output))
-    os.makedirs(directory, exist_ok=True)
-    tmp_path = f"{output}.tmp{os.getpid()}"
-    try:
-        torch.save(state, tmp_path)
-        os.replace(tmp_path, output)
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
 
 
 def build_parser():

@@ -2,7 +2,7 @@
 the tokenized, compound-split BLEU of Vaswani et al. / fairseq for WMT14 EN-DE;
 and extract hypotheses from `fairseq-generate` output.
 
-Console script `rfa-score` (also `python -m rfa_fairseq.scoring`):
+Console script `rfa-score` (also `python -m rfa_fairseq.cli.scoring`):
 
   rfa-score --hyp hyp.txt --ref test.raw.de [--compound-split] [--json scores.json]
   rfa-score --generate-output gen.out --spm-model spm.model --ref test.raw.de --save-hyp hyp.txt

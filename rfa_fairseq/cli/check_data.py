@@ -1,6 +1,6 @@
 """Check a parallel corpus before fairseq sees it; every problem is reported as FILE:LINE: message.
 
-Console script `rfa-check-data` (also `python -m rfa_fairseq.check_data`):
+Console script `rfa-check-data` (also `python -m rfa_fairseq.cli.check_data`):
 
   rfa-check-data raw -s de -t en data/train data/valid        # data/train.de + data/train.en, ...
   rfa-check-data bin data-bin -s de -t en [--splits train valid test]

@@ -2,7 +2,7 @@
 
 fairseq 0.12.3 reads --bf16 as "on a TPU" (options.parse_args_and_arch sets args.tpu), so
 `fairseq-train --bf16` on a CUDA machine looks for torch_xla and stops. This entry point
-(`rfa-train`, or `python -m rfa_fairseq.train`) takes the same arguments, clears that
+(`rfa-train`, or `python -m rfa_fairseq.cli.train`) takes the same arguments, clears that
 implication unless --tpu is given, and runs fairseq's own training entry point: the model
 and batches are cast to bfloat16 on the device fairseq trains on (CUDA, or the CPU with
 --cpu) and optimized by fairseq's FP16Optimizer without loss scaling, as fairseq does for

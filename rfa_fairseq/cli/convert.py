@@ -2,7 +2,7 @@
 ready for `fairseq-train --finetune-from-model` (the T2R recipe of Kasai et al. 2021, "Finetuning
 Pretrained Transformers into RNNs", here with RFA).
 
-Console script `rfa-convert-transformer` (also `python -m rfa_fairseq.convert`,
+Console script `rfa-convert-transformer` (also `python -m rfa_fairseq.cli.convert`,
 scripts/convert_transformer_to_rfa.py):
 
   rfa-convert-transformer --input softmax/checkpoint_best.pt --output rfa_init.pt \\
@@ -43,10 +43,9 @@ import sys
 
 import torch
 
-from .average_checkpoints import save_atomic
-from .checkpoint_safety import CheckpointLoadError, mark_rfa_checkpoint, safe_load
-from .config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
-from .ops import LEARNED_FEATURE_MAPS
+from ..checkpoints import CheckpointLoadError, mark_rfa_checkpoint, safe_load, save_atomic, stored_model_config
+from ..config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
+from ..ops import LEARNED_FEATURE_MAPS
 
 # softmax architecture -> its RFA twin (same sizes); rfa_fairseq/models/rfa_transformer.py
 ARCH_MAP = {
@@ -79,10 +78,7 @@ class ConversionError(Exception):
 
 def _model_options(state):
     """The checkpoint's model configuration as a mutable Namespace, and how it was stored."""
-    cfg = state.get("cfg")
-    stored = cfg.get("model") if cfg else None
-    if stored is None:
-        stored = state.get("args")
+    stored = stored_model_config(state)
     if stored is None:
         raise ConversionError("the checkpoint has no model configuration (cfg['model'] / args): is it a fairseq checkpoint?")
     if isinstance(stored, argparse.Namespace):
@@ -274,7 +270,7 @@ def calibrate_sigma(rfa_model, captured, method):
 
 
 def rfa_module_names(rfa_model):
-    from .modules import RFAAttention
+    from ..modules import RFAAttention
 
     return [name for name, m in rfa_model.named_modules() if isinstance(m, RFAAttention)]
 
