@@ -57,9 +57,9 @@ def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
         return MultiheadAttention(embed, heads, self_attention=True)
     if kind == "softmax_sdpa":
         return SDPAAttention(embed, heads)
-    if kind.endswith("_torch"):  # this process keeps CUDA tensors on the torch path too
-        os.environ["RFA_FLA"] = "0"
-    return RFAAttention(embed, heads, self_attention=True, causal=True, chunk_size=chunk_size, gate=gate)
+    sequence_kernel = "torch" if kind.endswith("_torch") else "auto"  # *_torch: CUDA tensors on the torch path too
+    return RFAAttention(embed, heads, self_attention=True, causal=True, chunk_size=chunk_size, gate=gate,
+                        sequence_kernel=sequence_kernel)
 
 
 def _sdpa_module_class():

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import DECODE_KERNELS, FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .ops import DECODE_KERNELS, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 
@@ -78,6 +78,14 @@ class RFAConfig(FairseqDataclass):
             "help": "the causal decoding step: auto = flash-linear-attention on CUDA when installed, the fused C++ "
             "step on CPU when it builds (built once, cached), the torch step otherwise; torch = always the torch step "
             "(no C++ build); cpp = the C++ step on CPU, an error when it cannot be built. Same results, other speeds "
+            "(default: auto)"
+        },
+    )
+    rfa_sequence_kernel: ChoiceEnum(SEQUENCE_KERNELS) = field(
+        default="auto",
+        metadata={
+            "help": "causal RFA over whole sequences (training, scoring): auto = flash-linear-attention on CUDA when "
+            "installed, the chunked torch path otherwise; torch = always the torch path. Same results, other speeds "
             "(default: auto)"
         },
     )
@@ -168,6 +176,10 @@ def validate_rfa_args(args) -> None:
     if args.rfa_decode_kernel not in DECODE_KERNELS:
         raise ValueError(
             f"{flag('rfa_decode_kernel')}={args.rfa_decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}"
+        )
+    if getattr(args, "rfa_sequence_kernel", "auto") not in SEQUENCE_KERNELS:
+        raise ValueError(
+            f"{flag('rfa_sequence_kernel')}={args.rfa_sequence_kernel!r} is not one of {', '.join(SEQUENCE_KERNELS)}"
         )
     if args.rfa_sigma not in SIGMA_MODES:
         raise ValueError(f"{flag('rfa_sigma')}={args.rfa_sigma!r} is not one of {', '.join(SIGMA_MODES)}")

@@ -109,14 +109,13 @@ def test_fla_matches_reference_outputs_states_gradients(gated, dtype, with_state
     assert all(math.isfinite(e) and e < TOLERANCE for e in errors.values()), errors
 
 
-def test_dispatch_takes_fla_for_cuda_and_torch_when_disabled_or_fp64(monkeypatch):
+def test_dispatch_takes_fla_for_cuda_and_torch_when_disabled_or_fp64():
     torch.manual_seed(1)
     q, k, v = features(2, H, 100, F_), features(2, H, 100, F_), torch.randn(2, H, 100, D, device="cuda")
     log_gate = -torch.rand(2, H, 100, device="cuda")
     assert torch.equal(causal_rfa(q, k, v, log_gate)[0], causal_rfa_fla(q, k, v, log_gate)[0])
-    monkeypatch.setenv("RFA_FLA", "0")
-    assert torch.equal(causal_rfa(q, k, v, log_gate)[0], causal_rfa_chunked(q, k, v, log_gate)[0])
-    monkeypatch.delenv("RFA_FLA")
+    torch_path = causal_rfa(q, k, v, log_gate, sequence_kernel="torch")[0]
+    assert torch.equal(torch_path, causal_rfa_chunked(q, k, v, log_gate)[0])
     q64, k64, v64 = q.double(), k.double(), v.double()
     assert torch.equal(causal_rfa(q64, k64, v64)[0], causal_rfa_chunked(q64, k64, v64)[0])
 

@@ -383,6 +383,26 @@ def test_decode_kernel_option_picks_the_step_and_every_kernel_decodes_alike(monk
         parse_args(["--rfa-decode-kernel", "cuda"])
 
 
+def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_fla(monkeypatch):
+    from rfa_fairseq.ops import dispatch
+
+    outputs = {}
+    for kernel in ("auto", "torch"):
+        model, d = build_model(_flags("sincos", True, False) + ["--rfa-sequence-kernel", kernel], seed=3)
+        assert all(m.sequence_kernel == kernel for m in model.rfa_modules())
+        model.eval()
+        src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)
+        asked = []
+        with monkeypatch.context() as patch:
+            patch.setattr(dispatch, "fla_available", lambda tensor: asked.append(1) or False)
+            with torch.no_grad():
+                outputs[kernel], _ = model(src, src_lengths, prev)
+        assert bool(asked) == (kernel == "auto"), "only auto may pick flash-linear-attention"
+    torch.testing.assert_close(outputs["auto"], outputs["torch"], rtol=0, atol=0)
+    with pytest.raises(SystemExit):
+        parse_args(["--rfa-sequence-kernel", "cpp"])
+
+
 @pytest.mark.parametrize("role", ["causal", "cross", "encoder_self"])
 def test_attention_dropout_drops_values_and_keeps_the_expected_output(role):
     """--attention-dropout in RFA: per-key value dropout in the numerator, so the mean over masks is the

@@ -41,6 +41,7 @@ def rfa_attention_options(cfg) -> dict:
         gate=bool(cfg.rfa_gate),
         chunk_size=cfg.rfa_chunk_size,
         decode_kernel=str(getattr(cfg, "rfa_decode_kernel", "auto")),
+        sequence_kernel=str(getattr(cfg, "rfa_sequence_kernel", "auto")),
     )
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..ops import (
     DECODE_KERNELS,
+    SEQUENCE_KERNELS,
     LEARNED_FEATURE_MAPS,
     CausalRFAState,
     causal_rfa,
@@ -71,6 +72,7 @@ class RFAAttention(nn.Module):
         gate: bool = True,
         chunk_size: int = 64,
         decode_kernel: str = "auto",
+        sequence_kernel: str = "auto",
     ):
         """The RFA options are those of `RFAConfig` (config.py) without the rfa_ prefix, with the
         same defaults; `gate` only applies to causal self-attention.
@@ -101,6 +103,9 @@ class RFAAttention(nn.Module):
         if decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"--rfa-decode-kernel={decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
         self.decode_kernel = str(decode_kernel)
+        if sequence_kernel not in SEQUENCE_KERNELS:
+            raise ValueError(f"--rfa-sequence-kernel={sequence_kernel!r} is not one of {', '.join(SEQUENCE_KERNELS)}")
+        self.sequence_kernel = str(sequence_kernel)
 
         self.feature_map = str(feature_map)
         self.learned_map = self.feature_map in LEARNED_FEATURE_MAPS
@@ -285,7 +290,8 @@ class RFAAttention(nn.Module):
         gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
         phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
         if incremental_state is None:
-            out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps)
+            out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps,
+                                sequence_kernel=self.sequence_kernel)
             return out
         saved = self._get_input_buffer(incremental_state)
         decoding = saved.get("causal")
@@ -381,7 +387,7 @@ class RFAAttention(nn.Module):
         return (
             f"role={role}, heads={self.num_heads}, head_dim={self.head_dim}, feature_map={self.feature_map}, "
             f"D={self.num_features}, matrix={self.random_matrix_kind}, sigma={self.sigma_mode}, gated={self.gated}, "
-            f"decode_kernel={self.decode_kernel}, dropout={self.dropout}, module_index={self.module_index}"
+            f"decode_kernel={self.decode_kernel}, sequence_kernel={self.sequence_kernel}, dropout={self.dropout}, module_index={self.module_index}"
         )
 
 

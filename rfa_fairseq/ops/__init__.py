@@ -13,7 +13,7 @@ from .feature_maps import (  # noqa: F401
     random_matrix_seed,
     scale_inputs,
 )
-from .dispatch import CausalRFAState, causal_rfa, causal_rfa_decode_step, is_identity_order  # noqa: F401
+from .dispatch import SEQUENCE_KERNELS, CausalRFAState, causal_rfa, causal_rfa_decode_step, is_identity_order  # noqa: F401
 from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available, fla_import_error  # noqa: F401
 from .fused_step import DECODE_KERNELS, causal_rfa_step_fused, load_fused_extension  # noqa: F401
 from .naive import (  # noqa: F401

@@ -21,6 +21,8 @@ from .fused_step import DECODE_KERNELS, causal_rfa_step_fused
 from .naive import causal_rfa_recurrent
 from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
 
+SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
+
 
 class CausalRFAState:
     """Decoding state of one causal RFA layer: S and z, a pending beam order and a spare buffer.
@@ -63,16 +65,19 @@ def is_identity_order(order: Tensor, size: int) -> bool:
 
 
 def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS,
-               decode_kernel: str = "auto"):
+               decode_kernel: str = "auto", sequence_kernel: str = "auto"):
     """phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
     state: None, a (B, H, F, d + 1) tensor entering the sequence, or a CausalRFAState (decoding)
     -> out (B, H, T, d) fp32, state (a tensor, or the CausalRFAState, updated)
 
     chunk_size: the torch path's chunks (whole sequences). decode_kernel: the decoding step,
     "auto" (fla on CUDA, C++ on CPU when they are usable), "torch" or "cpp" (--rfa-decode-kernel).
+    sequence_kernel: whole sequences, "auto" (fla on CUDA when usable) or "torch" (--rfa-sequence-kernel).
     """
     if not isinstance(state, CausalRFAState):
-        if fla_available(phi_q):
+        if sequence_kernel not in SEQUENCE_KERNELS:
+            raise ValueError(f"sequence_kernel={sequence_kernel!r} is not one of {', '.join(SEQUENCE_KERNELS)}")
+        if sequence_kernel == "auto" and fla_available(phi_q):
             return causal_rfa_fla(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
         return causal_rfa_chunked(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
     if decode_kernel not in DECODE_KERNELS:

@@ -29,10 +29,10 @@ and fairseq's token-based batches come in many sizes. Packed, one compiled set s
 synchronisation of training passes, not of decoding steps).
 
 fla is imported on the first CUDA call (importing it needs triton and a GPU driver).
-RFA_FLA=0 keeps CUDA tensors on the torch path too (comparisons, debugging).
+`sequence_kernel="torch"` (--rfa-sequence-kernel torch) keeps whole-sequence passes on the torch path
+and `decode_kernel="torch"` (--rfa-decode-kernel torch) the decoding step (comparisons, debugging).
 """
 import functools
-import os
 import warnings
 from typing import Optional
 
@@ -41,10 +41,6 @@ from torch import Tensor
 
 from .rfa import DENOMINATOR_EPS, _normalize, _with_ones
 
-# "0": never use fla. Left as a process-wide switch for comparisons and debugging on CUDA (test_cuda,
-# benchmark_train's *_torch kinds): it selects between implementations with the same results and is
-# read per call; decoding has its own option (--rfa-decode-kernel torch keeps decoding off fla)
-FLA_ENV = "RFA_FLA"
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp64 stays on the torch path
 
 
@@ -65,8 +61,8 @@ def fla_import_error() -> Optional[str]:
 
 
 def fla_available(tensor: Tensor) -> bool:
-    """True for CUDA tensors of an fla dtype when fla imports and RFA_FLA is not 0."""
-    if not tensor.is_cuda or tensor.dtype not in FLA_DTYPES or os.environ.get(FLA_ENV, "1") == "0":
+    """True for CUDA tensors of an fla dtype when fla imports."""
+    if not tensor.is_cuda or tensor.dtype not in FLA_DTYPES:
         return False
     error = fla_import_error()
     if error is not None:
