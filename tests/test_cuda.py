@@ -16,7 +16,7 @@ import torch
 from cli_support import env, json_losses, run
 from conftest import PLUGIN_DIR, REPO
 from helpers import build_model, random_batch
-from test_model import _decode_incrementally
+from test_model import _decode_incrementally, assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
 from rfa_fairseq.ops import (
@@ -173,20 +173,9 @@ def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_beam_reorder_equals_decoding_the_reordered_batch_on_cuda(gate):
     model, d = gpu_model(flags("sincos", gate))
-    src, src_lengths, prev = on_cuda(*random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3))
-    k = 4
-    for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0]):
-        new_order = torch.tensor(order, device="cuda")
-        with torch.no_grad():
-            encoder_out = model.encoder(src, src_lengths=src_lengths)
-            state = {}
-            _decode_incrementally(model, encoder_out, prev[:, :k], state)
-            model.decoder.reorder_incremental_state_scripting(state, new_order)
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-            continued = _decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
-            fresh = model.encoder(src[new_order], src_lengths=src_lengths[new_order])
-            scratch = _decode_incrementally(model, fresh, prev[new_order], {})[:, k:]
-        torch.testing.assert_close(continued, scratch, rtol=1e-4, atol=1e-4)
+    batch = on_cuda(*random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3))
+    orders = [torch.tensor(order, device="cuda") for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0])]
+    assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-4)
 
 
 def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():

@@ -111,6 +111,20 @@ def test_stop_lets_the_batch_in_progress_finish_and_makes_no_more():
     assert not itr._consumer.is_alive()
 
 
+# Batches made inside torch, endlessly: the data thread is always busy in a torch call.
+BUSY_BATCHES = """
+class Batches:
+    def __len__(self):
+        return 10**9
+
+    def __iter__(self):
+        while True:
+            x = torch.zeros(4096)
+            for _ in range(2000):
+                x = x + 1
+            yield x
+"""
+
 # The interpreter exits while the data thread is inside torch making a batch: without the plugin's fix
 # this aborts (exit 134) every time on Python 3.11/3.12 with torch 2.13.
 BUSY_AT_EXIT = textwrap.dedent("""
@@ -118,18 +132,7 @@ BUSY_AT_EXIT = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import rfa_fairseq  # as --user-dir does
     from fairseq.data.iterators import BufferedIterator
-
-    class Batches:
-        def __len__(self):
-            return 10**9
-
-        def __iter__(self):
-            while True:
-                x = torch.zeros(4096)
-                for _ in range(2000):
-                    x = x + 1
-                yield x
-
+""") + BUSY_BATCHES + textwrap.dedent("""
     next(BufferedIterator(10, Batches()))
     print("exiting")
 """)
@@ -144,25 +147,13 @@ def test_exit_while_the_data_thread_is_inside_torch():
 # fairseq's distributed_main runs in processes started by torch.multiprocessing.spawn (a fresh
 # interpreter that imports the plugin through --user-dir, then exits with sys.exit): the same exit.
 SPAWNED = textwrap.dedent("""
-    import sys, torch.multiprocessing as mp
+    import sys, torch
+    import torch.multiprocessing as mp
     sys.path.insert(0, {repo!r})
-
+""") + BUSY_BATCHES + textwrap.dedent("""
     def worker(rank):
-        import torch
         import rfa_fairseq  # as fairseq's main() does in each worker (utils.import_user_module)
         from fairseq.data.iterators import BufferedIterator
-
-        class Batches:
-            def __len__(self):
-                return 10**9
-
-            def __iter__(self):
-                while True:
-                    x = torch.zeros(4096)
-                    for _ in range(2000):
-                        x = x + 1
-                    yield x
-
         next(BufferedIterator(10, Batches()))
 
     if __name__ == "__main__":

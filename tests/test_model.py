@@ -34,6 +34,26 @@ def _decode_incrementally(model, encoder_out, prev, incremental_state, start=0):
     return torch.cat(outs, dim=1)
 
 
+def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance):
+    """Decode 4 steps, reorder (permute / duplicate / shrink the batch), decode on: the same logits as
+    decoding the reordered batch from scratch. batch: (src, src_lengths, prev) on the model's device."""
+    src, src_lengths, prev = batch
+    k = 4
+    for new_order in orders:
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            state = {}
+            _decode_incrementally(model, encoder_out, prev[:, :k], state)
+            model.decoder.reorder_incremental_state_scripting(state, new_order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+            continued = _decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
+
+            fresh_out = model.encoder(src[new_order], src_lengths=src_lengths[new_order])
+            scratch = _decode_incrementally(model, fresh_out, prev[new_order], {})[:, k:]
+        assert continued.shape == scratch.shape
+        torch.testing.assert_close(continued, scratch, rtol=tolerance, atol=tolerance)
+
+
 def _state_tensors(incremental_state):
     """Every tensor of the incremental state, those inside the causal layers' CausalRFAState too."""
     return [t for buf in incremental_state.values() for value in buf.values() if value is not None
@@ -76,21 +96,9 @@ def test_beam_reorder_equals_decoding_the_reordered_batch(gate, step, monkeypatc
     use_decoding_step(step, monkeypatch)
     model, d = build_model(_flags("sincos", gate, False))
     model.eval()
-    src, src_lengths, prev = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
-    k = 4
-    for new_order in (torch.tensor([2, 0, 3, 1]), torch.tensor([3, 3, 0, 1]), torch.tensor([2, 0])):
-        with torch.no_grad():
-            encoder_out = model.encoder(src, src_lengths=src_lengths)
-            state = {}
-            _decode_incrementally(model, encoder_out, prev[:, :k], state)
-            model.decoder.reorder_incremental_state_scripting(state, new_order)
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-            continued = _decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
-
-            fresh_out = model.encoder(src[new_order], src_lengths=src_lengths[new_order])
-            scratch = _decode_incrementally(model, fresh_out, prev[new_order], {})[:, k:]
-        assert continued.shape == scratch.shape
-        torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
+    batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
+    orders = [torch.tensor(order) for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0])]
+    assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
 
 
 @pytest.mark.parametrize("feature_map,gate", [("sincos", False), ("positive", True), ("hedgehog", True)])
