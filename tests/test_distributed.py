@@ -1,7 +1,6 @@
 """Data-parallel training with 2 CPU processes (gloo, one process per rank, as torchrun/SLURM
 launch them): the ranks draw identical random matrices without communicating, new ones at every
 update, and keep identical parameters; resuming loads the checkpoint on rank 0 and broadcasts it."""
-import os
 import subprocess
 import sys
 

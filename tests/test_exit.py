@@ -8,12 +8,11 @@ of fairseq-train exit with 0."""
 import os
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 import torch
-from cli_support import TINY_MODEL, TINY_TRAIN, env, run, synthetic_data
+from cli_support import TINY_MODEL, TINY_TRAIN, run, synthetic_data
 from conftest import PLUGIN_DIR
 
 import rfa_fairseq  # noqa: F401  (installs StoppableConsumer)

@@ -74,7 +74,7 @@ def fla_available(tensor: Tensor) -> bool:
 def _warn_once(error: str) -> None:
     warnings.warn(
         f"rfa_fairseq: flash-linear-attention is not usable ({error}); causal RFA on CUDA runs the torch path "
-        f"(same results, slower). Install it with `pip install rfa-fairseq[cuda]`, or set {FLA_ENV}=0 to silence this."
+        f"(same results, slower). Install it with `pip install rfa-fairseq[cuda]`, or pass --rfa-sequence-kernel torch --rfa-decode-kernel torch to silence this."
     )
 
 
