@@ -69,6 +69,10 @@ VARIANTS = {
     "hedgehog_gate_softmax_cross": ("rfa", _rfa("hedgehog", True, "softmax"),
                                     "hedgehog + gate in the decoder self-attention, softmax cross-attention "
                                     "(the rfa_transformer default)"),
+    "hedgehog_gate_softmax_cross_d32": ("rfa", _rfa("hedgehog", True, "softmax", "--rfa-num-features", "32"),
+                                        "the default model with D = 32 (2 x 32 features per head: half the state)"),
+    "hedgehog_gate_softmax_cross_d16": ("rfa", _rfa("hedgehog", True, "softmax", "--rfa-num-features", "16"),
+                                        "the default model with D = 16 (2 x 16 features per head: a quarter of the state)"),
     "relu_gate": ("rfa", _rfa("relu", True, "rfa", "--rfa-num-features", "128"),
                   "T2R's learned relu(Wx + b) map, 128 features, and the gate"),
     "elu_gate": ("rfa", _rfa("elu", True, "rfa"), "elu(x) + 1 (64 features) and the gate"),
