@@ -32,8 +32,8 @@ from torch import Tensor
 from .rfa import DENOMINATOR_EPS, causal_rfa_step_
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
-EXTENSION_NAME = "rfa_fairseq_decode_step_v2"  # bump when the C++ source changes incompatibly
-SOURCE = Path(__file__).with_name("csrc") / "rfa_decode_step.cpp"
+EXTENSION_NAME = "rfa_fairseq_decode_step_v3"  # bump when the C++ source changes incompatibly
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ def _build_fused_extension():
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("building/loading the fused C++ RFA decoding step (%s; built once, then cached)", SOURCE.name)
+        logger.info("building/loading the fused C++ RFA decoding step (%s; built once, then cached)", ", ".join(s.name for s in SOURCES))
         with _pinned_ninja_first_on_path():
-            return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+            return load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False), None
     except Exception as error:  # no compiler, no ninja, read-only cache, ...
         first_line = (str(error).strip().splitlines() or [""])[0]
