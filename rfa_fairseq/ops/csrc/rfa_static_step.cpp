@@ -61,6 +61,27 @@ void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t n
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// out = LayerNorm(x + residual) of one row, through y (C floats); two passes for the variance, as torch
+__attribute__((target_clones("arch=haswell", "default")))
+void layer_norm_row(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ gamma,
+                    const float* __restrict__ beta, int64_t C, float eps, float* __restrict__ y, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < C; ++c) {
+    y[c] = residual != nullptr ? x[c] + residual[c] : x[c];
+    sum += y[c];
+  }
+  const float mean = sum / static_cast<float>(C);
+  float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t c = 0; c < C; ++c) {
+    const float centered = y[c] - mean;
+    sq += centered * centered;
+  }
+  const float rstd = 1.0f / std::sqrt(sq / static_cast<float>(C) + eps);
+  for (int64_t c = 0; c < C; ++c) out[c] = (y[c] - mean) * rstd * gamma[c] + beta[c];
+}
+
 void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols && t.stride(1) == 1 &&
                   t.scalar_type() == torch::kFloat32,
@@ -216,21 +237,8 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> y(C);
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * ldx;
-      double sum = 0.0;
-      for (int64_t c = 0; c < C; ++c) {
-        y[c] = add ? xr[c] + rp[r * ldr + c] : xr[c];
-        sum += y[c];
-      }
-      const float mean = static_cast<float>(sum / C);
-      double sq = 0.0;
-      for (int64_t c = 0; c < C; ++c) {
-        const float centered = y[c] - mean;
-        sq += static_cast<double>(centered) * centered;
-      }
-      const float rstd = 1.0f / std::sqrt(static_cast<float>(sq / C) + eps_f);
-      float* o = op + r * ldo;
-      for (int64_t c = 0; c < C; ++c) o[c] = (y[c] - mean) * rstd * gp[c] + bp[c];
+      // the whole row is read before `out` is written: out may be x or residual
+      layer_norm_row(xp + r * ldx, add ? rp + r * ldr : nullptr, gp, bp, C, eps_f, y.data(), op + r * ldo);
     }
   });
 }
