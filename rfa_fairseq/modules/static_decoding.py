@@ -59,6 +59,16 @@ class Workspace:
         buf = self.buffers[target] = torch.empty(max(numel, 1), dtype=dtype, device=device)
         return buf[:numel].view(shape)
 
+    def attention_tensors(self) -> List[Tensor]:
+        """The attention state proper: both causal state buffers of every layer (in use: the rows of the
+        current batch) and the cross-attention K/V or RFA states."""
+        rows = self.rows
+        kept = [t[:rows] for pair in self.states for t in pair]
+        for entry in self.cross:
+            if entry is not None:
+                kept += [t for t in entry.values() if isinstance(t, Tensor)]
+        return kept
+
     def tensors(self) -> List[Tensor]:
         return list(self.buffers.values())
 
@@ -243,6 +253,16 @@ class StaticDecodeState:
         self.sentences = kept.numel()
 
     # ------------------------------------------------------------ the step
+
+    def attention_tensors(self) -> List[Tensor]:
+        """The attention state proper: both causal state buffers of every layer (in use: the rows of the
+        current batch) and the cross-attention K/V or RFA states."""
+        rows = self.rows
+        kept = [t[:rows] for pair in self.states for t in pair]
+        for entry in self.cross:
+            if entry is not None:
+                kept += [t for t in entry.values() if isinstance(t, Tensor)]
+        return kept
 
     def tensors(self) -> List[Tensor]:
         """Every tensor the batch keeps between steps: K/V and the workspace (the causal states are in it)."""
