@@ -123,6 +123,10 @@ def peak_memory_mb(device: str) -> float:
 def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if hasattr(obj, "attention_tensors"):  # the static decoding step's state: causal states and cross K/V
+        return tensor_bytes(obj.attention_tensors())
+    if hasattr(obj, "tensors"):  # an eager causal layer's CausalRFAState
+        return tensor_bytes(obj.tensors())
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -56,6 +56,9 @@ from benchmark_common import (  # noqa: E402
 )
 
 DEFAULT_LENGTHS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
+# incremental-state entries that hold attention state: fairseq's MultiheadAttention, RFAAttention (eager
+# decoding) and the static decoding step (its causal states and cross-attention K/V, not its activations)
+ATTENTION_STATE_KEYS = ("attn_state", "rfa_state", "rfa_static_decoding")
 MODEL_CHOICES = sorted(MODELS) + ["ct2"]
 CT2_PIN = "ctranslate2==4.8.5"
 
@@ -178,7 +181,7 @@ def run_one(args) -> dict:
         total = min(total, time.perf_counter() - start)
     out_len = sum(len(h[0]["tokens"]) for h in hyps) / len(hyps)
     state = captured.get("state") or {}
-    attn_state = {k: v for k, v in state.items() if k.endswith(("attn_state", "rfa_state"))}
+    attn_state = {k: v for k, v in state.items() if k.endswith(ATTENTION_STATE_KEYS)}
     steps = args.length + 1  # the extra step is EOS
     return {
         "model": args.model,
@@ -195,7 +198,7 @@ def run_one(args) -> dict:
 
 def attention_state_mb(incremental_state) -> float:
     state = incremental_state or {}
-    return tensor_bytes({k: v for k, v in state.items() if k.endswith(("attn_state", "rfa_state"))}) / 2**20
+    return tensor_bytes({k: v for k, v in state.items() if k.endswith(ATTENTION_STATE_KEYS)}) / 2**20
 
 
 class RunBudgetSpent(Exception):

@@ -89,6 +89,15 @@ class RFAConfig(FairseqDataclass):
             "(default: auto)"
         },
     )
+    rfa_static_decode: bool = field(
+        default=True,
+        metadata={
+            "help": "incremental decoding without autograd (fairseq-generate, fairseq-interactive) runs the static "
+            "step: the batch's states, cross-attention K/V and activations are allocated once and updated in place; "
+            "--no-rfa-static-decode: fairseq's eager path, layer by layer (same translations; for debugging; with "
+            "fairseq-generate: --model-overrides \"{'rfa_static_decode': False}\") (default: static)"
+        },
+    )
     rfa_encoder_self_attn: bool = field(
         default=False,
         metadata={"help": "use RFA in the encoder self-attention too (softmax by default, as in the paper's MT setup)"},

@@ -7,6 +7,7 @@ from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, r
 
 from rfa_fairseq.cli.convert import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.modules import RFAAttention
+from rfa_fairseq.modules.static_decoding import StaticDecodeState
 from rfa_fairseq.ops import CausalRFAState, num_feature_dims
 
 VARIANTS = [
@@ -55,9 +56,10 @@ def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders
 
 
 def _state_tensors(incremental_state):
-    """Every tensor of the incremental state, those inside the causal layers' CausalRFAState too."""
+    """Every tensor of the incremental state, those inside the causal layers' CausalRFAState (eager
+    decoding) or the StaticDecodeState (static decoding) too."""
     return [t for buf in incremental_state.values() for value in buf.values() if value is not None
-            for t in (value.tensors() if isinstance(value, CausalRFAState) else [value])]
+            for t in (value.tensors() if isinstance(value, (CausalRFAState, StaticDecodeState)) else [value])]
 
 
 def test_modules_are_where_the_options_say():
@@ -101,9 +103,10 @@ def test_beam_reorder_equals_decoding_the_reordered_batch(gate, step, monkeypatc
     assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
 
 
+@pytest.mark.parametrize("decoding", ["static", "eager"])
 @pytest.mark.parametrize("feature_map,gate", [("sincos", False), ("positive", True), ("hedgehog", True)])
-def test_incremental_state_size_does_not_grow(feature_map, gate):
-    model, d = build_model(_flags(feature_map, gate, False))
+def test_incremental_state_size_does_not_grow(feature_map, gate, decoding):
+    model, d = build_model(_flags(feature_map, gate, False) + (["--no-rfa-static-decode"] if decoding == "eager" else []))
     model.eval()
     src, src_lengths, _ = random_batch(d, bsz=2, src_len=6, tgt_len=1)
     prev = torch.randint(d.nspecial, len(d), (2, 501))
@@ -119,7 +122,12 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
     F_ = num_feature_dims(feature_map, attn.num_features, attn.head_dim)
-    assert attn._get_input_buffer(state)["causal"].state.shape == (2, attn.num_heads, F_, attn.head_dim + 1)
+    if decoding == "eager":
+        causal = attn._get_input_buffer(state)["causal"].state
+    else:
+        static = state[StaticDecodeState.KEY]["state"]
+        causal = static.states[0][static.current[0]]
+    assert causal.shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
 @pytest.mark.parametrize("cross", ["rfa", "softmax"])
@@ -242,8 +250,9 @@ def test_plain_transformer_weights_load_into_rfa_model():
 
 def test_beam_grouped_cross_state_and_shrinking_batch():
     """With fairseq's beam layout (set_beam_size), the cross state is kept once per sentence;
-    within-beam reorders and dropped sentences must equal decoding the new rows from scratch."""
-    model, d = build_model(["--rfa-gate", "--no-rfa-softmax-cross-attn"])
+    within-beam reorders and dropped sentences must equal decoding the new rows from scratch (the eager
+    path's buffers; tests/test_static_decoding.py has the static step's twin)."""
+    model, d = build_model(["--rfa-gate", "--no-rfa-softmax-cross-attn", "--no-rfa-static-decode"])
     model.eval()
     beam = 3
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
@@ -307,16 +316,16 @@ def test_log_sigma_starts_at_the_temperature_and_learns_faster():
     theta moves log sigma by m * lr, m times what the same step moves a raw sigma parameter."""
     model, d = build_model(PAPER_RFA + ["--rfa-sigma", "log", "--rfa-temperature", "0.25", "--rfa-sigma-lr-multiplier", "10"])
     attn = model.decoder.layers[0].self_attn
-    assert not hasattr(attn, "sigma") and attn.log_sigma.requires_grad
+    assert not hasattr(attn.phi, "sigma") and attn.phi.log_sigma.requires_grad
     torch.testing.assert_close(attn.current_sigma(), torch.full_like(attn.current_sigma(), 2.0))
     with torch.no_grad():
-        attn.log_sigma.add_(1e-3)
+        attn.phi.log_sigma.add_(1e-3)
     torch.testing.assert_close(attn.current_sigma(), torch.full_like(attn.current_sigma(), 2.0 * float(torch.exp(torch.tensor(1e-2)))))
     # gradients reach log_sigma through the features
     model.train()
     src, src_lengths, prev = random_batch(d)
     model(src, src_lengths, prev)[0].sum().backward()
-    assert attn.log_sigma.grad is not None and attn.log_sigma.grad.abs().sum() > 0
+    assert attn.phi.log_sigma.grad is not None and attn.phi.log_sigma.grad.abs().sum() > 0
 
 
 def test_fixed_random_matrix_trains_with_the_evaluation_matrix():
@@ -337,12 +346,12 @@ def test_fixed_random_matrix_trains_with_the_evaluation_matrix():
 def test_learned_maps_have_trainable_weights_and_no_random_matrix(feature_map):
     model, d = build_model(["--rfa-feature-map", feature_map, "--rfa-num-features", "8"])
     attn = model.decoder.layers[0].self_attn
-    assert attn.random_matrix() is None and attn.feature_weight.shape == (attn.num_heads, 8, attn.head_dim)
-    assert not hasattr(attn, "sigma") and not hasattr(attn, "log_sigma")  # no unused parameter
+    assert attn.random_matrix() is None and attn.phi.weight.shape == (attn.num_heads, 8, attn.head_dim)
+    assert not hasattr(attn.phi, "sigma") and not hasattr(attn.phi, "log_sigma")  # no unused parameter
     model.train()
     src, src_lengths, prev = random_batch(d)
     model(src, src_lengths, prev)[0].sum().backward()
-    assert attn.feature_weight.grad.abs().sum() > 0 and attn.feature_bias.grad.abs().sum() > 0
+    assert attn.phi.weight.grad.abs().sum() > 0 and attn.phi.bias.grad.abs().sum() > 0
 
 
 def test_learned_map_refuses_a_temperature():
@@ -357,7 +366,7 @@ def test_attention_module_builds_without_a_cfg_with_the_flags_defaults():
 
     from rfa_fairseq.config import RFA_DEFAULTS
 
-    model_level = {"rfa_encoder_self_attn", "rfa_softmax_cross_attn"}  # choose modules, not their options
+    model_level = {"rfa_encoder_self_attn", "rfa_softmax_cross_attn", "rfa_static_decode"}  # the model's, not a module's
     defaults = {name: p.default for name, p in inspect.signature(RFAAttention).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert {f"rfa_{name}": value for name, value in defaults.items() if f"rfa_{name}" in RFA_DEFAULTS} == {

@@ -9,6 +9,7 @@ import torch
 from helpers import build_model, random_batch
 
 from rfa_fairseq.modules import RFAAttention
+from rfa_fairseq.modules.static_decoding import StaticDecodeState
 from rfa_fairseq.ops import CausalRFAState, causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_step_, noncausal_rfa
 
 LONG = 8192
@@ -110,6 +111,16 @@ def _buffer_tensors(buffer):
             yield key, tensor
 
 
+def _decoding_state_tensors(model, state):
+    """(key, tensor) of everything the decoder keeps between steps: the static step's state (fp32 models on
+    CPU decode with it) or every RFA layer's incremental buffer (the eager path, bf16 here)."""
+    if StaticDecodeState.KEY in state:
+        static = state[StaticDecodeState.KEY]["state"]
+        return [(f"static.causal{i}", t) for i, pair in enumerate(static.states) for t in pair]
+    saved = [mod.get_incremental_state(state, "rfa_state") for mod in model.rfa_modules()]
+    return [item for buffer in saved for item in _buffer_tensors(buffer)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
@@ -129,17 +140,15 @@ def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
             for step in range(DECODE_STEPS):
                 logits, _ = m.decoder(tokens[:, : step + 1], encoder_out=encoder_out, incremental_state=state)
                 if step in (9, DECODE_STEPS - 1):
-                    saved = [mod.get_incremental_state(state, "rfa_state") for mod in m.rfa_modules()]
-                    sizes[(name, step)] = sum(t.numel() for s in saved for _, t in _buffer_tensors(s))
+                    sizes[(name, step)] = sum(t.numel() for _, t in _decoding_state_tensors(m, state))
                 if step in (15, DECODE_STEPS - 1):
                     last[(name, step)] = logits.float().log_softmax(-1)
-            saved = [mod.get_incremental_state(state, "rfa_state") for mod in m.rfa_modules()]
-            for buffer in saved:
-                for key, tensor in _buffer_tensors(buffer):
-                    if tensor.is_floating_point():
-                        assert tensor.dtype == torch.float32, f"{name} {key} is {tensor.dtype}"
-                        assert torch.isfinite(tensor).all(), f"{name} {key} has inf/NaN after {DECODE_STEPS} steps"
-    assert sizes[("bf16", 9)] == sizes[("bf16", DECODE_STEPS - 1)], "the decoding state must not grow"
+            for key, tensor in _decoding_state_tensors(m, state):
+                if tensor.is_floating_point():
+                    assert tensor.dtype == torch.float32, f"{name} {key} is {tensor.dtype}"
+                    assert torch.isfinite(tensor).all(), f"{name} {key} has inf/NaN after {DECODE_STEPS} steps"
+    for name in ("fp32", "bf16"):
+        assert sizes[(name, 9)] == sizes[(name, DECODE_STEPS - 1)], f"the {name} decoding state must not grow"
     for step in (15, DECODE_STEPS - 1):
         assert torch.isfinite(last[("bf16", step)]).all()
         error = (last[("bf16", step)] - last[("fp32", step)]).abs().max().item()

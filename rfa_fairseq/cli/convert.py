@@ -64,7 +64,7 @@ SIGMA_GRID = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), 31))
 DEFAULT_GATE_BIAS = 4.0
 # RFA parameters that a softmax checkpoint lacks (everything else must come from it)
 RFA_PARAMETER_SUFFIXES = (
-    ".sigma", ".log_sigma", ".eval_random_matrix", ".gate_proj.weight", ".gate_proj.bias", ".feature_weight", ".feature_bias",
+    ".sigma", ".log_sigma", ".eval_random_matrix", ".gate_proj.weight", ".gate_proj.bias", ".phi.weight", ".phi.bias",
 )
 RFA_OPTIONS = [name for name in RFA_DEFAULTS if name.startswith("rfa_")]
 

@@ -6,6 +6,7 @@ encoder-decoder attention, softmax encoder self-attention unless --rfa-encoder-s
 """
 import argparse
 
+import torch
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 
 from ..config import add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention
+from ..modules.static_decoding import StaticDecodeState, Workspace
 
 
 def rfa_attention_options(cfg) -> dict:
@@ -98,15 +100,100 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
+    # encoder_out entry: the source row each row is a copy of (beam search copies every sentence beam times)
+    ROW_SOURCE = "rfa_row_source"
+
     def build_encoder_layer(self, cfg):
         if not cfg.rfa_encoder_self_attn:
             return super().build_encoder_layer(cfg)
         return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
+    def reorder_encoder_out(self, encoder_out, new_order):
+        """fairseq's reorder, skipped when it would replace every row by an identical copy: beam search
+        reorders within each sentence's beams at every step, and those rows are copies of one source row.
+        Which rows are copies of which is recorded at the first reorder (the expansion to beams)."""
+        if not encoder_out["encoder_out"]:
+            return super().reorder_encoder_out(encoder_out, new_order)
+        rows = encoder_out["encoder_out"][0].size(1)
+        recorded = encoder_out.get(self.ROW_SOURCE)
+        source = recorded[0] if recorded else torch.arange(rows, device=new_order.device)
+        new_source = source.index_select(0, new_order)
+        if new_source.numel() == rows and torch.equal(new_source, source):
+            return encoder_out
+        reordered = super().reorder_encoder_out(encoder_out, new_order)
+        reordered[self.ROW_SOURCE] = [new_source]
+        return reordered
+
 
 class RFATransformerDecoder(TransformerDecoderBase):
+    """fairseq's decoder with RFA layers; incremental decoding without autograd runs the static step
+    (modules/static_decoding.py) unless --no-rfa-static-decode or the model needs what it lacks."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
+                         output_projection=output_projection)
+        self.static_decode = bool(getattr(cfg, "rfa_static_decode", True))
+        self.static_unsupported = StaticDecodeState.supports(self)  # None, or why the eager path runs
+        self._static_workspace = None
+
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def forward(self, prev_output_tokens, encoder_out=None, incremental_state=None, features_only: bool = False,
+                full_context_alignment: bool = False, alignment_layer=None, alignment_heads=None, src_lengths=None,
+                return_all_hiddens: bool = False):
+        static = None
+        if incremental_state is not None and not (features_only or full_context_alignment or return_all_hiddens
+                                                  or alignment_heads is not None
+                                                  or alignment_layer not in (None, self.num_layers - 1)):
+            static = self._static_decode_state(prev_output_tokens, encoder_out, incremental_state)
+        if static is not None:
+            return static.step(prev_output_tokens, incremental_state)
+        return super().forward(prev_output_tokens, encoder_out=encoder_out, incremental_state=incremental_state,
+                               features_only=features_only, full_context_alignment=full_context_alignment,
+                               alignment_layer=alignment_layer, alignment_heads=alignment_heads,
+                               src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
+
+    def _static_decode_state(self, prev_output_tokens, encoder_out, incremental_state):
+        """The batch's StaticDecodeState: the one it started with, a new one at its first step when the
+        static step applies, or None (the eager path: autograd, training, unsupported model, ...)."""
+        entry = incremental_state.get(StaticDecodeState.KEY)
+        if entry is not None:
+            if self.training or torch.is_grad_enabled():
+                raise RuntimeError("this incremental state was started by the static decoding step, which runs "
+                                   "without autograd in eval mode; decode under torch.no_grad(), or build the model "
+                                   "with --no-rfa-static-decode")
+            return entry["state"]
+        weight = self.embed_tokens.weight
+        # CPU fp32 for now; on CUDA the eager path (fla's step) runs until the static step is captured as graphs
+        if (not self.static_decode or self.training or torch.is_grad_enabled() or incremental_state
+                or self.static_unsupported is not None or weight.dtype != torch.float32 or weight.device.type != "cpu"):
+            return None  # incremental_state non-empty: eager decoding started it
+        state = StaticDecodeState(self, encoder_out, prev_output_tokens.size(0), weight.device, weight.dtype)
+        incremental_state[StaticDecodeState.KEY] = {"state": state}
+        return state
+
+    def reorder_incremental_state_scripting(self, incremental_state, new_order):
+        entry = incremental_state.get(StaticDecodeState.KEY)
+        if entry is not None:
+            entry["state"].reorder_(new_order)
+            return
+        super().reorder_incremental_state_scripting(incremental_state, new_order)
+
+    def get_normalized_probs(self, net_output, log_probs, sample=None):
+        extra = net_output[1] if len(net_output) > 1 else None
+        static = extra.get("rfa_static") if isinstance(extra, dict) else None
+        if static is not None and log_probs:
+            return static.log_probs(net_output[0])  # into the step's reused buffer
+        return super().get_normalized_probs(net_output, log_probs, sample)
+
+    def take_static_workspace(self) -> Workspace:
+        """The buffers of the last finished batch (a new set when none is free)."""
+        workspace, self._static_workspace = self._static_workspace, None
+        return workspace if workspace is not None else Workspace()
+
+    def return_static_workspace(self, workspace: Workspace) -> None:
+        self._static_workspace = workspace
 
     def buffered_future_mask(self, tensor):
         # Causal RFA needs to know only *that* the pass is causal. A zero-stride

@@ -20,21 +20,17 @@ from torch import Tensor, nn
 from ..ops import (
     DECODE_KERNELS,
     SEQUENCE_KERNELS,
-    LEARNED_FEATURE_MAPS,
     CausalRFAState,
     causal_rfa,
     denominator_eps,
     draw_random_matrix,
-    feature_map,
     gate_keys,
     is_identity_order,
-    learned_feature_map,
-    learned_feature_weight_shape,
     noncausal_rfa,
     noncausal_rfa_state,
     random_matrix_seed,
-    scale_inputs,
 )
+from .feature_maps import LEGACY_PARAMETER_NAMES, build_feature_map
 
 # fairseq's incremental_state; our buffer holds tensors and, under "causal", a CausalRFAState
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
@@ -108,7 +104,6 @@ class RFAAttention(nn.Module):
         self.sequence_kernel = str(sequence_kernel)
 
         self.feature_map = str(feature_map)
-        self.learned_map = self.feature_map in LEARNED_FEATURE_MAPS
         self.eps = denominator_eps(self.feature_map)
         self.num_features = int(num_features)
         self.random_matrix_kind = str(random_matrix)
@@ -116,27 +111,16 @@ class RFAAttention(nn.Module):
         self.chunk_size = int(chunk_size)
         self.gated = bool(gate) and causal
 
+        # phi first: its parameters keep the place the attention's own sigma / feature weights had in
+        # parameters() (resumed optimizer states are matched by position); initialized in reset_parameters
+        self.phi = build_feature_map(self.feature_map, num_heads, self.num_features, self.head_dim, sigma=str(sigma),
+                                     sigma_lr_multiplier=sigma_lr_multiplier, temperature=temperature, initialize=False)
+        self.learned_map = not self.phi.uses_random_matrix
         self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.v_proj = quant_noise(nn.Linear(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.q_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
-
-        initial_sigma = torch.full((num_heads, self.head_dim), temperature ** -0.5)  # (H, d)
-        # learned maps have no sigma: an unused parameter would get no gradient (and break DDP)
-        self.sigma_mode = "none" if self.learned_map else str(sigma)
-        if self.sigma_mode == "log":
-            # sigma = exp(m * log_sigma): Adam moves log_sigma by ~lr per step, so log sigma moves by
-            # ~m * lr, a learning-rate multiplier m for sigma without a separate optimizer group
-            self.sigma_lr_multiplier = float(sigma_lr_multiplier)
-            self.log_sigma = nn.Parameter(initial_sigma.log() / self.sigma_lr_multiplier)
-        elif self.sigma_mode == "learned":
-            self.sigma = nn.Parameter(initial_sigma)
-        elif self.sigma_mode == "fixed":
-            self.register_buffer("sigma", initial_sigma)
         self.gate_proj = nn.Linear(embed_dim, num_heads) if self.gated else None
-        shapes = learned_feature_weight_shape(self.feature_map, num_heads, self.num_features, self.head_dim)
-        self.feature_weight = nn.Parameter(torch.empty(shapes[0])) if shapes else None  # (H, D, d)
-        self.feature_bias = nn.Parameter(torch.empty(shapes[1])) if shapes else None  # (H, D)
 
         # fixed matrices for evaluation and generation; saved in the checkpoint (drawn for the
         # learned maps too, which do not use them, so every RFA checkpoint has the same layout)
@@ -161,29 +145,26 @@ class RFAAttention(nn.Module):
         if self.gate_proj is not None:
             nn.init.xavier_uniform_(self.gate_proj.weight)
             nn.init.constant_(self.gate_proj.bias, GATE_BIAS_INIT)
-        if self.feature_weight is not None:
-            with torch.no_grad():
-                if self.feature_map == "hedgehog":
-                    # identity rows (repeated when D > d): phi starts as [softmax(x), softmax(-x)]
-                    eye = torch.eye(self.head_dim).repeat(-(-self.num_features // self.head_dim), 1)
-                    self.feature_weight.copy_(eye[: self.num_features].expand_as(self.feature_weight))
-                else:
-                    nn.init.normal_(self.feature_weight, std=self.head_dim ** -0.5)
-                self.feature_bias.zero_()
+        self.phi.reset_parameters()  # last, as before the maps were modules: same draws for a seed
+
+    @property
+    def sigma_mode(self) -> str:
+        return getattr(self.phi, "sigma_mode", "none")
 
     def current_sigma(self) -> Tensor:
-        """(H, d) sigma scaling the random projections."""
-        if self.sigma_mode == "log":
-            return torch.exp(self.log_sigma * self.sigma_lr_multiplier)
-        return self.sigma
+        """(H, d) sigma scaling the random projections (random feature maps only)."""
+        return self.phi.current_sigma()
 
     def set_sigma_(self, sigma: Tensor) -> None:
         """Set sigma (H, d) in place, whatever its parametrization (weight conversion)."""
-        with torch.no_grad():
-            if self.sigma_mode == "log":
-                self.log_sigma.copy_(sigma.log() / self.sigma_lr_multiplier)
-            else:
-                self.sigma.copy_(sigma)
+        self.phi.set_sigma_(sigma)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints from before the feature maps were modules: feature_weight -> phi.weight, sigma -> phi.sigma, ...
+        for old, new in LEGACY_PARAMETER_NAMES.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------ random matrices
 
@@ -227,9 +208,7 @@ class RFAAttention(nn.Module):
 
     def _phi(self, x: Tensor, w: Optional[Tensor], is_query: bool) -> Tensor:
         """(T, B, C) projected inputs -> (B, H, T, F) fp32 features."""
-        if self.learned_map:
-            return learned_feature_map(self._heads(x), self.feature_weight, self.feature_bias, self.feature_map)
-        return feature_map(scale_inputs(self._heads(x), self.current_sigma()), w, self.feature_map, is_query)
+        return self.phi(self._heads(x), w, is_query)
 
     def _check_causal_mask(self, attn_mask: Tensor, length: int) -> None:
         # our decoder passes a zero-stride stand-in (no T x T memory); a materialized

@@ -8,12 +8,20 @@ from .feature_maps import (  # noqa: F401
     draw_random_matrix,
     feature_map,
     learned_feature_map,
-    learned_feature_weight_shape,
     num_feature_dims,
     random_matrix_seed,
     scale_inputs,
 )
-from .dispatch import SEQUENCE_KERNELS, CausalRFAState, causal_rfa, causal_rfa_decode_step, is_identity_order  # noqa: F401
+from .dispatch import (  # noqa: F401
+    SEQUENCE_KERNELS,
+    CausalRFAState,
+    add_layer_norm,
+    causal_layer_step,
+    causal_rfa,
+    causal_rfa_decode_step,
+    is_identity_order,
+    softmax_cross_step,
+)
 from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available, fla_import_error  # noqa: F401
 from .fused_step import DECODE_KERNELS, causal_rfa_step_fused, load_fused_extension  # noqa: F401
 from .naive import (  # noqa: F401

@@ -9,7 +9,14 @@
                                     causal_rfa_step_fla (CUDA) | causal_rfa_step_fused (C++ on CPU, torch elsewhere)
         otherwise:                  the recurrence (naive.causal_rfa_recurrent) on state[order]
 
-The torch path stays the reference: the fla path is tested against it on CUDA (tests/test_cuda.py).
+The static decoding step (modules/static_decoding.py) calls its kernels through here too:
+
+    causal_layer_step, softmax_cross_step, add_layer_norm
+        the C++ kernels (csrc/rfa_static_step.cpp) on CPU in fp32 without autograd when decode_kernel
+        allows them (auto, cpp), the torch implementations of static_step.py otherwise
+
+The torch path stays the reference: the fla path is tested against it on CUDA (tests/test_cuda.py), the
+C++ kernels on CPU (tests/test_ops.py, tests/test_static_decoding.py).
 """
 from typing import List, Optional
 
@@ -17,9 +24,11 @@ import torch
 from torch import Tensor
 
 from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available
+from . import fused_step
 from .fused_step import DECODE_KERNELS, causal_rfa_step_fused
 from .naive import causal_rfa_recurrent
 from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
+from .static_step import add_layer_norm_torch, causal_layer_step_torch, softmax_cross_step_torch
 
 SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 
@@ -107,3 +116,57 @@ def causal_rfa_decode_step(phi_q, phi_k, v, log_gate=None, state=None, order=Non
     if decode_kernel == "auto" and fla_available(phi_q):
         return causal_rfa_step_fla(phi_q, phi_k, v, log_gate, state, order, out_state, eps=eps)
     return causal_rfa_step_fused(phi_q, phi_k, v, log_gate, state, order, out_state, eps=eps, kernel=decode_kernel)
+
+
+# ---------------------------------------------------------------- the static decoding step's kernels
+
+_NONE = torch.empty(0)  # the C++ kernels' "absent" argument
+
+
+def static_step_extension(decode_kernel: str, *tensors: Tensor):
+    """The C++ module for the static step's kernels, or None for the torch implementations: C++ on CPU in
+    fp32 without autograd, when decode_kernel is auto (and it builds) or cpp (an error when it cannot)."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
+    if decode_kernel == "torch":
+        return None
+    applies = not torch.is_grad_enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    if decode_kernel == "cpp":
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ValueError("--rfa-decode-kernel cpp: the C++ decoding step runs on the CPU")
+        return fused_step.require_fused_extension() if applies else None
+    return fused_step.load_fused_extension() if applies else None
+
+
+def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor], key_pad: Optional[Tensor],
+                      state_in: Optional[Tensor], order: Optional[Tensor], state_out: Tensor, out: Tensor,
+                      eps: float = DENOMINATOR_EPS, decode_kernel: str = "auto") -> Tensor:
+    """One causal RFA layer step into `out` and `state_out` (shapes: static_step.causal_layer_step_torch)."""
+    ext = static_step_extension(decode_kernel, phi_q, phi_k, v, state_out)
+    if ext is None:
+        return causal_layer_step_torch(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps)
+    ext.causal_layer_step(phi_q, phi_k, v, _NONE if gate_logits is None else gate_logits,
+                          _NONE if key_pad is None else key_pad, _NONE if state_in is None else state_in,
+                          _NONE if order is None else order, state_out, out, eps)
+    return out
+
+
+def softmax_cross_step(q: Tensor, key: Tensor, value: Tensor, key_bias: Optional[Tensor], beam: int, scaling: float,
+                       out: Tensor, weights: Optional[Tensor] = None, decode_kernel: str = "auto") -> Tensor:
+    """Softmax cross-attention of one step over per-sentence K, V (shapes: static_step.softmax_cross_step_torch)."""
+    ext = static_step_extension(decode_kernel, q, key, value)
+    if ext is None:
+        return softmax_cross_step_torch(q, key, value, key_bias, beam, scaling, out, weights)
+    ext.softmax_cross_step(q, key, value, _NONE if key_bias is None else key_bias, beam, scaling, out,
+                           _NONE if weights is None else weights)
+    return out
+
+
+def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float, out: Tensor,
+                   decode_kernel: str = "auto") -> Tensor:
+    """out = LayerNorm(x + residual) (no residual: LayerNorm(x)); out may be x or residual."""
+    ext = static_step_extension(decode_kernel, x, weight)
+    if ext is None:
+        return add_layer_norm_torch(x, residual, weight, bias, eps, out)
+    ext.add_layer_norm(x, _NONE if residual is None else residual, weight, bias, eps, out)
+    return out

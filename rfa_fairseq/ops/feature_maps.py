@@ -48,13 +48,6 @@ def num_feature_dims(feature_map: str, num_features: int, head_dim: Optional[int
     return num_features
 
 
-def learned_feature_weight_shape(feature_map: str, num_heads: int, num_features: int, head_dim: int):
-    """Shapes of (weight, bias) of a learned map, or None for maps without parameters."""
-    if feature_map in ("hedgehog", "relu"):
-        return (num_heads, num_features, head_dim), (num_heads, num_features)
-    return None
-
-
 def random_matrix_seed(seed: int, update: int, module_index: int) -> int:
     """One 63-bit seed per (training seed, update number, attention module).
 

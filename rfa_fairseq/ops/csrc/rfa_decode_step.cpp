@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "rfa_kernels.h"
+
 namespace {
 
 // One (row, head): S' = g * S + k (x) [v, 1] over F rows of D1 = d + 1 columns, acc = q . S'.
@@ -102,5 +104,9 @@ torch::Tensor decode_step(const torch::Tensor& state,      // (B0, H, F, d + 1) 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "fused causal RFA decoding step (reorder + update + read-out)");
+  // the static decoding step's kernels (rfa_static_step.cpp)
+  m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: gate, reorder, update, read-out");
+  m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
+  m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);
 }

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""fairseq-generate on real data: the default rfa_transformer vs its softmax twin, as a user runs it.
+
+Takes the quality study's Multi30k EN-DE checkpoints (scripts/quality_study.py; trained first when
+missing), translates test_2016_flickr with fairseq-generate (beam 4, length penalty 1, max length
+source + 50, SentencePiece-decoded) at each --batch-sizes (sentences per batch) and --threads, the
+models alternating within each repeat, and writes one CSV row per (device, threads, batch size, model):
+sentences/s and tokens/s from fairseq-generate's own timer (generation only, the fastest of
+--repeats), the process's peak memory (RSS on CPU, torch's max allocated on CUDA), sacreBLEU, and the
+speed ratio to softmax measured in the same repeat loop. `rfa_eager` is the RFA model with
+--no-rfa-static-decode (fairseq's eager path): its row also says how many hypotheses are identical to
+the static step's and the BLEU difference (the static step's correctness on real data).
+
+    python benchmarks/benchmark_generate.py --prep outputs/multi30k                # CPU, batch 32 and 128, 1 and 2 threads
+    python benchmarks/benchmark_generate.py --prep outputs/multi30k --device cuda  # on a GPU
+
+Finished rows are kept (the CSV is rewritten whole after each point); --redo measures them again.
+Files: benchmarks/results/generate_multi30k_<device>.csv and .png.
+"""
+import argparse
+import csv
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_common import REPO, PLUGIN_DIR, device_tag, write_csv  # noqa: E402
+
+# model name -> (quality-study variant whose checkpoint it decodes, extra fairseq-generate flags)
+MODELS = {
+    "softmax": ("softmax", []),
+    "rfa": ("hedgehog_gate_softmax_cross", []),
+    "rfa_eager": ("hedgehog_gate_softmax_cross", ["--model-overrides", "{'rfa_static_decode': False}"]),
+}
+TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+KEY = ("device", "threads", "batch_size", "model")
+
+
+def log(message):
+    print(f"[{time.strftime('%H:%M:%S')}] benchmark_generate: {message}", flush=True)
+
+
+def checkpoint_of(args, model) -> str:
+    """The study's checkpoint for `model`, trained (scripts/quality_study.py) when missing."""
+    variant = args.variant_override.get(model, MODELS[model][0])
+    work = os.path.join(args.study_dir, f"{variant}_u{args.max_update}_s{args.seed}")
+    path = os.path.join(work, "checkpoint_best.pt")
+    if not os.path.exists(path):
+        log(f"{path} is missing: training {variant} ({args.max_update} updates) with scripts/quality_study.py")
+        cmd = [sys.executable, os.path.join(REPO, "scripts", "quality_study.py"), "--prep", args.prep, "--variants", variant,
+               "--max-update", str(args.max_update), "--seed", str(args.seed), "--work-dir", args.study_dir,
+               "--device", args.device.split(":")[0], "--csv", args.study_csv]
+        subprocess.run(cmd, check=True, timeout=args.train_timeout)
+        if not os.path.exists(path):
+            sys.exit(f"benchmark_generate: training {variant} did not write {path}")
+    return path
+
+
+def generate(args, model, batch_size, threads, hyp_path):
+    """One fairseq-generate run; returns (sentences, tokens, seconds, peak MB, hypotheses by id)."""
+    checkpoint = args.checkpoints[model]
+    cmd = [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), os.path.join(args.prep, "data-bin"),
+           "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
+           "--max-len-a", "1", "--max-len-b", "50", "--batch-size", str(batch_size), "--required-batch-size-multiple", "1",
+           "--post-process", "sentencepiece", "--num-workers", "0", *MODELS[model][1]]
+    if args.device == "cpu":
+        cmd.append("--cpu")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    with open(hyp_path + ".log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    text = open(hyp_path + ".log").read()
+    if proc.returncode != 0:
+        sys.exit(f"benchmark_generate: {' '.join(map(shlex.quote, cmd))} failed ({proc.returncode}):\n{text[-2000:]}")
+    found = TRANSLATED.search(text)
+    if not found:
+        sys.exit(f"benchmark_generate: no 'Translated ...' line in {hyp_path}.log")
+    hyps = {}
+    for line in text.splitlines():
+        if line.startswith("D-"):  # detokenized hypothesis
+            key, _, hyp = line.split("\t", 2)
+            hyps[int(key[2:])] = hyp
+    sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
+    return sentences, tokens, float(found.group(3)), usage.ru_maxrss / 1024, hyps
+
+
+def bleu(hyps, refs) -> float:
+    import sacrebleu
+
+    return sacrebleu.corpus_bleu([hyps[i] for i in range(len(refs))], [refs]).score
+
+
+def plot(rows, png_path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no PNG")
+        return
+    points = sorted({(int(r["threads"]), int(r["batch_size"])) for r in rows})
+    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(points)), 4.5))
+    width = 0.8 / max(1, len(models))
+    for j, model in enumerate(models):
+        values = []
+        for threads, batch in points:
+            row = next((r for r in rows if r["model"] == model and int(r["threads"]) == threads
+                        and int(r["batch_size"]) == batch), None)
+            values.append(float(row["sentences_per_s"]) if row else 0.0)
+        bars = ax.bar([i + j * width for i in range(len(points))], values, width, label=model)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(points))])
+    ax.set_xticklabels([f"batch {b}\n{t} thread{'s' if t > 1 else ''}" for t, b in points])
+    ax.set_ylabel("sentences / s (fairseq-generate, beam 4)")
+    ax.set_title(f"Multi30k test_2016_flickr, {rows[0]['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    log(f"wrote {png_path}")
+
+
+def machine(device) -> str:
+    if device.startswith("cuda"):
+        from benchmark_common import gpu_name
+
+        return gpu_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "cpu"
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
+                   help="output of data-prep/prepare-multi30k.sh (data-bin/, test.raw.de)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 128])
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--repeats", type=int, default=2, help="runs per point, models alternating; the fastest counts")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"), help="the quality study's --work-dir")
+    p.add_argument("--study-csv", default=os.path.join(REPO, "benchmarks", "results", "quality_multi30k_cpu.csv"),
+                   help="where a missing checkpoint's training row goes")
+    p.add_argument("--max-update", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--variant", action="append", default=[], metavar="MODEL=VARIANT",
+                   help="decode another quality-study variant for a model, e.g. rfa=hedgehog_gate_softmax_cross_d16")
+    p.add_argument("--train-timeout", type=float, default=6 * 3600, help="seconds a missing checkpoint may train")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--redo", action="store_true", help="measure finished rows again")
+    args = p.parse_args(argv)
+    args.variant_override = {}
+    for item in args.variant:
+        model, _, variant = item.partition("=")
+        if model not in MODELS or not variant:
+            p.error(f"--variant {item!r}: expected MODEL=VARIANT with MODEL one of {', '.join(MODELS)}")
+        args.variant_override[model] = variant
+        if model == "rfa":
+            args.variant_override.setdefault("rfa_eager", variant)
+    for needed in ("data-bin/dict.en.txt", "test.raw.de"):
+        if not os.path.exists(os.path.join(args.prep, needed)):
+            p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh first")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device")
+    tag = device_tag(args.device)
+    args.csv = args.csv or os.path.join(REPO, "benchmarks", "results", f"generate_multi30k_{tag}.csv")
+    args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
+    refs = open(os.path.join(args.prep, "test.raw.de")).read().splitlines()
+
+    rows = []
+    if os.path.exists(args.csv):
+        with open(args.csv, newline="") as f:
+            rows = list(csv.DictReader(f))
+    done = {tuple(r[k] for k in KEY) for r in rows}
+    description = machine(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        for threads in args.threads:
+            for batch in args.batch_sizes:
+                point = [m for m in args.models if args.redo or (tag, str(threads), str(batch), m) not in done]
+                if not point:
+                    continue
+                best = {}
+                for repeat in range(args.repeats):
+                    for model in point:  # alternating: drifting machine load hits every model alike
+                        result = generate(args, model, batch, threads, os.path.join(tmp, f"{model}.{batch}.{threads}"))
+                        if model not in best or result[2] < best[model][2]:
+                            best[model] = result
+                        log(f"threads {threads} batch {batch} {model} repeat {repeat + 1}: {result[2]:.1f} s")
+                for model in point:
+                    sentences, tokens, seconds, peak, hyps = best[model]
+                    row = {
+                        "device": tag, "threads": threads, "batch_size": batch, "model": model,
+                        "variant": args.variant_override.get(model, MODELS[model][0]),
+                        "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
+                        "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
+                        "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
+                        "machine": description, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+                    }
+                    if "softmax" in best:
+                        row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"
+                    if model == "rfa_eager" and "rfa" in best:
+                        static = best["rfa"][4]
+                        same = sum(static.get(i) == hyps.get(i) for i in range(len(refs)))
+                        row["identical_to_static"] = f"{same / len(refs):.4f}"
+                        row["bleu_static_minus_eager"] = f"{bleu(static, refs) - bleu(hyps, refs):.2f}"
+                    rows = [r for r in rows if tuple(str(r[k]) for k in KEY) != (tag, str(threads), str(batch), model)]
+                    rows.append(row)
+                write_csv(args.csv, rows)
+                log(f"wrote {args.csv}")
+    rows = [r for r in rows if r["device"] == tag]
+    if rows:
+        plot(rows, os.path.splitext(args.csv)[0] + ".png")
+        for r in rows:
+            print(f"{r['threads']} thr  batch {r['batch_size']:>4}  {r['model']:10s} {float(r['sentences_per_s']):7.1f} sent/s  "
+                  f"x{r.get('speed_vs_softmax') or '-':>6} vs softmax  BLEU {r['bleu']}  peak {r['peak_rss_mb']} MB"
+                  + (f"  identical {r['identical_to_static']}" if r.get("identical_to_static") else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

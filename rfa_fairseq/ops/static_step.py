@@ -1,0 +1,70 @@
+"""The static decoding step's kernels in torch: the path on every device, and what the C++ kernels
+(csrc/rfa_static_step.cpp) are tested against. Each writes into buffers its caller allocated once.
+
+    causal_layer_step_torch(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps)
+        phi_q, phi_k: (R, H * F)   v: (R, H * d)   gate_logits: (R, H) or None   key_pad: (R,) bool or None
+        state_in: (R0, H, F, d + 1) or None (first step)   order: (R,) rows of state_in, or None (row r reads row r)
+        state_out: (>= R, H, F, d + 1), not state_in   out: (R, H * d)
+        S' = g * state_in[order] + (1 - g) phi_k (x) [v, 1];  out = (phi_q . S')[:d] / max((phi_q . S')[d], eps)
+        (g = sigmoid(gate logit); g = 1 and no new term for a padded key; no gate: g = 1, 1 - g -> 1)
+    softmax_cross_step_torch(q, key, value, key_bias, beam, scaling, out, weights)
+        q: (R, H * d) rows n * beam .. n * beam + beam - 1 read sentence n   key, value: (N, H, S, d)
+        key_bias: (N, S) (0 or -inf) or None   out: (R, H * d)   weights: (R, S) head-averaged, or None
+    add_layer_norm_torch(x, residual, weight, bias, eps, out): out = LayerNorm(x + residual) (residual may be None)
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_layer_step_torch(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
+                            key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
+                            state_out: Tensor, out: Tensor, eps: float) -> Tensor:
+    _, H, F_, D1 = state_out.shape
+    R = v.size(0)
+    d = D1 - 1
+    new = state_out[:R]
+    k = phi_k.reshape(R, H, F_).float()
+    if gate_logits is not None:
+        logits = gate_logits.float()
+        decay = torch.sigmoid(logits)  # (R, H)
+        k = k * torch.sigmoid(-logits).unsqueeze(-1)
+    else:
+        decay = None
+    if key_pad is not None:
+        k = k.masked_fill(key_pad.view(R, 1, 1), 0.0)
+        if decay is not None:
+            decay = decay.masked_fill(key_pad.view(R, 1), 1.0)
+    v_aug = torch.cat([v.reshape(R, H, d).float(), v.new_ones(R, H, 1, dtype=torch.float32)], dim=-1)  # (R, H, d + 1)
+    torch.mul(k.unsqueeze(-1), v_aug.unsqueeze(-2), out=new)  # the new term
+    if state_in is not None:
+        previous = state_in.index_select(0, order) if order is not None else state_in[:R]
+        new.add_(previous if decay is None else previous * decay[..., None, None])
+    acc = torch.matmul(phi_q.reshape(R, H, 1, F_).float(), new).squeeze(-2)  # (R, H, d + 1)
+    out.view(R, H, d).copy_(acc[..., :d] / acc[..., d:].clamp_min(eps))
+    return out
+
+
+def softmax_cross_step_torch(q: Tensor, key: Tensor, value: Tensor, key_bias: Optional[Tensor], beam: int,
+                             scaling: float, out: Tensor, weights: Optional[Tensor]) -> Tensor:
+    N, H, S, d = key.shape
+    R = q.size(0)
+    rows = torch.arange(R, device=q.device) // beam  # the sentence each row reads
+    qh = (q.float() * scaling).view(R, H, 1, d)
+    scores = torch.matmul(qh, key[rows].transpose(-1, -2)).squeeze(-2)  # (R, H, S)
+    if key_bias is not None:
+        scores = scores + key_bias[rows].unsqueeze(1)
+    probs = torch.softmax(scores, dim=-1)
+    out.view(R, H, d).copy_(torch.matmul(probs.unsqueeze(-2), value[rows]).squeeze(-2))
+    if weights is not None:
+        weights.copy_(probs.mean(dim=1))
+    return out
+
+
+def add_layer_norm_torch(x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float,
+                         out: Tensor) -> Tensor:
+    y = x if residual is None else x + residual
+    out.copy_(F.layer_norm(y, (y.size(-1),), weight, bias, eps))
+    return out

@@ -1,0 +1,383 @@
+"""The static decoding step (rfa_fairseq/modules/static_decoding.py) against fairseq's eager path, its
+kernels against the torch implementations and the plain references, and fairseq-generate with both."""
+import pytest
+import torch
+import torch.nn.functional as F
+from cli_support import run, synthetic_data
+from conftest import PLUGIN_DIR
+from fairseq.models.transformer import TransformerEncoderBase
+from fairseq.sequence_generator import SequenceGenerator
+from helpers import build_model, random_batch
+from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
+from tiny_models import tiny_model_flags
+
+from rfa_fairseq.modules.static_decoding import StaticDecodeState
+from rfa_fairseq.ops import causal_rfa_recurrent, gate_keys, load_fused_extension
+from rfa_fairseq.ops.dispatch import add_layer_norm, causal_layer_step, softmax_cross_step
+
+EAGER = ["--no-rfa-static-decode"]
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def kernel(request):
+    if request.param == "cpp" and load_fused_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain; see the warning above)")
+    return request.param
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("case", ["first_step", "identity", "reorder_and_shrink", "padded_key"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
+def test_causal_layer_step_equals_the_recurrence(kernel, case, gated):
+    """gate + reorder + update + read-out in one step == gate_keys and the literal recurrence on state[order]."""
+    g = torch.Generator().manual_seed(1)
+    R0, H, F_, d = 6, 3, 8, 5
+    R = 4 if case == "reorder_and_shrink" else R0
+    phi_q, phi_k = torch.rand(R, H, F_, generator=g) + 0.1, torch.rand(R, H, F_, generator=g)
+    v = torch.randn(R, H * d + 3, generator=g)[:, 3:]  # a strided view, as the fused projection gives it
+    gate = torch.randn(R, H, generator=g) if gated else None
+    state = None if case == "first_step" else torch.randn(R0, H, F_, d + 1, generator=g).abs()
+    order = torch.tensor([5, 0, 0, 3]) if case == "reorder_and_shrink" else None
+    pad = torch.tensor([False, True, False, False, True, False]) if case == "padded_key" else None
+
+    out = torch.full((R, H * d), float("nan"))
+    state_out = torch.full((R0 + 2, H, F_, d + 1), float("nan"))  # more rows than needed: rows only shrink
+    causal_layer_step(phi_q.reshape(R, -1), phi_k.reshape(R, -1), v, gate, pad, state, order, state_out, out,
+                      eps=1e-6, decode_kernel=kernel)
+
+    k, log_gate = gate_keys(phi_k.unsqueeze(2), gate.unsqueeze(-1) if gated else None,
+                            pad.unsqueeze(-1) if pad is not None else None)
+    start = None if state is None else (state[order] if order is not None else state)
+    want, want_state = causal_rfa_recurrent(phi_q.unsqueeze(2), k, v.reshape(R, H, 1, d), log_gate, start, eps=1e-6)
+    torch.testing.assert_close(out, want.reshape(R, H * d), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state_out[:R], want_state, rtol=1e-5, atol=1e-6)
+    assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
+
+
+@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
+def test_causal_layer_step_refuses_an_order_out_of_range():
+    if load_fused_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    state, out = torch.zeros(2, 1, 2, 3), torch.empty(2, 2)
+    with pytest.raises(RuntimeError, match="order\\[1\\] = 7 is out of range for 2 rows"):
+        causal_layer_step(torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, state, torch.tensor([0, 7]),
+                          torch.empty(2, 1, 2, 3), out, decode_kernel="cpp")
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.parametrize("with_weights", [False, True])
+@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
+def test_softmax_cross_step_equals_softmax_attention(kernel, beam, with_weights):
+    g = torch.Generator().manual_seed(2)
+    N, H, S, d = 3, 2, 7, 4
+    R = N * beam - (beam - 1)  # the last sentence keeps one beam: rows need not fill every group
+    q = torch.randn(R, H * d + 2, generator=g)[:, :H * d]
+    key, value = torch.randn(N, H, S, d, generator=g), torch.randn(N, H, S, d, generator=g)
+    pad = torch.zeros(N, S, dtype=torch.bool)
+    pad[1, :3] = True  # left padding of sentence 1
+    bias = torch.zeros(N, S).masked_fill(pad, float("-inf"))
+    out, weights = torch.empty(R, H * d), (torch.empty(R, S) if with_weights else None)
+    softmax_cross_step(q, key, value, bias, beam, d ** -0.5, out, weights, decode_kernel=kernel)
+    for r in range(R):
+        n = r // beam
+        scores = torch.einsum("hd,hsd->hs", q[r].view(H, d) * d ** -0.5, key[n]).masked_fill(pad[n], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        torch.testing.assert_close(out[r], torch.einsum("hs,hsd->hd", probs, value[n]).reshape(-1), rtol=1e-5, atol=1e-6)
+        if with_weights:
+            torch.testing.assert_close(weights[r], probs.mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("out_is", ["new", "x", "residual"])
+@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
+def test_add_layer_norm_equals_torch(kernel, residual, out_is):
+    if out_is == "residual" and not residual:
+        pytest.skip("no residual to write into")
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(5, 12, generator=g) * 3 + 1, torch.randn(5, 12, generator=g)
+    weight, bias = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    want = F.layer_norm(x + res if residual else x, (12,), weight, bias, 1e-5)
+    out = {"new": torch.empty(5, 12), "x": x, "residual": res}[out_is]
+    add_layer_norm(x, res if residual else None, weight, bias, 1e-5, out, decode_kernel=kernel)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the step in a model
+
+MODEL_VARIANTS = [
+    pytest.param(fm, gate, cross, norm, id=f"{fm}-{'gated' if gate else 'ungated'}-{cross}_cross-{norm}")
+    for fm, gate, cross, norm in [
+        ("hedgehog", True, "softmax", "post"),  # the default
+        ("hedgehog", True, "softmax", "pre"),
+        ("hedgehog", False, "rfa", "post"),
+        ("relu", True, "softmax", "post"),
+        ("elu", False, "softmax", "pre"),
+        ("sincos", False, "rfa", "post"),  # the paper's setup
+        ("sincos", True, "softmax", "post"),
+        ("arccos", True, "rfa", "post"),
+        ("positive", False, "softmax", "post"),
+    ]
+]
+
+
+def _flags(feature_map, gate, cross, norm, *more):
+    flags = ["--rfa-feature-map", feature_map, "--rfa-num-features", "6", "--rfa-gate" if gate else "--no-rfa-gate",
+             "--rfa-softmax-cross-attn" if cross == "softmax" else "--no-rfa-softmax-cross-attn"]
+    return flags + (["--decoder-normalize-before", "--encoder-normalize-before"] if norm == "pre" else []) + list(more)
+
+
+def _twins(flags, seed=1):
+    """The same weights decoding statically (the default) and eagerly (--no-rfa-static-decode)."""
+    static, d = build_model(flags, seed=seed)
+    eager, _ = build_model(flags + EAGER, seed=seed, dictionary=d)
+    eager.load_state_dict(static.state_dict())
+    return static.eval(), eager.eval(), d
+
+
+@pytest.mark.parametrize("feature_map,gate,cross,norm", MODEL_VARIANTS)
+def test_static_step_equals_eager_decoding_and_the_full_forward(feature_map, gate, cross, norm):
+    static, eager, d = _twins(_flags(feature_map, gate, cross, norm))
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=10)
+    padded = prev.clone()
+    padded[1, 4] = d.pad()  # a padded decoder input: a key that adds nothing and decays nothing
+    with torch.no_grad():
+        full, _ = static(src, src_lengths, prev)
+        outs = {}
+        for name, model in (("static", static), ("eager", eager)):
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            for tokens in (prev, padded):
+                state = {}
+                outs[(name, tokens is padded)] = _decode_incrementally(model, encoder_out, tokens, state)
+                assert (StaticDecodeState.KEY in state) == (name == "static")
+    # fp32 with other summation orders (one fused input projection, the C++ kernels); the random maps'
+    # small denominators amplify those roundings, hence 1e-4 rather than 1e-5
+    for padded_input in (False, True):
+        torch.testing.assert_close(outs[("static", padded_input)], outs[("eager", padded_input)], rtol=1e-4, atol=1e-4)
+    # (a padded input shifts fairseq's positions in a full pass, not in incremental decoding: no padding here)
+    torch.testing.assert_close(outs[("static", False)], full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cross", ["softmax", "rfa"])
+def test_static_step_reorders_equal_decoding_the_reordered_batch(cross):
+    static, _, d = _twins(_flags("hedgehog", True, cross, "post"))
+    batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
+    orders = [torch.tensor(order) for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0])]
+    assert_beam_reorder_equals_decoding_the_reordered_batch(static, batch, orders, tolerance=1e-5)
+
+
+@pytest.mark.parametrize("cross", ["softmax", "rfa"])
+def test_static_state_keeps_cross_attention_once_per_sentence_and_compacts_finished_ones(cross):
+    """fairseq's beam layout: K/V (or the RFA state) once per sentence; within-beam reorders move nothing,
+    a finished sentence leaves; every step equals decoding the surviving rows from scratch."""
+    static, _, d = _twins(_flags("hedgehog", True, cross, "post"))
+    beam = 3
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
+    expand = torch.arange(3).repeat_interleave(beam)  # how SequenceGenerator lays out beams
+    src, src_lengths = src[expand], src_lengths[expand]
+    prev = prev[torch.arange(9) % 3]  # different prefixes per beam
+    k = 3
+    orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
+    with torch.no_grad():
+        static.decoder.set_beam_size(beam)
+        encoder_out = static.encoder(src, src_lengths=src_lengths)
+        state, rows = {}, torch.arange(9)
+        _decode_incrementally(static, encoder_out, prev[:, :k], state)
+        decoding = state[StaticDecodeState.KEY]["state"]
+        assert (decoding.beam, decoding.sentences) == (beam, 3)
+        for step, order in enumerate(orders):
+            static.decoder.reorder_incremental_state_scripting(state, order)
+            encoder_out = static.encoder.reorder_encoder_out(encoder_out, order)
+            rows = rows[order]
+            continued = _decode_incrementally(static, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
+            static.decoder.set_beam_size(1)
+            fresh = static.encoder(src[rows], src_lengths=src_lengths[rows])
+            scratch = _decode_incrementally(static, fresh, prev[rows, : k + step + 1], {})[:, -1:]
+            static.decoder.set_beam_size(beam)
+            torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
+        assert (decoding.beam, decoding.sentences) == (beam, 2)  # compacted, still once per sentence
+
+
+@pytest.mark.parametrize("beam,options", [
+    (1, {}), (4, {}), (5, {}),
+    (4, {"max_len_b": 3}),  # every hypothesis stopped by the length limit
+    (4, {"min_len": 6}),
+    (4, {"prefix": 2}),  # --prefix-size 2
+])
+@pytest.mark.parametrize("feature_map,cross", [("hedgehog", "softmax"), ("sincos", "rfa")])
+def test_beam_search_finds_the_same_hypotheses_with_the_static_step(beam, options, feature_map, cross):
+    """fairseq's beam search (sentences finishing at different steps, so the batch shrinks): the same
+    tokens, the same scores, and the same attention (alignment) as the eager path."""
+    static, eager, d = _twins(_flags(feature_map, True, cross, "post"), seed=4)
+    eos_row = torch.randn(static.decoder.output_projection.weight.size(1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # an end-of-sentence logit that varies with the state: hypotheses of many lengths
+        for model in (static, eager):
+            model.decoder.output_projection.weight[d.eos()] = eos_row
+    src, src_lengths, prev = random_batch(d, bsz=6, src_len=7, tgt_len=4, seed=9)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+    options = dict(options)
+    prefix = options.pop("prefix", None)
+    length_limited = "max_len_b" in options
+    kwargs = dict(beam_size=beam, max_len_b=options.pop("max_len_b", 12), normalize_scores=False, **options)
+    results = {}
+    for name, model in (("static", static), ("eager", eager)):
+        gen = SequenceGenerator([model], d, **kwargs)
+        with torch.no_grad():
+            results[name] = gen.generate([model], sample, prefix_tokens=prev[:, 1:1 + prefix] if prefix else None)
+    lengths = set()
+    for sent_static, sent_eager in zip(results["static"], results["eager"]):
+        assert [h["tokens"].tolist() for h in sent_static] == [h["tokens"].tolist() for h in sent_eager]
+        for a, b in zip(sent_static, sent_eager):
+            lengths.add(len(a["tokens"]))
+            torch.testing.assert_close(a["positional_scores"], b["positional_scores"], rtol=1e-4, atol=1e-4)
+            if cross == "softmax":
+                torch.testing.assert_close(a["attention"], b["attention"], rtol=1e-4, atol=1e-5)
+            else:
+                assert a["attention"].numel() == b["attention"].numel() == 0  # RFA cross-attention has no weights
+    assert len(lengths) > 1 or length_limited, "the test needs sentences finishing at different steps"
+
+
+def test_encoder_reorder_skips_only_reorders_that_change_nothing():
+    """RFATransformerEncoder.reorder_encoder_out == fairseq's for the beam expansion, within-beam reorders,
+    finished sentences and arbitrary orders; it returns its input when every row would get an identical copy."""
+    model, d = build_model()
+    model.eval()
+    src, src_lengths, _ = random_batch(d, bsz=3, src_len=6, seed=2)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+    # (order, whether every row gets an identical copy): the expansion to 2 beams, a within-beam reorder,
+    # sentence 1 finishing, then rows of two sentences swapping places
+    steps = [(torch.arange(3).repeat_interleave(2), False), (torch.tensor([1, 0, 2, 2, 5, 4]), True),
+             (torch.tensor([0, 0, 4, 5]), False), (torch.tensor([3, 2, 1, 0]), False)]
+    ours = theirs = encoder_out
+    for order, unchanged in steps:
+        ours_next = model.encoder.reorder_encoder_out(ours, order)
+        theirs = TransformerEncoderBase.reorder_encoder_out(model.encoder, theirs, order)
+        for key in ("encoder_out", "encoder_padding_mask", "encoder_embedding", "src_tokens", "src_lengths"):
+            for a, b in zip(ours_next[key], theirs[key]):
+                assert torch.equal(a, b), key
+        assert (ours_next is ours) == unchanged
+        ours = ours_next
+
+
+def test_static_step_reuses_its_buffers_and_never_overwrites_what_the_caller_keeps():
+    static, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=6, tgt_len=6)
+    with torch.no_grad():
+        encoder_out = static.encoder(src, src_lengths=src_lengths)
+        pointers = []
+        for _ in range(2):  # two batches: the second one reuses the first one's workspace
+            state, kept = {}, []
+            for t in range(prev.size(1)):
+                logits, _ = static.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+                if t < 2:
+                    kept.append((logits, logits.clone()))  # the caller keeps these: never overwritten
+            workspace = state[StaticDecodeState.KEY]["state"].workspace
+            pointers.append({name: buf.data_ptr() for name, buf in workspace.buffers.items() if "logits" not in name})
+            for held, copy in kept:
+                assert torch.equal(held, copy)
+            del state
+    assert pointers[0] == pointers[1] and len(pointers[0]) > 5
+
+
+def test_the_eager_path_runs_where_the_static_step_does_not_apply():
+    static, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
+    src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=3)
+    encoder_out = static.encoder(src, src_lengths=src_lengths)
+    state = {}
+    static.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)  # autograd on: eager
+    assert StaticDecodeState.KEY not in state and state
+    with torch.no_grad():
+        static.decoder(prev[:, :2], encoder_out=encoder_out, incremental_state=state)  # continues eagerly
+        assert StaticDecodeState.KEY not in state
+        state = {}
+        static.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)
+    assert StaticDecodeState.KEY in state
+    with pytest.raises(RuntimeError, match="started by the static decoding step, which runs without autograd"):
+        static.decoder(prev[:, :2], encoder_out=encoder_out, incremental_state=state)
+    bf16, _ = build_model(_flags("hedgehog", True, "softmax", "post"))
+    bf16.eval().to(torch.bfloat16)
+    with torch.no_grad():
+        state = {}
+        bf16.decoder(prev[:, :1], encoder_out=bf16.encoder(src, src_lengths=src_lengths), incremental_state=state)
+    assert StaticDecodeState.KEY not in state  # fp32 only: bf16 decodes eagerly
+    # what the static step does not implement is named, and the eager path runs
+    adaptive, _ = build_model(_flags("hedgehog", True, "softmax", "post", "--adaptive-softmax-cutoff", "20"))
+    assert adaptive.decoder.static_unsupported == "adaptive softmax"
+    adaptive.eval()
+    with torch.no_grad():
+        state = {}
+        adaptive.decoder(prev[:, :1], encoder_out=adaptive.encoder(src, src_lengths=src_lengths), incremental_state=state)
+    assert StaticDecodeState.KEY not in state
+
+
+def test_static_state_size_is_fixed_by_the_first_step():
+    static, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
+    src, src_lengths, _ = random_batch(d, bsz=2, src_len=6)
+    tokens = torch.randint(d.nspecial, len(d), (2, 60))
+    state, sizes = {}, {}
+    with torch.no_grad():
+        encoder_out = static.encoder(src, src_lengths=src_lengths)
+        for t in range(60):
+            static.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            if t + 1 in (2, 60):
+                sizes[t + 1] = sum(x.numel() for x in _state_tensors(state))
+    assert sizes[2] == sizes[60] > 0
+
+
+def test_checkpoints_written_before_the_feature_maps_were_modules_load():
+    """feature_weight / feature_bias / sigma / log_sigma on the attention module -> phi.*"""
+    for flags, renames in ((["--rfa-feature-map", "hedgehog"], {"phi.weight": "feature_weight", "phi.bias": "feature_bias"}),
+                           (["--rfa-feature-map", "sincos"], {"phi.sigma": "sigma"}),
+                           (["--rfa-feature-map", "positive", "--rfa-sigma", "log"], {"phi.log_sigma": "log_sigma"})):
+        model, d = build_model(flags, seed=3)
+        old = {}
+        for key, value in model.state_dict().items():
+            for new, legacy in renames.items():
+                if key.endswith("." + new):
+                    key = key[: -len(new)] + legacy
+            old[key] = value.clone()
+        assert any(key.endswith(tuple(renames.values())) for key in old)
+        fresh, _ = build_model(flags, seed=9, dictionary=d)
+        fresh.load_state_dict(old)
+        for (key, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+            assert torch.equal(a, b), key
+
+
+# ---------------------------------------------------------------- fairseq-generate
+
+GENERATE_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
+
+
+@pytest.mark.slow
+def test_fairseq_generate_gives_the_same_output_with_and_without_the_static_step(tmp_path_factory):
+    data = synthetic_data(tmp_path_factory)
+    save_dir = tmp_path_factory.mktemp("static_generate")
+    run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *GENERATE_MODEL,
+        "--rfa-num-features", "8", "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", "10", "--max-tokens", "2000", "--num-workers", "0", "--seed", "3", "--max-update", "15",
+        "--no-epoch-checkpoints", "--save-dir", save_dir, "--cpu")
+    outputs = {}
+    for name, extra in (("static", []), ("eager", ["--model-overrides", "{'rfa_static_decode': False}"])):
+        for beam in ("1", "5"):
+            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", save_dir / "checkpoint_last.pt",
+                       "--gen-subset", "test", "--beam", beam, "--batch-size", "16", "--max-len-b", "25",
+                       "--required-batch-size-multiple", "1", "--print-alignment", "--prefix-size", "1", "--cpu", *extra)
+            lines = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "A-")]
+            assert sum(line.startswith("H-") for line in lines) == 40
+            outputs[(name, beam)] = lines
+    for beam in ("1", "5"):
+        static, eager = outputs[("static", beam)], outputs[("eager", beam)]
+        assert len(static) == len(eager)
+        for a, b in zip(static, eager):
+            fields_a, fields_b = a.split("\t"), b.split("\t")
+            if a.startswith("H-"):  # id, score, hypothesis: the same text, the score up to fp32 rounding
+                assert (fields_a[0], fields_a[2]) == (fields_b[0], fields_b[2])
+                assert abs(float(fields_a[1]) - float(fields_b[1])) <= 1e-4, (a, b)
+            elif a.startswith("A-"):  # hard alignments from the cross-attention weights
+                assert a == b
+            else:  # positional scores, printed with 4 decimals
+                diffs = [abs(float(x) - float(y)) for x, y in zip(fields_a[1].split(), fields_b[1].split())]
+                assert fields_a[0] == fields_b[0] and max(diffs) <= 2e-4, (a, b)
