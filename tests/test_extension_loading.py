@@ -2,10 +2,11 @@
 one is refused; the JIT path removes the `lock` file a killed process left in torch's build directory,
 waits for another live builder only a bounded time, then falls back (auto) or fails clearly (cpp).
 
-JIT builds run in subprocesses only, from a copy of one build made per session (a compile takes about a
-minute here): torch's in-process versioner would rebuild when a process loads from a second directory.
+JIT builds run in subprocesses only, from copies of one build (fixture jit_build; a compile takes one to
+two minutes here): torch's in-process versioner would rebuild when a process loads from a second directory.
 """
 import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from rfa_fairseq.ops import extension, fused_step
 GENERATE_JIT = os.path.join(TESTS, "fairseq_generate_jit.py")
 CPP = ["--model-overrides", "{'rfa_decode_kernel': 'cpp'}"]
 TEST_SENTENCES = 40  # synthetic_data's test split
+JIT_BUILD_CACHE_PREFIX = "rfa_jit_build_"  # pytest's cache directory of the session's JIT build
 
 # one decoding step with the C++ kernels from the JIT path (kernel="cpp": an error, not the torch path,
 # when they cannot be had), checked against the torch path; prints the module's file
@@ -106,11 +108,21 @@ def checkpoint(data, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def jit_build(tmp_path_factory):
-    """A TORCH_EXTENSIONS_DIR holding a finished JIT build of the kernels (built once per session)."""
+def jit_build(request, tmp_path_factory):
+    """A TORCH_EXTENSIONS_DIR holding a finished JIT build of the kernels. Kept in pytest's cache, keyed by
+    the sources, flags, torch, Python and checkout, so that only the first session pays the compile (one
+    to two minutes here); the tests use copies, and a second session's load of it is a no-op."""
     if toolchain_missing():
         pytest.skip(f"no JIT build without a C++ toolchain: {', '.join(toolchain_missing())} not on PATH")
-    extensions_dir = tmp_path_factory.mktemp("torch_extensions_built")
+    key = hashlib.sha256("\0".join([extension.build_hash(torch.__version__), sys.prefix, REPO]).encode()).hexdigest()
+    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
+    if cache is None:
+        extensions_dir = tmp_path_factory.mktemp("torch_extensions_built")
+    else:
+        extensions_dir = Path(cache.mkdir(f"{JIT_BUILD_CACHE_PREFIX}{key[:16]}"))
+        for stale in extensions_dir.parent.glob(f"{JIT_BUILD_CACHE_PREFIX}*"):  # builds of other sources
+            if stale != extensions_dir:
+                shutil.rmtree(stale, ignore_errors=True)
     proc = python(JIT_STEP, timeout=900, TORCH_EXTENSIONS_DIR=extensions_dir)
     assert proc.returncode == 0, f"the JIT build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return extensions_dir
