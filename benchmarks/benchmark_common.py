@@ -17,6 +17,11 @@ PLUGIN_DIR = os.path.join(REPO, "rfa_fairseq")
 if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 
+# the longest one benchmark point (one worker process) may run: generous (a long CPU point takes
+# minutes); a hung worker is killed and reported instead of stalling the whole benchmark
+WORKER_TIMEOUT_S = 3600
+GPU_QUERY_TIMEOUT_S = 300  # reading the GPU's name starts CUDA in a child process
+
 # model sizes: (layers, embed dim, ffn dim, heads)
 DIMS = {
     "small": (3, 256, 1024, 4),
@@ -134,7 +139,11 @@ def gpu_name() -> str:
     """The CUDA device's name, read in a child process: the caller keeps no CUDA context, whose
     memory would otherwise be missing from what the benchmark workers can allocate."""
     code = "import torch; p = torch.cuda.get_device_properties(0); print(p.name, '|', p.total_memory)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"# reading the GPU's name took more than {GPU_QUERY_TIMEOUT_S} s (killed): 'unknown GPU'", flush=True)
+        return "unknown GPU"
     return proc.stdout.split("|")[0].strip() if proc.returncode == 0 else "unknown GPU"
 
 
@@ -158,9 +167,13 @@ def machine_description(device: str) -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def run_worker(cmd) -> dict:
-    """Run one benchmark point in a fresh process; it prints `RESULT {json}` on success."""
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def run_worker(cmd, timeout_s: float = WORKER_TIMEOUT_S) -> dict:
+    """Run one benchmark point in a fresh process; it prints `RESULT {json}` on success. A RuntimeError
+    when it fails or runs longer than timeout_s (then it is killed)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"benchmark worker did not finish within {timeout_s:g} s (killed): {' '.join(cmd)}") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"

@@ -45,6 +45,20 @@ from benchmark_common import (  # noqa: E402
 DEFAULT_LENGTHS = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
 KINDS = ["softmax", "softmax_sdpa", "rfa", "rfa_gated", "rfa_torch", "rfa_gated_torch"]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# bounds of the end-to-end part's commands (generous: a few hundred updates take minutes on a CPU)
+PREP_TIMEOUT_S = 900
+E2E_TRAIN_TIMEOUT_S = 4 * 3600
+
+
+def bounded_run(cmd, timeout_s, env=None, check=True):
+    """subprocess.run with captured output that fails, naming the command, on an error or after timeout_s."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{' '.join(cmd)}: did not finish within {timeout_s:g} s (killed)") from None
+    if check and proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
 
 
 def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
@@ -169,11 +183,11 @@ def e2e_words_per_second(model: str, dims: str, updates: int, threads: int) -> d
     layers, embed, ffn, heads = DIMS[dims]
     bin_dir = os.path.dirname(sys.executable)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, os.path.join(REPO, "data-prep", "make_synthetic_corpus.py"), f"{tmp}/raw",
-                        "--train", "6000", "--valid", "100", "--test", "100"], check=True, capture_output=True)
-        subprocess.run([os.path.join(bin_dir, "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-                        "--trainpref", f"{tmp}/raw/train", "--validpref", f"{tmp}/raw/valid", "--destdir", f"{tmp}/bin",
-                        "--joined-dictionary", "--workers", "1"], check=True, capture_output=True)
+        bounded_run([sys.executable, os.path.join(REPO, "data-prep", "make_synthetic_corpus.py"), f"{tmp}/raw",
+                     "--train", "6000", "--valid", "100", "--test", "100"], PREP_TIMEOUT_S)
+        bounded_run([os.path.join(bin_dir, "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+                     "--trainpref", f"{tmp}/raw/train", "--validpref", f"{tmp}/raw/valid", "--destdir", f"{tmp}/bin",
+                     "--joined-dictionary", "--workers", "1"], PREP_TIMEOUT_S)
         arch = ["--arch", "transformer"] if model == "softmax" else ["--arch", "rfa_transformer"]
         if model == "rfa_gated":
             arch.append("--rfa-gate")
@@ -187,7 +201,7 @@ def e2e_words_per_second(model: str, dims: str, updates: int, threads: int) -> d
                "--max-update", str(updates), "--num-workers", "0", "--seed", "1", "--log-format", "json",
                "--log-interval", "10", "--no-save", "--disable-validation", "--save-dir", f"{tmp}/ckpt"]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = bounded_run(cmd, E2E_TRAIN_TIMEOUT_S, env=env, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"fairseq-train failed for {model}:\n{proc.stderr[-3000:]}")
         wps = [float(m.group(1)) for m in re.finditer(r'"wps": "([0-9.]+)"', proc.stdout + proc.stderr)]

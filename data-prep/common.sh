@@ -182,9 +182,13 @@ verify_file() {
 download() {
     local url=$1 dest=$2
     if command -v curl >/dev/null 2>&1; then
-        # --fail: HTTP errors are errors; curl also fails on a short transfer.
-        curl --fail --location --retry 3 --connect-timeout 30 --silent --show-error -o "$dest" "$url"
+        # --fail: HTTP errors are errors; curl also fails on a short transfer. A stalled transfer
+        # (under 1 KB/s for 2 minutes) fails too instead of waiting forever; the archives take as
+        # long as they need otherwise.
+        curl --fail --location --retry 3 --connect-timeout 30 --speed-limit 1024 --speed-time 120 \
+            --silent --show-error -o "$dest" "$url"
     elif command -v wget >/dev/null 2>&1; then
+        # --timeout: also the read timeout, so a stalled transfer fails (and is retried) after 30 s
         wget --quiet --tries=3 --timeout=30 -O "$dest" "$url"
     else
         err "neither curl nor wget is installed: cannot download $url (or use --mirror DIR)"

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from xml.sax.saxutils import unescape as xml_unescape
 
 CHUNK_PAIRS = 20000  # pairs handed to a worker at once; keeps memory flat on 40M-line corpora
+# a chunk takes seconds; a worker this late is hung (or the machine is swapping hard)
+CHUNK_TIMEOUT_S = 1800
 
 
 class PrepError(Exception):
@@ -105,24 +107,48 @@ def chunked(iterable, size):
         yield chunk
 
 
-def map_chunks(function, chunks, workers):
+def map_chunks(function, chunks, workers, timeout_s=None):
     """Apply function to each chunk, in order; in worker processes if workers > 1.
-    At most 2 * workers chunks are in flight (Pool.imap would read the whole corpus ahead)."""
+    At most 2 * workers chunks are in flight (Pool.imap would read the whole corpus ahead).
+    A worker that dies (killed, out of memory) or keeps a chunk longer than timeout_s (default
+    CHUNK_TIMEOUT_S) is a PrepError: multiprocessing.Pool would wait for a dead worker's chunk forever."""
     if workers <= 1:
         for chunk in chunks:
             yield function(chunk)
         return
     import collections
-    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import TimeoutError as ChunkTimeout
+    from concurrent.futures.process import BrokenProcessPool
 
-    with multiprocessing.Pool(workers) as pool:
-        pending = collections.deque()
+    timeout_s = CHUNK_TIMEOUT_S if timeout_s is None else timeout_s
+    pool = ProcessPoolExecutor(workers)
+    pending = collections.deque()
+
+    def next_result():
+        try:
+            return pending.popleft().result(timeout=timeout_s)
+        except BrokenProcessPool as exc:
+            raise PrepError(f"a worker process died while it processed a chunk (killed, or out of memory?): {exc}") from exc
+        except ChunkTimeout:
+            raise PrepError(f"a worker process did not finish its chunk of up to {CHUNK_PAIRS} pairs within "
+                            f"{timeout_s:g} s") from None
+
+    finished = False
+    try:
         for chunk in chunks:
-            pending.append(pool.apply_async(function, (chunk,)))
+            pending.append(pool.submit(function, chunk))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield next_result()
         while pending:
-            yield pending.popleft().get()
+            yield next_result()
+        finished = True
+    finally:
+        if not finished:  # an error: stop the workers now, a hung one would block the exit
+            # the executor's processes: private, but Python < 3.14 has no public way to stop them
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=finished, cancel_futures=True)
 
 
 # ---------------------------------------------------------------- extraction

@@ -17,6 +17,11 @@ curves is drawn from the CSV at the end.
 
 --parallel N trains N variants at once (on a GPU, small models leave it mostly idle; timings from
 such runs are marked with the number of runs sharing the device and are only comparable within it).
+
+No run waits forever: a training that is still going after --train-timeout-h hours, or a translation
+or scoring after --decode-timeout-h, is stopped (SIGTERM to its whole process group, SIGKILL 30 s
+later) and reported as that variant's failure, naming the command and the limit; the other variants go
+on. Ctrl-C stops every running command the same way.
 """
 import argparse
 import concurrent.futures
@@ -26,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -88,12 +94,59 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] quality_study: {message}", flush=True)
 
 
-def run(cmd, env=None, log_path=None):
-    """Run a command; its output goes to log_path (appended). Fails loudly with the log's tail."""
+# the commands running now, each the leader of its own process group (see run)
+RUNNING = set()
+RUNNING_LOCK = threading.Lock()
+STOPPING = threading.Event()  # set by stop_all: no new command starts
+STOP_GRACE_S = 30
+
+
+def stop(proc) -> None:
+    """SIGTERM to proc's process group (train.sh and the fairseq-train it started), then SIGKILL to
+    whatever is left of it once proc has exited or STOP_GRACE_S have passed."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the whole group is gone
+            break
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def stop_all() -> None:
+    with RUNNING_LOCK:
+        STOPPING.set()
+        running = list(RUNNING)
+    for proc in running:
+        stop(proc)
+
+
+def run(cmd, env=None, log_path=None, timeout_s=None, limit_name=""):
+    """Run a command; its output goes to log_path (appended). Fails loudly with the log's tail, and after
+    timeout_s seconds (the option limit_name) stops it and fails naming the command and the limit."""
     with open(log_path, "a") if log_path else open(os.devnull, "w") as out:
         out.write(f"$ {' '.join(shlex.quote(c) for c in cmd)}\n")
         out.flush()
-        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        # its own process group: a timeout must stop the fairseq process under the bash script too
+        with RUNNING_LOCK:
+            if STOPPING.is_set():
+                raise RuntimeError(f"{' '.join(cmd[:2])} not started: the study is stopping")
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True)
+            RUNNING.add(proc)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            raise RuntimeError(f"{' '.join(cmd[:2])} did not finish within {timeout_s / 3600:g} h ({limit_name}): "
+                               f"stopped; log {log_path}") from None
+        finally:
+            if proc.poll() is None:  # an exception while waiting: never leave it running
+                stop(proc)
+            with RUNNING_LOCK:
+                RUNNING.discard(proc)
     if proc.returncode != 0:
         tail = open(log_path).read().splitlines()[-25:] if log_path else []
         raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; log {log_path}:\n" + "\n".join(tail))
@@ -117,7 +170,8 @@ def train_and_score(name, args, shared_env, runs_sharing):
     extra = BUDGET_ARGS + ["--seed", str(args.seed)] + flags + shlex.split(args.train_args)
     extra += ["--cpu"] if args.device == "cpu" else []
     start = time.time()
-    run(["bash", os.path.join(REPO, "scripts", "train.sh"), *extra], env=env, log_path=os.path.join(work, "train_sh.log"))
+    run(["bash", os.path.join(REPO, "scripts", "train.sh"), *extra], env=env, log_path=os.path.join(work, "train_sh.log"),
+        timeout_s=args.train_timeout_h * 3600, limit_name="--train-timeout-h")
     train_seconds = time.time() - start
     valid, wps = parse_train_log(open(train_log).read())
     if not valid:
@@ -128,11 +182,13 @@ def train_and_score(name, args, shared_env, runs_sharing):
            "--checkpoint-dir", work, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192", "--output", hyp]
     if args.device == "cpu":
         gen.append("--cpu")
-    run(gen, env=shared_env, log_path=os.path.join(work, "generate.log"))
+    run(gen, env=shared_env, log_path=os.path.join(work, "generate.log"), timeout_s=args.decode_timeout_h * 3600,
+        limit_name="--decode-timeout-h")
     translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
     scores_json = os.path.join(work, "scores.json")
     run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, "test.raw.de"),
-         "--json", scores_json], env=shared_env, log_path=os.path.join(work, "score.log"))
+         "--json", scores_json], env=shared_env, log_path=os.path.join(work, "score.log"),
+        timeout_s=args.decode_timeout_h * 3600, limit_name="--decode-timeout-h")
     scores = json.load(open(scores_json))
     return {
         "variant": name, "max_update": args.max_update, "seed": args.seed,
@@ -209,8 +265,14 @@ def main(argv=None):
     p.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "quality"))
     p.add_argument("--csv", default=DEFAULT_CSV)
     p.add_argument("--train-args", default="", help="more fairseq-train flags for every run (they do not enter the row key)")
+    p.add_argument("--train-timeout-h", type=float, default=48.0,
+                   help="stop a training still running after this many hours (default 48)")
+    p.add_argument("--decode-timeout-h", type=float, default=6.0,
+                   help="stop a translation or scoring still running after this many hours (default 6)")
     p.add_argument("--list", action="store_true", help="print the variants and exit")
     args = p.parse_args(argv)
+    if args.train_timeout_h <= 0 or args.decode_timeout_h <= 0:
+        p.error("--train-timeout-h and --decode-timeout-h must be positive")
     if args.list:
         for name, (model, flags, what) in VARIANTS.items():
             print(f"{name:30s} MODEL={model:8s} {' '.join(flags):60s} {what}")
@@ -245,19 +307,26 @@ def main(argv=None):
     sharing = min(args.parallel, len(todo))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         futures = {pool.submit(train_and_score, v, args, shared_env, sharing): v for v in todo}
-        for future in concurrent.futures.as_completed(futures):
-            name = futures[future]
-            try:
-                row = future.result()
-            except Exception as error:  # keep the other runs going; report at the end
-                failures.append(name)
-                log(f"{name} FAILED: {error}")
-                continue
-            with lock:
-                rows = [r for r in read_rows(args.csv) if key(r) != key(row)] + [row]
-                write_rows(args.csv, rows)
-            log(f"{name}: BLEU {row['bleu']} chrF {row['chrf']} valid {row['valid_loss']} "
-                f"({row['train_seconds']} s training)")
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                name = futures[future]
+                try:
+                    row = future.result()
+                except Exception as error:  # keep the other runs going; report at the end
+                    failures.append(name)
+                    log(f"{name} FAILED: {error}")
+                    continue
+                with lock:
+                    rows = [r for r in read_rows(args.csv) if key(r) != key(row)] + [row]
+                    write_rows(args.csv, rows)
+                log(f"{name}: BLEU {row['bleu']} chrF {row['chrf']} valid {row['valid_loss']} "
+                    f"({row['train_seconds']} s training)")
+        except KeyboardInterrupt:  # the commands run in their own process groups: Ctrl-C does not reach them
+            log("interrupted: stopping the running commands")
+            for future in futures:
+                future.cancel()
+            stop_all()
+            raise
     rows = read_rows(args.csv)
     if rows:
         plot(rows, os.path.splitext(args.csv)[0] + ".png")

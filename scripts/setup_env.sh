@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment with pinned dependencies.
 #
-#   bash scripts/setup_env.sh            # -> .venv next to this repo (RFA_VENV overrides)
+#   bash scripts/setup_env.sh                 # -> .venv next to this repo (RFA_VENV overrides)
+#   bash scripts/setup_env.sh --print-stamp   # print the stamp of the current files and exit
 #
-# Idempotent: a stamp in the venv records a hash of setup.cfg and this script; when it
-# matches, nothing is installed again. fairseq comes from `ve-fairseq==0.12.3`
-# (binary wheels for cp311/cp312, works with torch 2.13) installed with --no-deps, so
-# that its torchaudio requirement cannot replace our torch build; its real
-# dependencies are pinned in setup.cfg.
+# Idempotent: a stamp in the venv records a hash of what the install depends on (setup.cfg,
+# setup.py, pyproject.toml, this script, the C++ sources and rfa_fairseq/ops/extension.py, which
+# sets their compiler flags); when it matches, nothing is installed again, and a changed kernel
+# is rebuilt on the next run. The package is installed with --no-build-isolation, so that setup.py
+# sees the pinned torch and compiles the fused C++ kernels ahead of time (an isolated build would
+# pull an unpinned torch); without a C++ compiler it installs without them (a warning).
+# fairseq comes from `ve-fairseq==0.12.3` (binary wheels for cp311/cp312, works with torch 2.13)
+# installed with --no-deps, so that its torchaudio requirement cannot replace our torch build;
+# its real dependencies are pinned in setup.cfg.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RFA_VENV:-$REPO/.venv}"
 FAIRSEQ_PIN="ve-fairseq==0.12.3"
 TORCH_PIN="torch==2.13.0"
+# the build backend, in the venv itself (--no-build-isolation); Python 3.12 venvs have no setuptools
+BUILD_PINS=("setuptools==84.2.1" "wheel==0.48.0")
 
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
@@ -29,12 +36,29 @@ pick_python() {
     return 1
 }
 
-stamp_value() {
-    cat "$REPO/setup.cfg" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1
+# what the install depends on, relative to $REPO: names and contents enter the stamp
+stamp_files() {
+    (cd "$REPO" && printf '%s\n' setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
+        rfa_fairseq/ops/extension.py rfa_fairseq/ops/csrc/*)
 }
 
+stamp_value() {
+    local file
+    stamp_files | while IFS= read -r file; do
+        printf '%s\0' "$file"
+        cat "$REPO/$file"
+    done | sha256sum | cut -d' ' -f1
+}
+
+CURRENT_STAMP="$(stamp_value)" || die "cannot read the files the stamp covers (see above)"
+case "${1:-}" in
+    "") ;;
+    --print-stamp) echo "$CURRENT_STAMP"; exit 0 ;;
+    *) die "unknown argument '$1' (usage: bash scripts/setup_env.sh [--print-stamp])" ;;
+esac
+
 STAMP="$VENV/.rfa-setup-stamp"
-if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" ]]; then
+if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$CURRENT_STAMP" ]]; then
     echo "setup_env.sh: reusing $VENV"
     exit 0
 fi
@@ -49,7 +73,10 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 # torch first and pinned: an unpinned torch would pull the CUDA build (several GB)
 "${PIP[@]}" "$TORCH_PIN" || die "pip could not install $TORCH_PIN"
-"${PIP[@]}" -e "$REPO[test,bench]" || die "pip could not install rfa-fairseq and its pinned dependencies (setup.cfg)"
+"${PIP[@]}" "${BUILD_PINS[@]}" || die "pip could not install ${BUILD_PINS[*]}"
+# --no-build-isolation: setup.py builds the C++ kernels with this venv's torch
+"${PIP[@]}" --no-build-isolation -e "$REPO[test,bench]" ||
+    die "pip could not install rfa-fairseq and its pinned dependencies (setup.cfg)"
 "${PIP[@]}" --no-deps "$FAIRSEQ_PIN" || die "pip could not install $FAIRSEQ_PIN"
 
 "$VENV/bin/python" - <<'EOF' || die "the environment does not import fairseq + rfa_fairseq"
@@ -58,13 +85,18 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 assert "rfa_transformer" in ARCH_MODEL_REGISTRY
 print(f"setup_env.sh: fairseq {fairseq.__version__}, torch {torch.__version__}, rfa_fairseq {rfa_fairseq.__version__}")
 EOF
-# Build the fused C++ decoding step now (once; cached under TORCH_EXTENSIONS_DIR, default
-# ~/.cache/torch_extensions) so the first fairseq-generate does not pause for it. Without a C++
-# compiler decoding still works on the torch path (same results, slower): a warning, not an error.
-if "$VENV/bin/python" -c 'import sys; from rfa_fairseq.ops import load_fused_extension; sys.exit(load_fused_extension() is None)'; then
-    echo "setup_env.sh: fused C++ decoding step built"
-else
-    echo "setup_env.sh: warning: the fused C++ decoding step was not built (no C++ compiler?); decoding uses the slower torch path" >&2
-fi
-stamp_value >"$STAMP"
+# setup.py built the fused C++ kernels unless it could not (no compiler): say which, so that a slow
+# first decoding step (a JIT build) or the slower torch path is no surprise
+"$VENV/bin/python" - <<'EOF' || die "the environment does not import rfa_fairseq.ops.extension"
+import sys
+from rfa_fairseq.ops import extension
+module, why_not = extension.import_prebuilt()
+if module is None:
+    print(f"setup_env.sh: warning: the fused C++ decoding step was not built at install time ({why_not}); "
+          "the first decoding step builds it just in time where a C++ compiler exists, else decoding uses "
+          "the slower torch path", file=sys.stderr)
+else:
+    print(f"setup_env.sh: fused C++ decoding step built: {module.__file__}")
+EOF
+echo "$CURRENT_STAMP" >"$STAMP"
 echo "setup_env.sh: ready: $VENV"

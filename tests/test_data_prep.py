@@ -7,11 +7,14 @@ check alignment after normalisation, cleaning, SentencePiece and binarisation.
 """
 import functools
 import gzip
+import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -461,3 +464,38 @@ def test_multi30k_corrupt_gzip_fails_cleanly(tmp_path):
     assert "val.de.gz is corrupt or truncated" in proc.stderr
     assert not (out / ".done" / "fetch-val.de.gz.done").exists()
     assert_no_final_outputs(out)
+
+
+# ---------------------------------------------------------------- worker processes never waited for forever
+
+
+def _chunk_times_ten(chunk):
+    return chunk * 10
+
+
+def _killed_on_chunk_three(chunk):
+    if chunk == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    return chunk
+
+
+def _hung_on_chunk_three(chunk):
+    if chunk == 3:
+        time.sleep(600)
+    return chunk
+
+
+def test_map_chunks_fails_clearly_on_a_dead_or_hung_worker():
+    spec = importlib.util.spec_from_file_location("textprep_under_test", DATA_PREP / "textprep.py")
+    textprep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(textprep)
+    assert list(textprep.map_chunks(_chunk_times_ten, range(8), workers=2)) == [10 * i for i in range(8)]
+
+    with pytest.raises(textprep.PrepError, match=r"a worker process died while it processed a chunk \(killed"):
+        list(textprep.map_chunks(_killed_on_chunk_three, range(8), workers=2))
+    start = time.monotonic()
+    with pytest.raises(textprep.PrepError) as error:
+        list(textprep.map_chunks(_hung_on_chunk_three, range(8), workers=2, timeout_s=1))
+    assert str(error.value) == (f"a worker process did not finish its chunk of up to {textprep.CHUNK_PAIRS} pairs "
+                                "within 1 s")
+    assert time.monotonic() - start < 30  # the hung worker was stopped, not waited for

@@ -13,6 +13,10 @@ specialization (gated or not, with or without an initial state). Two phases here
      Triton's default 100 ms; fla caches the choices on disk (FLA_CACHE_RESULTS, on by
      default), so later processes neither compile nor autotune.
 
+Triton writes each cache entry (binaries, autotuning results) into a private temporary directory and
+renames it into place, taking no lock: the N processes never wait for each other, and one that is
+killed leaves at most a tmp.pid_* directory. Each phase is bounded by --phase-timeout-s.
+
 The calls: causal_rfa_fla forward and backward and causal_rfa_step_fla, gated and ungated,
 with and without an initial state, in fla's fp32 (what the model, the tests and the
 benchmarks use at these shapes).
@@ -102,12 +106,22 @@ def worker(args) -> None:
         raise SystemExit(1)
 
 
-def run_phase(cmds, name: str) -> int:
+def run_phase(cmds, name: str, timeout_s: float) -> int:
+    """Run cmds in parallel; returns how many failed. Processes still running after timeout_s are killed
+    (and count as failed)."""
     start = time.time()
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd in cmds]
     failed = 0
     for i, proc in enumerate(procs):
-        output, _ = proc.communicate()
+        try:
+            output, _ = proc.communicate(timeout=max(0.0, start + timeout_s - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            failed += 1
+            print(f"warm_fla {name} process {i} did not finish within {timeout_s:g} s (--phase-timeout-s): "
+                  f"killed\n{output[-2000:]}", flush=True)
+            continue
         if proc.returncode != 0:
             failed += 1
             print(f"warm_fla {name} process {i} failed ({proc.returncode}):\n{output[-2000:]}", flush=True)
@@ -123,6 +137,8 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--phase-timeout-s", type=float, default=3600,
+                   help="kill a phase's processes still running after this many seconds (default 3600)")
     p.add_argument("--index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tune", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -131,8 +147,8 @@ def main() -> int:
         return 0
     cmd = [sys.executable, os.path.abspath(__file__), "--workers", str(args.workers), "--heads", str(args.heads),
            "--features", str(args.features), "--head-dim", str(args.head_dim)]
-    compile_failed = run_phase([cmd + ["--index", str(i)] for i in range(args.workers)], "compile")
-    tune_failed = run_phase([cmd + ["--tune"]], "tune")
+    compile_failed = run_phase([cmd + ["--index", str(i)] for i in range(args.workers)], "compile", args.phase_timeout_s)
+    tune_failed = run_phase([cmd + ["--tune"]], "tune", args.phase_timeout_s)
     return 1 if tune_failed or compile_failed == args.workers else 0
 
 

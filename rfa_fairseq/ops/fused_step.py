@@ -10,90 +10,22 @@ gated decay, update and read-out in one pass; csrc/rfa_decode_step.cpp) instead 
 four or five times. new_state is `out_state` (a spare buffer of the right shape, reused
 between steps: double buffering) or a new tensor, never `state` itself.
 
-The C++ step is built once with torch.utils.cpp_extension (a C++ compiler and ninja are
-needed; the build is cached under TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions). Without them, on other devices, with autograd, or with
-kernel="torch" (--rfa-decode-kernel torch), the torch path runs instead: index_select into out_state, then
+The C++ step comes from rfa_fairseq/ops/extension.py: compiled at install time (setup.py), or
+else built just in time with torch.utils.cpp_extension (a C++ compiler and ninja are needed; cached
+under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions), never waiting forever for another
+process's build. Without it, on other devices, with autograd, or with kernel="torch"
+(--rfa-decode-kernel torch), the torch path runs instead: index_select into out_state, then
 `causal_rfa_step_`. Both are tested against `causal_rfa_recurrent` on state[order].
 """
-import contextlib
-import functools
-import logging
-import os
-import shutil
-import unittest.mock
-import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .extension import load_fused_extension, require_fused_extension  # noqa: F401  (the public API)
 from .rfa import DENOMINATOR_EPS, causal_rfa_step_
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
-EXTENSION_NAME = "rfa_fairseq_decode_step_v3"  # bump when the C++ source changes incompatibly
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
-
-logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=None)
-def _build_fused_extension():
-    """(the compiled C++ module, None) or (None, why it could not be built); built once per process."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        logger.info("building/loading the fused C++ RFA decoding step (%s; built once, then cached)", ", ".join(s.name for s in SOURCES))
-        with _pinned_ninja_first_on_path():
-            return load(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], verbose=False), None
-    except Exception as error:  # no compiler, no ninja, read-only cache, ...
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return None, f"{type(error).__name__}: {first_line}"
-
-
-@functools.lru_cache(maxsize=None)
-def load_fused_extension():
-    """The compiled C++ module, or None when it cannot be built (warned once)."""
-    extension, error = _build_fused_extension()
-    if extension is None:
-        warnings.warn(
-            f"rfa_fairseq: the fused C++ decoding step could not be built ({error}); decoding uses the torch "
-            "path instead (same results, slower). --rfa-decode-kernel torch skips the build."
-        )
-    return extension
-
-
-def require_fused_extension():
-    """The compiled C++ module (--rfa-decode-kernel cpp), or a RuntimeError saying why not."""
-    extension, error = _build_fused_extension()
-    if extension is None:
-        raise RuntimeError(f"--rfa-decode-kernel cpp: the fused C++ decoding step could not be built ({error}); "
-                           "use --rfa-decode-kernel auto or torch")
-    return extension
-
-
-@contextlib.contextmanager
-def _pinned_ninja_first_on_path():
-    """Build with the same ninja in every process: the pinned `ninja` package when installed.
-    Ninja versions keep incompatible build logs (1.11 and 1.13 hash commands differently), so
-    a process finding the system ninja and the next one the package's would each rebuild."""
-    try:
-        import ninja
-
-        pinned = os.path.join(ninja.BIN_DIR, "ninja")
-    except (ImportError, AttributeError):
-        yield
-        return
-    found = shutil.which("ninja")
-    if found is not None and os.path.realpath(found) == os.path.realpath(pinned):
-        yield  # already first on PATH (a venv's bin): nothing to change
-        return
-    # torch.utils.cpp_extension runs `ninja` from PATH and has no way to name the binary, so
-    # PATH names it for the duration of the build only; restored exactly (unset stays unset)
-    with unittest.mock.patch.dict(os.environ, {"PATH": ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")}):
-        yield
 
 
 def _fused_applies(phi_q: Tensor, state: Optional[Tensor]) -> bool:

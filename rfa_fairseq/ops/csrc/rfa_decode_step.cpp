@@ -93,10 +93,20 @@ torch::Tensor decode_step(const torch::Tensor& state,      // (B0, H, F, d + 1) 
   return out;
 }
 
+// Both builds (setup.py ahead of time, torch's JIT load) pass -DRFA_BUILD_HASH=<hash of the sources,
+// flags and torch version> as a bare token; rfa_fairseq/ops/extension.py refuses a prebuilt module
+// whose build_hash is not that of the current sources (stale).
+#ifndef RFA_BUILD_HASH
+#error "RFA_BUILD_HASH is not defined: build through setup.py or rfa_fairseq/ops/extension.py"
+#endif
+#define RFA_STRINGIFY_(x) #x
+#define RFA_STRINGIFY(x) RFA_STRINGIFY_(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "fused causal RFA decoding step (reorder + update + read-out)");
   // the static decoding step's kernels (rfa_static_step.cpp)
   m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: gate, reorder, update, read-out");
   m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
   m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
+  m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);
 }

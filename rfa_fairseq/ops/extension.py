@@ -1,0 +1,239 @@
+"""The fused C++ kernels (every .cpp in ops/csrc, compiled into one module), loaded in one place.
+
+    load_fused_extension()     the module, or None (one warning saying why; callers use the torch path)
+    require_fused_extension()  the module, or a RuntimeError saying why (--rfa-decode-kernel cpp)
+
+Where the module comes from, first that works:
+
+1. Prebuilt: `pip install` (scripts/setup_env.sh) compiles the sources ahead of time into
+   `rfa_fairseq.ops._cpp_kernels` (setup.py) when torch is importable in the build environment.
+   Importing it takes no lock. It carries `build_hash`, a hash of the sources, the compiler flags and
+   the torch version it was built from (BUILD_HASH_DEFINE); a module whose hash differs from that of
+   the files now in csrc/ is stale and not used (logged), nor is one that does not import.
+2. Just in time (JIT): torch.utils.cpp_extension.load, built once and cached in the build directory
+   JIT_NAME under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/py3XX_cpu/).
+
+torch's load takes the file `lock` in that directory (O_CREAT|O_EXCL, torch/utils/file_baton.py) on
+every call, cached build or not, and a process that finds the file sleeps until it is gone: forever
+when a killed process left it. So the JIT path here first takes a lock of its own, an fcntl.flock on
+BUILD_LOCK_NAME in the same directory, which the kernel releases when its holder dies (SIGKILL
+included), and waits for it at most BUILD_LOCK_TIMEOUT_S. Every process that builds in this directory
+takes that flock first (no version of the package without it used JIT_NAME), so while it is held a
+`lock` file can only be stale: it is removed, with a warning naming it, before torch's load runs. When
+the flock cannot be had in time (another live process is building), the kernels are unavailable: the
+torch path runs (auto) or a RuntimeError says so (cpp), naming the lock file; nothing waits forever.
+
+Importing this file needs only the standard library: setup.py loads it by path for the source list and
+the flags, so the ahead-of-time and the JIT build compile the same files with the same flags.
+"""
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib
+import logging
+import os
+import shutil
+import time
+import unittest.mock
+import warnings
+from pathlib import Path
+
+CSRC_DIR = Path(__file__).with_name("csrc")
+PREBUILT_MODULE = "rfa_fairseq.ops._cpp_kernels"  # setup.py's setuptools extension
+JIT_NAME = "rfa_fairseq_cpp_kernels"  # torch's build directory and module name for JIT builds
+# -g0: setuptools compiles with Python's own CFLAGS, whose -g makes a 10 MB module instead of 0.3 MB
+EXTRA_CFLAGS = ["-O3", "-fopenmp", "-g0"]
+EXTRA_LDFLAGS = ["-fopenmp"]
+# csrc/*.cpp are compiled; headers only enter the hash (and the package data)
+HASHED_SUFFIXES = (".cpp", ".h", ".hpp")
+BUILD_HASH_DEFINE = "RFA_BUILD_HASH"
+
+BUILD_LOCK_NAME = "rfa_build.flock"
+TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+# a JIT build takes about a minute on 2 busy cores: 5 minutes is well past a slow one
+BUILD_LOCK_TIMEOUT_S = 300.0
+BUILD_LOCK_POLL_S = 0.1
+
+logger = logging.getLogger(__name__)
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another live process held BUILD_LOCK_NAME for longer than the wait allowed."""
+
+
+def source_files():
+    """The .cpp files compiled into the one module, in a fixed order."""
+    sources = sorted(CSRC_DIR.glob("*.cpp"))
+    if not sources:
+        raise FileNotFoundError(f"no C++ sources (*.cpp) in {CSRC_DIR}")
+    return sources
+
+
+def build_hash(torch_version: str) -> str:
+    """sha256 of every source and header in csrc/ (names and contents), the compiler flags and the torch
+    version: what the compiled module depends on. Compiled into it, compared at import."""
+    digest = hashlib.sha256()
+    for part in (torch_version, *EXTRA_CFLAGS, "|", *EXTRA_LDFLAGS):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(p for p in CSRC_DIR.iterdir() if p.suffix in HASHED_SUFFIXES):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def compile_flags(torch_version: str):
+    """Compiler flags of both builds: EXTRA_CFLAGS and the build hash (a bare token: ninja runs the
+    command through a shell, which would strip quotes; the C++ side makes it a string)."""
+    return [*EXTRA_CFLAGS, f"-D{BUILD_HASH_DEFINE}={build_hash(torch_version)}"]
+
+
+def import_prebuilt():
+    """(the prebuilt module, None), or (None, why it cannot be used)."""
+    import torch  # the compiled module links against libtorch: load it first
+
+    try:
+        module = importlib.import_module(PREBUILT_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name != PREBUILT_MODULE:
+            raise
+        return None, f"{PREBUILT_MODULE} was not built at install time"
+    except ImportError as error:  # another torch or Python than it was built for, a damaged file
+        return None, f"{PREBUILT_MODULE} does not import ({_first_line(error)})"
+    built, expected = getattr(module, "build_hash", None), build_hash(torch.__version__)
+    if built != expected:
+        return None, (f"{module.__file__} is stale: it was built from other sources, flags or torch than "
+                      f"{CSRC_DIR} and torch {torch.__version__} now give (build hash {str(built)[:12]}, "
+                      f"expected {expected[:12]}); reinstall (bash scripts/setup_env.sh) to rebuild it")
+    return module, None
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float):
+    """Hold an exclusive flock on build_dir/BUILD_LOCK_NAME, waiting at most timeout_s for it."""
+    path = build_dir / BUILD_LOCK_NAME
+    # never removed: a process waiting on the old file would hold a lock nobody else sees
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + timeout_s
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise BuildLockTimeout(
+                        f"another process is building or loading the fused C++ kernels and held {path} "
+                        f"for more than {timeout_s:g} s") from None
+                if not waiting:
+                    logger.info("waiting up to %g s for %s: another process is building the fused C++ kernels",
+                                timeout_s, path)
+                    waiting = True
+                time.sleep(BUILD_LOCK_POLL_S)
+        yield path
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def remove_stale_torch_lock(build_dir: Path) -> bool:
+    """Remove torch's `lock` file, which only a killed process can have left while we hold build_lock."""
+    torch_lock = build_dir / TORCH_LOCK_NAME
+    try:
+        torch_lock.unlink()
+    except FileNotFoundError:
+        return False
+    warnings.warn(f"rfa_fairseq: removed the stale lock file {torch_lock}, left by a process that was killed "
+                  "while it built or loaded the fused C++ kernels (torch would have waited for it forever)")
+    return True
+
+
+def build_jit(lock_timeout_s=None):
+    """(the JIT-built module, None), or (None, why not); waits at most lock_timeout_s (default
+    BUILD_LOCK_TIMEOUT_S) for another process's build."""
+    timeout_s = BUILD_LOCK_TIMEOUT_S if lock_timeout_s is None else lock_timeout_s
+    build_dir = None
+    try:
+        import torch
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        build_dir = Path(_get_build_directory(JIT_NAME, verbose=False))
+        with build_lock(build_dir, timeout_s):
+            remove_stale_torch_lock(build_dir)
+            logger.info("building/loading the fused C++ kernels just in time in %s (built once, then cached)",
+                        build_dir)
+            with _pinned_ninja_first_on_path():
+                module = load(name=JIT_NAME, sources=[str(p) for p in source_files()],
+                              extra_cflags=compile_flags(torch.__version__), extra_ldflags=EXTRA_LDFLAGS,
+                              build_directory=str(build_dir), verbose=False)
+        return module, None
+    except BuildLockTimeout as error:
+        return None, str(error)
+    except Exception as error:  # no compiler, no ninja, an unwritable TORCH_EXTENSIONS_DIR, ...
+        where = f" in {build_dir}" if build_dir is not None else ""
+        return None, f"the just-in-time build{where} failed: {type(error).__name__}: {_first_line(error)}"
+
+
+def load_extension(use_prebuilt: bool = True, lock_timeout_s=None):
+    """(the compiled module, None) or (None, why not): the prebuilt module when usable, else a JIT build."""
+    if not use_prebuilt:
+        return build_jit(lock_timeout_s)
+    module, why_not = import_prebuilt()
+    if module is not None:
+        return module, None
+    log = logger.info if why_not.endswith("not built at install time") else logger.warning
+    log("the prebuilt fused C++ kernels are not used: %s; building them just in time", why_not)
+    module, jit_why_not = build_jit(lock_timeout_s)
+    return module, None if module is not None else f"{why_not}; {jit_why_not}"
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded_once():
+    # every argument from the module's globals, read now: tests' launchers set them before the first step
+    return load_extension()
+
+
+@functools.lru_cache(maxsize=None)
+def load_fused_extension():
+    """The compiled module, or None when it cannot be had (warned once: decoding uses the torch path)."""
+    extension, error = _loaded_once()
+    if extension is None:
+        warnings.warn(
+            f"rfa_fairseq: the fused C++ decoding step is not available ({error}); decoding uses the torch "
+            "path instead (same results, slower). --rfa-decode-kernel torch skips the C++ step."
+        )
+    return extension
+
+
+def require_fused_extension():
+    """The compiled module (--rfa-decode-kernel cpp), or a RuntimeError saying why not."""
+    extension, error = _loaded_once()
+    if extension is None:
+        raise RuntimeError(f"--rfa-decode-kernel cpp: the fused C++ decoding step is not available ({error}); "
+                           "use --rfa-decode-kernel torch (or auto, which falls back to it)")
+    return extension
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+@contextlib.contextmanager
+def _pinned_ninja_first_on_path():
+    """Build with the same ninja in every process: the pinned `ninja` package when installed.
+    Ninja versions keep incompatible build logs (1.11 and 1.13 hash commands differently), so
+    a process finding the system ninja and the next one the package's would each rebuild."""
+    try:
+        import ninja
+
+        pinned = os.path.join(ninja.BIN_DIR, "ninja")
+    except (ImportError, AttributeError):
+        yield
+        return
+    found = shutil.which("ninja")
+    if found is not None and os.path.realpath(found) == os.path.realpath(pinned):
+        yield  # already first on PATH (a venv's bin): nothing to change
+        return
+    # torch.utils.cpp_extension runs `ninja` from PATH and has no way to name the binary, so
+    # PATH names it for the duration of the build only; restored exactly (unset stays unset)
+    with unittest.mock.patch.dict(os.environ, {"PATH": ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")}):
+        yield
