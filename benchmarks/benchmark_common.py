@@ -34,6 +34,7 @@ MODELS = {
     "softmax": ("transformer", []),
     "rfa": ("rfa_transformer", []),  # the default: hedgehog map, gate, softmax cross-attention
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
+    "rfa_eager": ("rfa_transformer", ["--no-rfa-static-decode"]),  # the default on fairseq's eager path
     "rfa_rfa_cross": ("rfa_transformer", ["--no-rfa-softmax-cross-attn"]),  # constant state in the cross-attention too
     "rfa_paper": ("rfa_transformer", ["--rfa-feature-map", "sincos", "--no-rfa-gate", "--no-rfa-softmax-cross-attn"]),
     "rfa_paper_gated": ("rfa_transformer", ["--rfa-feature-map", "sincos", "--rfa-gate", "--no-rfa-softmax-cross-attn"]),

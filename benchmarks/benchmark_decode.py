@@ -505,7 +505,7 @@ def plot(rows, path, args):
         print("matplotlib not installed: no PNG (pip install -e .[bench])")
         return None
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan", "ct2": "tab:purple"}
+    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan", "rfa_eager": "tab:brown", "ct2": "tab:purple"}
     styles = ["-", "--", ":", "-."]
     batches = sorted({r["batch"] for r in rows})
     for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):

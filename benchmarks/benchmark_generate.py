@@ -61,6 +61,14 @@ def checkpoint_of(args, model) -> str:
     return path
 
 
+def updates_of(path) -> int:
+    """Training updates behind a checkpoint (its CSV column: a study run that was cut short shows)."""
+    from rfa_fairseq.checkpoints import safe_load
+
+    history = safe_load(path, mmap=True).get("optimizer_history") or [{}]
+    return int(history[-1].get("num_updates", -1))
+
+
 def generate(args, model, batch_size, threads, hyp_path):
     """One fairseq-generate run; returns (sentences, tokens, seconds, peak MB, hypotheses by id)."""
     checkpoint = args.checkpoints[model]
@@ -183,6 +191,11 @@ def main(argv=None):
     tag = device_tag(args.device)
     args.csv = args.csv or os.path.join(REPO, "benchmarks", "results", f"generate_multi30k_{tag}.csv")
     args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
+    args.updates = {model: updates_of(path) for model, path in args.checkpoints.items()}
+    for model, updates in args.updates.items():
+        if updates < args.max_update:
+            log(f"warning: {args.checkpoints[model]} has {updates} of {args.max_update} updates (its training stopped "
+                f"early; scripts/quality_study.py resumes it); the rows say so in checkpoint_updates")
     refs = open(os.path.join(args.prep, "test.raw.de")).read().splitlines()
 
     rows = []
@@ -208,7 +221,7 @@ def main(argv=None):
                     sentences, tokens, seconds, peak, hyps = best[model]
                     row = {
                         "device": tag, "threads": threads, "batch_size": batch, "model": model,
-                        "variant": args.variant_override.get(model, MODELS[model][0]),
+                        "variant": args.variant_override.get(model, MODELS[model][0]), "checkpoint_updates": args.updates[model],
                         "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
                         "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
                         "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
