@@ -15,6 +15,14 @@ every finished run (no half-written rows) and finished rows are skipped, so the 
 and continued; an unfinished training resumes from its checkpoint_last.pt. A PNG of the valid-loss
 curves is drawn from the CSV at the end.
 
+--conversion runs the conversion study instead (docs/quality.md, "Converting a softmax model"): the softmax
+recipe model trained for each --teacher-updates (the study's own softmax run) is converted into the default
+rfa_transformer by rfa-convert-transformer with attention distillation (ce or mse loss) or by a plain swap,
+translated as converted and after each --finetune-updates budget of scripts/train.sh FINETUNE_FROM (one run
+per method, continued from budget to budget), beside the default model trained from scratch for the
+teacher's updates plus the same budget. One row per (teacher, seed, method, budget) in
+benchmarks/results/conversion_multi30k.csv, skipped when present; a PNG of BLEU against budget.
+
 --parallel N trains N variants at once (on a GPU, small models leave it mostly idle; timings from
 such runs are marked with the number of runs sharing the device and are only comparable within it).
 
@@ -160,6 +168,26 @@ def parse_train_log(text: str):
     return sorted(valid.items()), wps
 
 
+def translate_and_score(checkpoint, work, args, shared_env, tag="test"):
+    """Translate test_2016_flickr with `checkpoint` (beam 4) into work/<tag>.hyp.de and score it:
+    {bleu, chrf, decode_seconds} as strings for a CSV row."""
+    hyp = os.path.join(work, f"{tag}.hyp.de")
+    gen = ["bash", os.path.join(REPO, "scripts", "generate.sh"), "--data-bin", os.path.join(args.prep, "data-bin"),
+           "--checkpoint", checkpoint, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192", "--output", hyp]
+    if args.device == "cpu":
+        gen.append("--cpu")
+    run(gen, env=shared_env, log_path=os.path.join(work, f"{tag}.generate.log"), timeout_s=args.decode_timeout_h * 3600,
+        limit_name="--decode-timeout-h")
+    translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
+    scores_json = os.path.join(work, f"{tag}.scores.json")
+    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, "test.raw.de"),
+         "--json", scores_json], env=shared_env, log_path=os.path.join(work, f"{tag}.score.log"),
+        timeout_s=args.decode_timeout_h * 3600, limit_name="--decode-timeout-h")
+    scores = json.load(open(scores_json))
+    return {"bleu": f"{scores['bleu']['score']:.2f}", "chrf": f"{scores['chrf']['score']:.2f}",
+            "decode_seconds": translated.group(1) if translated else ""}
+
+
 def train_and_score(name, args, shared_env, runs_sharing):
     model, flags, _ = VARIANTS[name]
     work = os.path.join(args.work_dir, f"{name}_u{args.max_update}_s{args.seed}")
@@ -177,26 +205,13 @@ def train_and_score(name, args, shared_env, runs_sharing):
     if not valid:
         raise RuntimeError(f"{name}: no validation results in {train_log}")
 
-    hyp = os.path.join(work, "test.hyp.de")
-    gen = ["bash", os.path.join(REPO, "scripts", "generate.sh"), "--data-bin", os.path.join(args.prep, "data-bin"),
-           "--checkpoint-dir", work, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192", "--output", hyp]
-    if args.device == "cpu":
-        gen.append("--cpu")
-    run(gen, env=shared_env, log_path=os.path.join(work, "generate.log"), timeout_s=args.decode_timeout_h * 3600,
-        limit_name="--decode-timeout-h")
-    translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
-    scores_json = os.path.join(work, "scores.json")
-    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, "test.raw.de"),
-         "--json", scores_json], env=shared_env, log_path=os.path.join(work, "score.log"),
-        timeout_s=args.decode_timeout_h * 3600, limit_name="--decode-timeout-h")
-    scores = json.load(open(scores_json))
+    scores = translate_and_score(os.path.join(work, "checkpoint_best.pt"), work, args, shared_env)
     return {
-        "variant": name, "max_update": args.max_update, "seed": args.seed,
-        "bleu": f"{scores['bleu']['score']:.2f}", "chrf": f"{scores['chrf']['score']:.2f}",
+        "variant": name, "max_update": args.max_update, "seed": args.seed, "bleu": scores["bleu"], "chrf": scores["chrf"],
         "valid_loss": f"{valid[-1][1]:.3f}", "best_valid_loss": f"{min(v for _, v in valid):.3f}",
         "valid_loss_by_epoch": " ".join(f"{u}:{v:.3f}" for u, v in valid),
         "train_seconds": f"{train_seconds:.0f}", "train_wps": f"{sum(wps) / len(wps):.0f}" if wps else "",
-        "decode_seconds": translated.group(1) if translated else "",
+        "decode_seconds": scores["decode_seconds"],
         "device": args.device_name, "runs_sharing_device": runs_sharing,
         "flags": " ".join(flags), "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
     }
@@ -209,12 +224,12 @@ def read_rows(path):
         return list(csv.DictReader(f))
 
 
-def write_rows(path, rows):
+def write_rows(path, rows, fields=None):
     """Whole file to a temporary name, then renamed: a crash never leaves a half-written CSV."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields or FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)
@@ -252,6 +267,169 @@ def plot(rows, png_path):
     log(f"wrote {png_path}")
 
 
+
+# ---------------------------------------------------------------- --conversion: softmax -> RFA
+
+
+CONVERSION_CSV = os.path.join(REPO, "benchmarks", "results", "conversion_multi30k.csv")
+CONVERSION_FIELDS = [
+    "teacher_updates", "seed", "method", "finetune_updates", "bleu", "chrf", "teacher_bleu",
+    "attention_cosine_before", "attention_cosine_after", "attention_top1_before", "attention_top1_after",
+    "teacher_forced_kl", "teacher_forced_top1", "convert_seconds", "train_seconds", "device", "finished_utc",
+]
+# method -> rfa-convert-transformer flags (None: the default model trained from scratch, for comparison)
+CONVERSION_METHODS = {
+    "distill_ce": ["--distill-loss", "ce"],
+    "distill_mse": ["--distill-loss", "mse"],
+    "swap": ["--distill-steps", "0"],
+    "scratch": None,
+}
+
+
+def conversion_key(row):
+    return (int(row["teacher_updates"]), int(row["seed"]), row["method"], int(row["finetune_updates"]))
+
+
+def _load(checkpoint):
+    sys.path.insert(0, REPO)
+    from rfa_fairseq.checkpoints import safe_load
+
+    return safe_load(checkpoint, mmap=True)
+
+
+def _updates_of(checkpoint):
+    history = _load(checkpoint).get("optimizer_history") or [{}]
+    return int(history[-1].get("num_updates", -1))
+
+
+def _train_to(env, extra, work, updates, args):
+    """train.sh up to `updates` in `work` (resuming its checkpoint_last.pt); refuses a checkpoint already past it."""
+    last = os.path.join(work, "checkpoint_last.pt")
+    if os.path.exists(last) and _updates_of(last) > updates:
+        raise RuntimeError(f"{last} is past {updates} updates ({_updates_of(last)}): its row for {updates} cannot "
+                           f"be measured any more; delete {work} to redo the run")
+    start = time.time()
+    run(["bash", os.path.join(REPO, "scripts", "train.sh"), *extra], env=dict(env, SAVE_DIR=work, MAX_UPDATE=str(updates)),
+        log_path=os.path.join(work, "train_sh.log"), timeout_s=args.train_timeout_h * 3600, limit_name="--train-timeout-h")
+    return time.time() - start
+
+
+def conversion_study(args, shared_env):
+    """Teachers = the softmax recipe model at each --teacher-updates; each is converted by every method and
+    fine-tuned; each (teacher, method, fine-tuning updates) is one CSV row, written as soon as it is scored."""
+    rows = read_rows(args.csv)
+    done = {conversion_key(r) for r in rows}
+    data_bin = os.path.join(args.prep, "data-bin")
+    finished = lambda: datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")  # noqa: E731
+    cpu = ["--cpu"] if args.device == "cpu" else []
+
+    def record(row):
+        nonlocal rows
+        row.update(device=args.device_name, finished_utc=finished())
+        rows = [r for r in read_rows(args.csv) if conversion_key(r) != conversion_key(row)] + [row]
+        write_rows(args.csv, rows, CONVERSION_FIELDS)
+        log(f"teacher {row['teacher_updates']} {row['method']} +{row['finetune_updates']}: BLEU {row['bleu']} chrF {row['chrf']}")
+
+    for teacher_updates in args.teacher_updates:
+        teacher_args = argparse.Namespace(**{**vars(args), "max_update": teacher_updates})
+        teacher_dir = os.path.join(args.work_dir, f"softmax_u{teacher_updates}_s{args.seed}")
+        teacher = os.path.join(teacher_dir, "checkpoint_best.pt")
+        base = dict(teacher_updates=teacher_updates, seed=args.seed)
+        if (teacher_updates, args.seed, "teacher", 0) not in done or not os.path.exists(teacher):
+            row = train_and_score("softmax", teacher_args, shared_env, 1)
+            record(dict(base, method="teacher", finetune_updates=0, bleu=row["bleu"], chrf=row["chrf"],
+                        teacher_bleu=row["bleu"], train_seconds=row["train_seconds"]))
+        teacher_bleu = next(r["bleu"] for r in read_rows(args.csv)
+                            if conversion_key(r) == (teacher_updates, args.seed, "teacher", 0))
+        work_root = os.path.join(args.work_dir, f"conversion_u{teacher_updates}_s{args.seed}")
+        for method in args.methods:
+            work = os.path.join(work_root, method)
+            os.makedirs(work, exist_ok=True)
+            todo = [b for b in sorted(args.finetune_updates)
+                    if (teacher_updates, args.seed, method, b) not in done]
+            if not todo:
+                continue
+            env = dict(shared_env, DATA=data_bin, RECIPE=RECIPE, MODEL="rfa")
+            if CONVERSION_METHODS[method] is None:  # from scratch: the same total number of updates
+                variant_flags = VARIANTS["hedgehog_gate_softmax_cross"][1]
+                extra = BUDGET_ARGS + ["--seed", str(args.seed)] + variant_flags + cpu
+                for budget in todo:
+                    seconds = _train_to(env, extra, work, teacher_updates + budget, args)
+                    scores = translate_and_score(os.path.join(work, "checkpoint_last.pt"), work, args, shared_env,
+                                                 tag=f"test_u{teacher_updates + budget}")
+                    record(dict(base, method=method, finetune_updates=budget, bleu=scores["bleu"], chrf=scores["chrf"],
+                                teacher_bleu=teacher_bleu, train_seconds=f"{seconds:.0f}"))
+                continue
+            converted = os.path.join(work, "rfa_init.pt")
+            if not os.path.exists(converted):
+                start = time.time()
+                run([sys.executable, "-m", "rfa_fairseq.cli.convert", "--input", teacher, "--output", converted,
+                     "--calibration-data", data_bin, *CONVERSION_METHODS[method]], env=shared_env,
+                    log_path=os.path.join(work, "convert.log"), timeout_s=args.train_timeout_h * 3600,
+                    limit_name="--train-timeout-h")
+                with open(os.path.join(work, "convert_seconds.txt"), "w") as f:
+                    f.write(f"{time.time() - start:.0f}\n")
+            info = _load(converted).get("rfa_conversion") or {}
+            layers = (info.get("distillation") or {}).get("layers") or {}
+            mean = lambda when, what: (f"{sum(l[when][what] for l in layers.values()) / len(layers):.3f}"  # noqa: E731
+                                       if layers else "")
+            calibration = info.get("calibration") or {}
+            fidelity = dict(
+                attention_cosine_before=mean("before", "output_cosine"), attention_cosine_after=mean("after", "output_cosine"),
+                attention_top1_before=mean("before", "top1_agreement"), attention_top1_after=mean("after", "top1_agreement"),
+                teacher_forced_kl=f"{calibration.get('kl', float('nan')):.4f}",
+                teacher_forced_top1=f"{calibration.get('top1_agreement', float('nan')):.3f}",
+                convert_seconds=open(os.path.join(work, "convert_seconds.txt")).read().strip(),
+            )
+            finetune_dir = os.path.join(work, "finetune")
+            os.makedirs(finetune_dir, exist_ok=True)
+            extra = ["--seed", str(args.seed), "--no-epoch-checkpoints"] + cpu
+            for budget in todo:
+                seconds = 0.0
+                checkpoint = converted
+                if budget > 0:
+                    seconds = _train_to(dict(env, FINETUNE_FROM=converted), extra, finetune_dir, budget, args)
+                    checkpoint = os.path.join(finetune_dir, "checkpoint_last.pt")
+                scores = translate_and_score(checkpoint, work, args, shared_env, tag=f"test_ft{budget}")
+                record(dict(base, method=method, finetune_updates=budget, bleu=scores["bleu"], chrf=scores["chrf"],
+                            teacher_bleu=teacher_bleu, train_seconds=f"{seconds:.0f}", **fidelity))
+    plot_conversion(read_rows(args.csv), os.path.splitext(args.csv)[0] + ".png")
+    return 0
+
+
+def plot_conversion(rows, png_path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no PNG")
+        return
+    teachers = sorted({int(r["teacher_updates"]) for r in rows})
+    if not teachers:
+        return
+    fig, axes = plt.subplots(1, len(teachers), figsize=(7 * len(teachers), 5), squeeze=False)
+    for ax, teacher in zip(axes[0], teachers):
+        mine = [r for r in rows if int(r["teacher_updates"]) == teacher]
+        for method in CONVERSION_METHODS:
+            points = sorted((int(r["finetune_updates"]), float(r["bleu"])) for r in mine if r["method"] == method)
+            if points:
+                label = f"{method} (from scratch: {teacher} + x updates)" if method == "scratch" else method
+                ax.plot(*zip(*points), marker="o", label=label)
+        for r in mine:
+            if r["method"] == "teacher":
+                ax.axhline(float(r["bleu"]), color="black", linestyle="--", label=f"softmax teacher ({r['bleu']})")
+                ax.axhline(float(r["bleu"]) - 0.5, color="grey", linestyle=":", label="teacher - 0.5 BLEU")
+        ax.set_title(f"Multi30k EN-DE, softmax teacher at {teacher} updates")
+        ax.set_xlabel("fine-tuning updates")
+        ax.set_ylabel("BLEU, test_2016_flickr (beam 4)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    log(f"wrote {png_path}")
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
@@ -263,7 +441,19 @@ def main(argv=None):
     p.add_argument("--parallel", type=int, default=1, help="variants trained at once (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "quality"))
-    p.add_argument("--csv", default=DEFAULT_CSV)
+    p.add_argument("--csv", default=None, help=f"default: {os.path.relpath(DEFAULT_CSV, REPO)}, with --conversion "
+                   f"{os.path.relpath(CONVERSION_CSV, REPO)}")
+    p.add_argument("--conversion", action="store_true",
+                   help="the conversion study instead: softmax teachers converted to the default rfa_transformer "
+                        "(--methods), then fine-tuned (--finetune-updates) with scripts/train.sh FINETUNE_FROM")
+    p.add_argument("--teacher-updates", type=int, nargs="+", default=[1000, 2000],
+                   help="with --conversion: the softmax teachers' training updates (default: 1000 2000)")
+    p.add_argument("--finetune-updates", type=int, nargs="+", default=[0, 50, 100, 200, 500],
+                   help="with --conversion: fine-tuning budgets measured (default: 0 50 100 200 500)")
+    p.add_argument("--methods", nargs="+", choices=list(CONVERSION_METHODS), default=list(CONVERSION_METHODS),
+                   help="with --conversion: distill_ce, distill_mse (rfa-convert-transformer's distillation losses), "
+                        "swap (no distillation), scratch (the default model trained from scratch for the teacher's "
+                        "updates + the fine-tuning budget) (default: all)")
     p.add_argument("--train-args", default="", help="more fairseq-train flags for every run (they do not enter the row key)")
     p.add_argument("--train-timeout-h", type=float, default=48.0,
                    help="stop a training still running after this many hours (default 48)")
@@ -282,6 +472,10 @@ def main(argv=None):
         p.error(f"unknown variant(s) {', '.join(unknown)}; see --list")
     if args.fast:
         args.max_update = 300
+    if args.csv is None:
+        args.csv = CONVERSION_CSV if args.conversion else DEFAULT_CSV
+    if any(u <= 0 for u in args.teacher_updates) or any(b < 0 for b in args.finetune_updates):
+        p.error("--teacher-updates must be positive and --finetune-updates non-negative")
     for needed in ("data-bin/dict.en.txt", "test.raw.de", "spm.model"):
         if not os.path.exists(os.path.join(args.prep, needed)):
             p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh first")
@@ -297,6 +491,8 @@ def main(argv=None):
     # other (measured: 16 runs on a 16-core GPU machine drew orthogonal matrices 100x slower)
     shared_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.parallel))))
 
+    if args.conversion:
+        return conversion_study(args, shared_env)
     rows = read_rows(args.csv)
     done = {key(r) for r in rows}
     todo = [v for v in args.variants if (v, args.max_update, args.seed) not in done]

@@ -14,6 +14,12 @@
 # SAVE_DIR/train.log. Keep SAVE_DIR per recipe and model: a checkpoint of another architecture
 # cannot be resumed.
 #
+# Fine-tuning a converted model: FINETUNE_FROM=RFA.pt (written by rfa-convert-transformer) starts from its
+# weights (fairseq-train --finetune-from-model: fresh optimizer, schedule and data position), builds the
+# model with the checkpoint's own --rfa-* options and applies the fine-tuning recipe FINETUNE_ARGS below
+# instead of the recipe's schedule (docs/quality.md, "Converting a softmax model"). A resumed run
+# (SAVE_DIR/checkpoint_last.pt exists) continues from its own checkpoint, as fairseq does.
+#
 # Numbers and their sources are documented in the configs/*.yaml files.
 set -euo pipefail
 
@@ -32,6 +38,7 @@ MAX_TIME_HOURS="${MAX_TIME_HOURS:-0}" # > 0: stop after this much training time 
 UPDATE_FREQ="${UPDATE_FREQ:-1}"       # gradient accumulation; WMT recipes assume 8 GPUs (on N GPUs: 8/N)
 FP16="${FP16:-}"                      # 1 | 0; default: 1 for the WMT recipes (scaling_nmt), needs a GPU
 USER_DIR="${USER_DIR:-$REPO/rfa_fairseq}"  # the plugin; loaded for softmax runs too (checkpoint loading)
+FINETUNE_FROM="${FINETUNE_FROM:-}"    # converted rfa_transformer checkpoint to fine-tune (MODEL=rfa only)
 DRY_RUN="${DRY_RUN:-0}"               # 1: check the inputs, print the fairseq-train command, exit
 
 die() { echo "train.sh: error: $*" >&2; exit 1; }
@@ -46,6 +53,9 @@ COMMON_ARGS=(
     --max-source-positions 1024 --max-target-positions 1024
     --seed 1 --log-format simple --log-interval 100
 )
+# Fine-tuning a converted model (FINETUNE_FROM): every parameter trains, a short warm-up to a peak below the
+# from-scratch recipe's (the weights are already good); chosen by scripts/quality_study.py --conversion.
+FINETUNE_ARGS=(--lr 0.0005 --warmup-updates 50)
 WMT_ARGS=(--share-all-embeddings --share-decoder-input-output-embed --weight-decay 0.0 --warmup-init-lr 1e-07 --stop-min-lr 1e-09 --max-tokens 3584)
 
 case "$RECIPE" in
@@ -104,10 +114,24 @@ done
 [[ "$MAX_UPDATE" =~ ^[0-9]+$ ]] || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 [[ "$FP16" == 0 || "$FP16" == 1 ]] || die "FP16 must be 0 or 1, got '$FP16'"
 
+FINETUNE_CMD=()
+if [[ -n "$FINETUNE_FROM" ]]; then
+    [[ "$MODEL" == rfa ]] || die "FINETUNE_FROM needs MODEL=rfa (it starts from a converted rfa_transformer checkpoint), got MODEL=$MODEL"
+    [[ -f "$FINETUNE_FROM" ]] || die "FINETUNE_FROM='$FINETUNE_FROM' does not exist (write it with rfa-convert-transformer --output)"
+    # the checkpoint's architecture and --rfa-* options, so that the model built here is the one it holds
+    source_model=$(PYTHONPATH="$(dirname "$USER_DIR")${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" \
+        -m rfa_fairseq.cli.finetune_flags "$FINETUNE_FROM") || die "cannot fine-tune from FINETUNE_FROM='$FINETUNE_FROM' (see above)"
+    source_arch=$(sed -n 1p <<<"$source_model")
+    [[ "$source_arch" == "$ARCH" ]] ||
+        die "FINETUNE_FROM='$FINETUNE_FROM' holds a $source_arch model, but RECIPE=$RECIPE trains $ARCH; pick the recipe of the converted model (or set ARCH=$source_arch)"
+    read -r -a source_flags <<<"$(sed -n 2p <<<"$source_model")"
+    FINETUNE_CMD=("${source_flags[@]}" "${FINETUNE_ARGS[@]}" --finetune-from-model "$FINETUNE_FROM")
+fi
+
 CMD=(
     fairseq-train "$DATA" --user-dir "$USER_DIR" --arch "$ARCH"
     --source-lang "$SRC_LANG" --target-lang "$TGT_LANG"
-    "${COMMON_ARGS[@]}" "${RECIPE_ARGS[@]}"
+    "${COMMON_ARGS[@]}" "${RECIPE_ARGS[@]}" "${FINETUNE_CMD[@]}"
     --update-freq "$UPDATE_FREQ" --max-update "$MAX_UPDATE" --stop-time-hours "$MAX_TIME_HOURS"
     --save-dir "$SAVE_DIR"
 )

@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from cli_support import REPO, run, synthetic_data
+from cli_support import REPO, assert_exit_code, run, synthetic_data
 from conftest import PLUGIN_DIR
 from tiny_models import tiny_model_flags
 
@@ -103,3 +103,105 @@ def test_convert_softmax_transformer_then_finetune(tmp_path_factory, tmp_path):
           f"updates {finetuned_bleu:.2f}")
     assert softmax_bleu >= 70, "the softmax model must be good for the comparison to mean anything"
     assert finetuned_bleu >= softmax_bleu - BLEU_TOLERANCE
+
+
+# ---------------------------------------------------------------- distillation and FINETUNE_FROM
+
+TRAIN_SH = os.path.join(REPO, "scripts", "train.sh")
+SYNTHETIC_PAIR = {"SRC_LANG": "src", "TGT_LANG": "tgt"}  # the recipe's languages are en-de
+DISTILLED_PARAMETERS = (".phi.weight", ".phi.bias", ".gate_proj.weight", ".gate_proj.bias")
+
+
+@pytest.mark.slow
+def test_distilled_conversion_decodes_and_finetunes_through_train_sh(tmp_path_factory, tmp_path):
+    """The Multi30k recipe's softmax model (briefly trained on the synthetic corpus) -> the default
+    rfa_transformer with attention distillation -> fairseq-generate -> the issue's train.sh command."""
+    data = synthetic_data(tmp_path_factory)
+    teacher_dir = tmp_path / "teacher"
+    run("bash", TRAIN_SH, "--lr", "0.002", "--warmup-updates", "20", "--max-tokens", "1000", "--no-epoch-checkpoints",
+        "--disable-validation", DATA=data / "bin", RECIPE="multi30k_en_de", MODEL="softmax", MAX_UPDATE=40,
+        SAVE_DIR=teacher_dir, **SYNTHETIC_PAIR)
+    teacher = teacher_dir / "checkpoint_last.pt"
+
+    distilled, swapped = tmp_path / "rfa_distilled.pt", tmp_path / "rfa_swapped.pt"
+    common = ["--input", teacher, "--calibration-data", data / "bin", "--calibration-sentences", 300]
+    proc = run(CONVERT, *common, "--output", distilled, "--distill-steps", 60)
+    layers = [f"decoder.layers.{i}.self_attn" for i in range(3)]
+    for layer in layers:
+        assert re.search(rf"{layer}: held-out attention-output cosine [\d.]+ -> [\d.]+, top-1 agreement", proc.stderr)
+    assert "distillation step 60/60" in proc.stderr, "no progress report"
+    run(CONVERT, *common, "--output", swapped, "--distill-steps", 0)
+
+    state, plain = safe_load(str(distilled)), safe_load(str(swapped))
+    report = state["rfa_conversion"]["distillation"]["layers"]
+    assert sorted(report) == layers and "distillation" not in plain["rfa_conversion"]
+    gain = [r["after"]["top1_agreement"] - r["before"]["top1_agreement"] for r in report.values()]
+    print("top-1 agreement gained per layer:", gain)
+    assert sum(gain) / len(gain) > 0.1 and min(gain) > -0.02
+    changed = sorted(k for k in state["model"] if not torch.equal(state["model"][k], plain["model"][k]))
+    assert changed and all(k.endswith(DISTILLED_PARAMETERS) for k in changed), changed
+
+    out = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", distilled, "--gen-subset", "test",
+              "--beam", "4", "--batch-size", "20", "--required-batch-size-multiple", "1", "--cpu").stdout
+    assert sum(line.startswith("H-") for line in out.splitlines()) == 40
+
+    # the command of the issue (MAX_UPDATE small for a test; the study runs it with 200)
+    finetune_dir = tmp_path / "finetuned"
+    log = run("bash", TRAIN_SH, DATA=data / "bin", RECIPE="multi30k_en_de", MODEL="rfa", MAX_UPDATE=3,
+              SAVE_DIR=finetune_dir, FINETUNE_FROM=distilled, **SYNTHETIC_PAIR).stdout
+    assert f"loading pretrained model from {distilled}" in log
+    command = next(line for line in log.splitlines() if line.startswith("train.sh: 20"))
+    assert "--rfa-feature-map hedgehog --rfa-num-features 64" in command and "--lr 0.0005 --warmup-updates 50" in command
+    finetuned = safe_load(str(finetune_dir / "checkpoint_last.pt"))
+    assert finetuned["optimizer_history"][-1]["num_updates"] == 3
+
+
+def _fake_checkpoint(path, model_options):
+    torch.save({"cfg": {"model": model_options}, "model": {}, "optimizer_history": []}, path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "lstm", "heads", "unknown map", "negative steps"])
+def test_conversion_refuses_bad_input_and_writes_nothing(tmp_path, case):
+    output = tmp_path / "rfa.pt"
+    teacher = tmp_path / "teacher.pt"
+    extra = []
+    if case == "lstm":
+        _fake_checkpoint(teacher, {"arch": "lstm", "_name": "lstm"})
+        expected, code = "cannot convert architecture 'lstm'", 1
+    elif case == "heads":
+        _fake_checkpoint(teacher, {"arch": "transformer", "_name": "transformer", "encoder_embed_dim": 30,
+                                   "decoder_embed_dim": 30, "encoder_attention_heads": 4, "decoder_attention_heads": 4})
+        expected, code = "encoder embedding size 30 is not divisible by its 4 attention heads", 1
+    elif case == "unknown map":
+        _fake_checkpoint(teacher, {"arch": "transformer", "_name": "transformer"})
+        extra, expected, code = ["--rfa-feature-map", "hedgehg"], "--rfa-feature-map: invalid choice: 'hedgehg'", 2
+    elif case == "negative steps":
+        _fake_checkpoint(teacher, {"arch": "transformer", "_name": "transformer"})
+        extra, expected, code = ["--distill-steps", "-1"], "--distill-steps must be 0 (no distillation) or positive", 1
+    else:
+        expected, code = str(teacher), 1
+    proc = run(CONVERT, "--input", teacher, "--output", output, *extra, check=False)
+    assert_exit_code(proc, code)
+    assert expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not output.exists() and not list(tmp_path.glob("rfa.pt*")), "a refused conversion must write nothing"
+
+
+@pytest.mark.parametrize("case", ["missing", "softmax checkpoint", "softmax model"])
+def test_train_sh_refuses_a_bad_finetune_source(tmp_path_factory, tmp_path, case):
+    data = synthetic_data(tmp_path_factory)
+    source = tmp_path / "source.pt"
+    model = "rfa"
+    if case == "missing":
+        expected = f"FINETUNE_FROM='{source}' does not exist"
+    elif case == "softmax checkpoint":
+        _fake_checkpoint(source, {"arch": "transformer", "_name": "transformer"})
+        expected = "is a transformer model, not rfa_transformer: convert it first with rfa-convert-transformer"
+    else:
+        _fake_checkpoint(source, {"arch": "rfa_transformer", "_name": "rfa_transformer"})
+        model, expected = "softmax", "FINETUNE_FROM needs MODEL=rfa"
+    proc = run("bash", TRAIN_SH, check=False, DATA=data / "bin", RECIPE="multi30k_en_de", MODEL=model,
+               SAVE_DIR=tmp_path / "save", FINETUNE_FROM=source, DRY_RUN=1, **SYNTHETIC_PAIR)
+    assert_exit_code(proc, 1)
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "save").exists()

@@ -45,6 +45,14 @@ import torch
 
 from ..checkpoints import CheckpointLoadError, mark_rfa_checkpoint, safe_load, save_atomic, stored_model_config
 from ..config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
+from ..distillation import (
+    DISTILL_LOSSES,
+    attention_fidelity,
+    distill_attention,
+    distillable_parameters,
+    softmax_attention,
+    split_heads,
+)
 from ..ops import LEARNED_FEATURE_MAPS
 
 # softmax architecture -> its RFA twin (same sizes); rfa_fairseq/models/rfa_transformer.py
@@ -62,6 +70,11 @@ SIGMA_INITS = ("temperature", "norm", "fit")
 SIGMA_GRID = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), 31))
 # the gate starts at g = sigmoid(4) = 0.982: a memory of ~55 tokens, nearly the softmax average
 DEFAULT_GATE_BIAS = 4.0
+# distillation defaults: measured on Multi30k (docs/quality.md, "Converting a softmax model")
+DEFAULT_CALIBRATION_SENTENCES = 1000
+DEFAULT_DISTILL_STEPS = 300
+DEFAULT_DISTILL_LOSS = "ce"
+DEFAULT_DISTILL_LR = 1e-2
 # RFA parameters that a softmax checkpoint lacks (everything else must come from it)
 RFA_PARAMETER_SUFFIXES = (
     ".sigma", ".log_sigma", ".eval_random_matrix", ".gate_proj.weight", ".gate_proj.bias", ".phi.weight", ".phi.bias",
@@ -105,6 +118,12 @@ def rfa_model_options(softmax_options, rfa_options, seed):
         setattr(options, name, getattr(rfa_options, name))
     options.seed = seed
     ARCH_CONFIG_REGISTRY[options.arch](options)  # fills only what the softmax options lack
+    for side in ("encoder", "decoder"):
+        dim, heads = getattr(options, f"{side}_embed_dim"), getattr(options, f"{side}_attention_heads")
+        if dim % heads:
+            raise ConversionError(f"the checkpoint's {side} embedding size {dim} is not divisible by its {heads} "
+                                  f"attention heads (--{side}-embed-dim / --{side}-attention-heads): not a model "
+                                  f"fairseq can build")
     try:
         validate_rfa_args(options)
     except ValueError as exc:
@@ -174,7 +193,11 @@ def load_calibration(checkpoint, data, subset, num_sentences):
 
 def capture_attention_inputs(softmax_model, dataset, indices, module_names, batch_size=32):
     """Inputs of each named MultiheadAttention on batches of calibration sentences, with the
-    padding masks: keys (what the module got) and queries (which output rows are real tokens)."""
+    padding masks: keys (what the module got) and queries (which output rows are real tokens).
+    Batches go to the softmax model's device."""
+    from fairseq import utils
+
+    device = next(softmax_model.parameters()).device
     captured = {name: [] for name in module_names}
     modules = dict(softmax_model.named_modules())
     handles = []
@@ -188,6 +211,7 @@ def capture_attention_inputs(softmax_model, dataset, indices, module_names, batc
         with torch.no_grad():
             for start in range(0, len(indices), batch_size):
                 sample = dataset.collater([dataset[i] for i in indices[start:start + batch_size]])
+                sample = utils.move_to_cuda(sample, device) if device.type == "cuda" else sample
                 softmax_model(**sample["net_input"])
                 net_input = sample["net_input"]
                 for name in module_names:
@@ -197,28 +221,6 @@ def capture_attention_inputs(softmax_model, dataset, indices, module_names, batc
         for handle in handles:
             handle.remove()
     return captured
-
-
-def _split_heads(x, heads):
-    """(T, B, C) -> (B, H, T, d)."""
-    length, batch, channels = x.shape
-    return x.view(length, batch, heads, channels // heads).permute(1, 2, 0, 3)
-
-
-def softmax_head_outputs(module, item):
-    """Per-head softmax attention outputs (B, H, T, d), before out_proj, with the RFA module's
-    projections (the softmax weights), and the per-head q, k."""
-    heads, head_dim = module.num_heads, module.head_dim
-    q = _split_heads(module.q_proj(item["query"]), heads) * head_dim ** -0.5
-    k = _split_heads(module.k_proj(item["key"]), heads)
-    v = _split_heads(module.v_proj(item["value"]), heads)
-    scores = q @ k.transpose(-1, -2)  # (B, H, T, S)
-    if module.causal:
-        length = scores.size(-1)
-        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    if item["key_padding_mask"] is not None:
-        scores = scores.masked_fill(item["key_padding_mask"][:, None, None, :], float("-inf"))
-    return scores.softmax(-1) @ v, q, k
 
 
 def rfa_head_outputs(module, item):
@@ -234,7 +236,7 @@ def rfa_head_outputs(module, item):
             module(query, item["key"], item["value"], key_padding_mask=mask)
     finally:
         handle.remove()
-    return _split_heads(seen["x"].float(), module.num_heads)
+    return split_heads(seen["x"].float(), module.num_heads)
 
 
 def calibrate_sigma(rfa_model, captured, method):
@@ -246,10 +248,12 @@ def calibrate_sigma(rfa_model, captured, method):
             module = modules[name]
             targets, q_norms, k_norms = [], [], []
             for item in items:
-                out, q, k = softmax_head_outputs(module, item)
-                targets.append(out)
-                # |q| of real query tokens and |k| of real keys, (tokens, H); q was scaled by d^-1/2
-                q_norms.append(q.norm(dim=-1).transpose(1, 2)[item["query_valid"]] * math.sqrt(module.head_dim))
+                weights, v = softmax_attention(module, item)
+                targets.append(weights @ v)  # (B, H, T, d): the softmax heads' outputs
+                # |q| of real query tokens and |k| of real keys, (tokens, H)
+                q = split_heads(module.q_proj(item["query"]), module.num_heads)
+                k = split_heads(module.k_proj(item["key"]), module.num_heads)
+                q_norms.append(q.norm(dim=-1).transpose(1, 2)[item["query_valid"]])
                 key_mask = item["key_padding_mask"]
                 key_valid = ~key_mask if key_mask is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
                 k_norms.append(k.norm(dim=-1).transpose(1, 2)[key_valid])
@@ -273,6 +277,55 @@ def rfa_module_names(rfa_model):
     from ..modules import RFAAttention
 
     return [name for name, m in rfa_model.named_modules() if isinstance(m, RFAAttention)]
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def distill_layers(model, modules, captured, args, log):
+    """Distill the learned feature maps and gates of `modules` (rfa_fairseq/distillation.py) on the
+    captured batches, the last tenth held out; logs and returns the per-layer fidelity before and after."""
+    held = {name: items[-max(1, len(items) // 10):] for name, items in captured.items()}
+    train = {name: items[: len(items) - len(held[name])] or items for name, items in captured.items()}
+    before = {name: attention_fidelity(m, held[name]) for name, m in modules.items()}
+    log(f"rfa-convert-transformer: distilling {len(modules)} attention layers ({args.distill_loss} loss, "
+        f"{args.distill_steps} steps, lr {args.distill_lr}, {sum(len(v) for v in train.values()) // len(train)} "
+        f"batches of training sentences per layer, {next(model.parameters()).device})")
+    progress = _progress_bar(args.distill_steps, log)
+    try:
+        history = distill_attention(modules, train, args.distill_steps, args.distill_lr, args.distill_loss, progress)
+    finally:
+        progress.close()
+    report = {}
+    for name, module in modules.items():
+        after = attention_fidelity(module, held[name])
+        report[name] = {"before": before[name], "after": after}
+        log(f"rfa-convert-transformer: {name}: held-out attention-output cosine {before[name]['output_cosine']:.3f} -> "
+            f"{after['output_cosine']:.3f}, top-1 agreement {before[name]['top1_agreement']:.3f} -> "
+            f"{after['top1_agreement']:.3f}")
+    return {"loss": args.distill_loss, "steps": args.distill_steps, "lr": args.distill_lr,
+            "first_loss": history[0], "last_loss": history[-1], "layers": report}
+
+
+class _progress_bar:
+    """tqdm on a terminal; otherwise a line every tenth of the steps (logs, pipes)."""
+
+    def __init__(self, total, log):
+        from tqdm import tqdm
+
+        self.total, self.log = total, log
+        self.bar = tqdm(total=total, desc="distilling", unit="step", file=sys.stderr) if sys.stderr.isatty() else None
+
+    def __call__(self, step, loss):
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+        elif step % max(1, self.total // 10) == 0 or step == self.total:
+            self.log(f"rfa-convert-transformer: distillation step {step}/{self.total}, loss {loss:.4f}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------- fidelity
@@ -343,9 +396,20 @@ def build_parser():
                         help="how sigma starts (see above; default: fit with --calibration-data, else temperature)")
     parser.add_argument("--calibration-data", default=None,
                         help="binarized data dir (fairseq-preprocess --destdir) with the checkpoint's dictionaries")
-    parser.add_argument("--calibration-subset", default="valid", help="split to calibrate on (default: valid)")
-    parser.add_argument("--calibration-sentences", type=int, default=200,
-                        help="sentences to calibrate on (default: 200)")
+    parser.add_argument("--calibration-subset", default="train",
+                        help="split to calibrate and distill on (default: train)")
+    parser.add_argument("--calibration-sentences", type=int, default=DEFAULT_CALIBRATION_SENTENCES,
+                        help=f"sentences to calibrate and distill on, spread over the split; the last tenth is "
+                             f"held out for the report (default: {DEFAULT_CALIBRATION_SENTENCES})")
+    parser.add_argument("--distill-steps", type=int, default=DEFAULT_DISTILL_STEPS,
+                        help="with --calibration-data and a learned feature map or the gate: Adam updates of "
+                             "attention distillation, one batch of 32 sentences each (see above); 0 = plain swap "
+                             f"(default: {DEFAULT_DISTILL_STEPS})")
+    parser.add_argument("--distill-loss", choices=DISTILL_LOSSES, default=DEFAULT_DISTILL_LOSS,
+                        help="ce: soft cross-entropy of the attention weights (Hedgehog); mse: squared error of "
+                             f"the attention outputs (LoLCATs) (default: {DEFAULT_DISTILL_LOSS})")
+    parser.add_argument("--distill-lr", type=float, default=DEFAULT_DISTILL_LR,
+                        help=f"Adam learning rate of the distillation, cosine-decayed to a tenth (default: {DEFAULT_DISTILL_LR})")
     parser.add_argument("--gate-bias", type=float, default=DEFAULT_GATE_BIAS,
                         help=f"with --rfa-gate: initial gate bias, zero gate weights (default: {DEFAULT_GATE_BIAS})")
     add_rfa_args(parser)
@@ -367,6 +431,10 @@ def convert(args, log=print):
         sigma_init = "temperature"
     if args.calibration_sentences <= 0:
         raise ConversionError(f"--calibration-sentences must be positive, got {args.calibration_sentences}")
+    if args.distill_steps < 0:
+        raise ConversionError(f"--distill-steps must be 0 (no distillation) or positive, got {args.distill_steps}")
+    if not args.distill_lr > 0:
+        raise ConversionError(f"--distill-lr must be positive, got {args.distill_lr}")
     try:
         state = safe_load(args.input)
     except (CheckpointLoadError, FileNotFoundError) as exc:
@@ -390,12 +458,23 @@ def convert(args, log=print):
         softmax_model, _task, dataset, indices = load_calibration(
             args.input, args.calibration_data, args.calibration_subset, args.calibration_sentences
         )
-        if sigma_init != "temperature":
-            names = rfa_module_names(model)
+        names = rfa_module_names(model)
+        distilled = {n: m for n, m in model.named_modules() if n in names and distillable_parameters(m)}
+        distill = args.distill_steps > 0 and bool(distilled)
+        if sigma_init != "temperature" or distill:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            softmax_model.to(device)
+            model.to(device)
             captured = capture_attention_inputs(softmax_model, dataset, indices, names)
+        if sigma_init != "temperature":
             chosen = calibrate_sigma(model, captured, sigma_init)
             for name, scales in chosen.items():
                 log(f"rfa-convert-transformer: {name}: sigma per head = {', '.join(f'{s:.2f}' for s in scales)}")
+        if distill:
+            info["distillation"] = distill_layers(model, distilled, captured, args, log)
+        info["distillation_steps"] = args.distill_steps if distill else 0
+        softmax_model.cpu()
+        model.cpu()
         fidelity = teacher_forced_agreement(softmax_model, model, dataset, indices)
         info["calibration"] = {"data": os.path.abspath(args.calibration_data), "subset": args.calibration_subset,
                                "sentences": len(indices), **fidelity}

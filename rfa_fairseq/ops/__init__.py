@@ -31,6 +31,7 @@ from .naive import (  # noqa: F401
     feature_map_reference,
     learned_feature_map_reference,
     noncausal_rfa_reference,
+    rfa_attention_weights,
 )
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,

@@ -79,19 +79,26 @@ def exact_kernel(x_scaled: Tensor, y_scaled: Tensor, kind: str) -> Optional[Tens
 # ---------------------------------------------------------------- causal
 
 
-def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
-    """O(T^2) masked form: out_t = sum_{i<=t} (prod_{i<j<=t} g_j) phi(q_t).phi(k_i) [v_i, 1]."""
-    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+def _causal_decay(q: Tensor, log_gate: Optional[Tensor]) -> Tensor:
+    """decay[t, i] = prod_{i<j<=t} g_j for i <= t, else 0: (T, T) ungated, (B, H, T, T) gated."""
     T = q.size(-2)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     if log_gate is None:
-        decay = causal.to(q.dtype)  # (T, T)
+        return causal.to(q.dtype)
+    cum = log_gate.to(q.dtype).cumsum(-1)  # (B, H, T)
+    return torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, -math.inf))
+
+
+def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
+    """O(T^2) masked form: out_t = sum_{i<=t} (prod_{i<j<=t} g_j) phi(q_t).phi(k_i) [v_i, 1]."""
+    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+    decay = _causal_decay(q, log_gate)  # (T, T) or (B, H, T, T)
+    if log_gate is None:
         decay_from_start = q.new_ones(q.shape[:-1])  # (B, H, T)
         decay_to_end = q.new_ones(q.shape[:-1])
         total = q.new_zeros(q.shape[:-2])
     else:
         cum = log_gate.to(q.dtype).cumsum(-1)  # (B, H, T)
-        decay = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, -math.inf))
         decay_from_start = torch.exp(cum)
         decay_to_end = torch.exp(cum[..., -1:] - cum)
         total = cum[..., -1]
@@ -128,3 +135,22 @@ def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: flo
     q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
     out = (q @ k.transpose(-1, -2)) @ va
     return _normalize(out, eps), k.transpose(-1, -2) @ va
+
+
+# ---------------------------------------------------------------- attention weights
+
+
+def rfa_attention_weights(phi_q, phi_k, log_gate=None, causal: bool = True, eps: float = DENOMINATOR_EPS) -> Tensor:
+    """The attention matrix RFA applies without forming it: out = weights @ v in the references above.
+
+    weights[t, i] = decay[t, i] phi(q_t).phi(k_i) / max(sum_i decay[t, i] phi(q_t).phi(k_i), eps), (B, H, Tq, Tk);
+    decay as in causal_rfa_reference when causal, 1 otherwise. For comparing RFA with softmax attention
+    (distillation, fidelity reports), never for decoding.
+    """
+    if log_gate is not None and not causal:
+        raise ValueError("the gate exists only in causal RFA")
+    q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
+    scores = q @ k.transpose(-1, -2)  # (B, H, Tq, Tk)
+    if causal:
+        scores = scores * _causal_decay(q, log_gate)
+    return scores / scores.sum(-1, keepdim=True).clamp_min(eps)
