@@ -10,6 +10,20 @@ scripts/convert_transformer_to_rfa.py):
   fairseq-train data-bin --user-dir rfa_fairseq --arch rfa_transformer_... [the same model and
       --rfa-* options] --finetune-from-model rfa_init.pt ...
 
+With --calibration-data (a fairseq-preprocess'd directory with the teacher's dictionaries) and the
+default learned map, the new parameters are then distilled (Hedgehog / LoLCATs, Zhang et al. 2024):
+
+  rfa-convert-transformer --input softmax/checkpoint_best.pt --output rfa_init.pt --calibration-data data-bin
+  DATA=data-bin RECIPE=... MODEL=rfa MAX_UPDATE=200 SAVE_DIR=ft FINETUNE_FROM=rfa_init.pt scripts/train.sh
+
+Attention distillation (rfa_fairseq/distillation.py): the teacher runs on --calibration-sentences
+training sentences and the inputs of every converted attention layer are kept; then only the learned
+feature maps (W, b) and gates of those layers are trained, --distill-steps Adam updates, so that each
+layer's RFA attention matches the teacher's softmax attention on the same inputs (--distill-loss ce:
+soft cross-entropy of the attention rows; mse: squared error of the attention outputs). A report per
+layer, on the held-out tenth of the sentences: attention-output cosine and top-1 agreement of the
+attention rows, before -> after. On the GPU when there is one. --distill-steps 0 is the plain swap.
+
 Kept and new:
   - every softmax weight (embeddings, layer norms, FFNs and the q/k/v/out projections, whose
     names are those of fairseq's MultiheadAttention) is copied unchanged;
