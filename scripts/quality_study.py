@@ -239,7 +239,8 @@ def key(row):
     return (row["variant"], int(row["max_update"]), int(row["seed"]))
 
 
-def plot(rows, png_path):
+def _pyplot():
+    """matplotlib.pyplot drawing to files, or None (logged) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -247,6 +248,13 @@ def plot(rows, png_path):
         import matplotlib.pyplot as plt
     except ImportError:
         log("matplotlib is not installed: no PNG")
+        return None
+    return plt
+
+
+def plot(rows, png_path):
+    plt = _pyplot()
+    if plt is None:
         return
     budgets = sorted({int(r["max_update"]) for r in rows})
     fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 5), squeeze=False)
@@ -398,13 +406,8 @@ def conversion_study(args, shared_env):
 
 
 def plot_conversion(rows, png_path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no PNG")
+    plt = _pyplot()
+    if plt is None:
         return
     teachers = sorted({int(r["teacher_updates"]) for r in rows})
     if not teachers:
