@@ -343,12 +343,15 @@ def conversion_study(args, shared_env):
         teacher_dir = os.path.join(args.work_dir, f"softmax_u{teacher_updates}_s{args.seed}")
         teacher = os.path.join(teacher_dir, "checkpoint_best.pt")
         base = dict(teacher_updates=teacher_updates, seed=args.seed)
-        if (teacher_updates, args.seed, "teacher", 0) not in done or not os.path.exists(teacher):
+        converting = [m for m in args.methods if CONVERSION_METHODS[m] is not None
+                      and any((teacher_updates, args.seed, m, b) not in done for b in args.finetune_updates)]
+        # the teacher is trained only when a conversion needs it (a scratch run can go on beside its training)
+        if converting and ((teacher_updates, args.seed, "teacher", 0) not in done or not os.path.exists(teacher)):
             row = train_and_score("softmax", teacher_args, shared_env, 1)
             record(dict(base, method="teacher", finetune_updates=0, bleu=row["bleu"], chrf=row["chrf"],
                         teacher_bleu=row["bleu"], train_seconds=row["train_seconds"]))
-        teacher_bleu = next(r["bleu"] for r in read_rows(args.csv)
-                            if conversion_key(r) == (teacher_updates, args.seed, "teacher", 0))
+        teacher_bleu = next((r["bleu"] for r in read_rows(args.csv)
+                             if conversion_key(r) == (teacher_updates, args.seed, "teacher", 0)), "")
         work_root = os.path.join(args.work_dir, f"conversion_u{teacher_updates}_s{args.seed}")
         for method in args.methods:
             work = os.path.join(work_root, method)
