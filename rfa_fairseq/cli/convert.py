@@ -269,7 +269,7 @@ def calibrate_sigma(rfa_model, captured, method):
                 k = split_heads(module.k_proj(item["key"]), module.num_heads)
                 q_norms.append(q.norm(dim=-1).transpose(1, 2)[item["query_valid"]])
                 key_mask = item["key_padding_mask"]
-                key_valid = ~key_mask if key_mask is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
+                key_valid = ~key_mask if key_mask is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
                 k_norms.append(k.norm(dim=-1).transpose(1, 2)[key_valid])
             if method == "norm":
                 mean_q, mean_k = torch.cat(q_norms).mean(0), torch.cat(k_norms).mean(0)
