@@ -313,9 +313,12 @@ def _updates_of(checkpoint):
 def _train_to(env, extra, work, updates, args):
     """train.sh up to `updates` in `work` (resuming its checkpoint_last.pt); refuses a checkpoint already past it."""
     last = os.path.join(work, "checkpoint_last.pt")
-    if os.path.exists(last) and _updates_of(last) > updates:
-        raise RuntimeError(f"{last} is past {updates} updates ({_updates_of(last)}): its row for {updates} cannot "
+    reached = _updates_of(last) if os.path.exists(last) else 0
+    if reached > updates:
+        raise RuntimeError(f"{last} is past {updates} updates ({reached}): its row for {updates} cannot "
                            f"be measured any more; delete {work} to redo the run")
+    if reached == updates:  # rerunning fairseq-train on a finished run would add an update
+        return 0.0
     start = time.time()
     run(["bash", os.path.join(REPO, "scripts", "train.sh"), *extra], env=dict(env, SAVE_DIR=work, MAX_UPDATE=str(updates)),
         log_path=os.path.join(work, "train_sh.log"), timeout_s=args.train_timeout_h * 3600, limit_name="--train-timeout-h")
@@ -347,7 +350,12 @@ def conversion_study(args, shared_env):
                       and any((teacher_updates, args.seed, m, b) not in done for b in args.finetune_updates)]
         # the teacher is trained only when a conversion needs it (a scratch run can go on beside its training)
         if converting and ((teacher_updates, args.seed, "teacher", 0) not in done or not os.path.exists(teacher)):
-            row = train_and_score("softmax", teacher_args, shared_env, 1)
+            last = os.path.join(teacher_dir, "checkpoint_last.pt")
+            if os.path.exists(teacher) and os.path.exists(last) and _updates_of(last) >= teacher_updates:
+                # trained already (by the quality study): fairseq-train would add an update when rerun
+                row = dict(translate_and_score(teacher, teacher_dir, args, shared_env), train_seconds="")
+            else:
+                row = train_and_score("softmax", teacher_args, shared_env, 1)
             record(dict(base, method="teacher", finetune_updates=0, bleu=row["bleu"], chrf=row["chrf"],
                         teacher_bleu=row["bleu"], train_seconds=row["train_seconds"]))
         teacher_bleu = next((r["bleu"] for r in read_rows(args.csv)
