@@ -281,7 +281,7 @@ def plot(rows, png_path):
 
 CONVERSION_CSV = os.path.join(REPO, "benchmarks", "results", "conversion_multi30k.csv")
 CONVERSION_FIELDS = [
-    "teacher_updates", "seed", "method", "finetune_updates", "bleu", "chrf", "teacher_bleu",
+    "teacher_updates", "seed", "method", "num_features", "finetune_lr", "finetune_updates", "bleu", "chrf", "teacher_bleu",
     "attention_cosine_before", "attention_cosine_after", "attention_top1_before", "attention_top1_after",
     "teacher_forced_kl", "teacher_forced_top1", "convert_seconds", "train_seconds", "device", "finished_utc",
 ]
@@ -292,10 +292,33 @@ CONVERSION_METHODS = {
     "swap": ["--distill-steps", "0"],
     "scratch": None,
 }
+CONVERTING = [m for m, flags in CONVERSION_METHODS.items() if flags is not None]
+
+
+# rows written before these columns existed: D = 64 (the default then) and train.sh's fine-tuning learning rate
+LEGACY_NUM_FEATURES = "64"
+
+
+def _train_sh_finetune_lr() -> str:
+    """The peak learning rate of scripts/train.sh's fine-tuning recipe (FINETUNE_ARGS), read from the script."""
+    text = open(os.path.join(REPO, "scripts", "train.sh")).read()
+    found = re.search(r"^FINETUNE_ARGS=\(.*?--lr (\S+?)[ )]", text, re.MULTILINE)
+    if not found:
+        raise RuntimeError("scripts/train.sh has no FINETUNE_ARGS=(... --lr X ...) line")
+    return found.group(1)
+
+
+DEFAULT_FINETUNE_LR = _train_sh_finetune_lr()
 
 
 def conversion_key(row):
-    return (int(row["teacher_updates"]), int(row["seed"]), row["method"], int(row["finetune_updates"]))
+    """(teacher updates, seed, method, D, fine-tuning lr, fine-tuning updates). D and the learning rate are
+    empty where they do not apply: the teacher has no D, and only fine-tuned rows (budget > 0 of a
+    converted model) have a fine-tuning learning rate."""
+    method, budget = row["method"], int(row["finetune_updates"])
+    features = "" if method == "teacher" else (row.get("num_features") or LEGACY_NUM_FEATURES)
+    lr = (row.get("finetune_lr") or DEFAULT_FINETUNE_LR) if method in CONVERTING and budget > 0 else ""
+    return (int(row["teacher_updates"]), int(row["seed"]), method, features, lr, budget)
 
 
 def _load(checkpoint):
@@ -326,30 +349,43 @@ def _train_to(env, extra, work, updates, args):
 
 
 def conversion_study(args, shared_env):
-    """Teachers = the softmax recipe model at each --teacher-updates; each is converted by every method and
-    fine-tuned; each (teacher, method, fine-tuning updates) is one CSV row, written as soon as it is scored."""
+    """Teachers = the softmax recipe model at each --teacher-updates; each is converted by every method (into the
+    default model with D = --num-features) and fine-tuned at --finetune-lr; each (teacher, method, D, learning
+    rate, fine-tuning updates) is one CSV row, written as soon as it is scored."""
     rows = read_rows(args.csv)
     done = {conversion_key(r) for r in rows}
     data_bin = os.path.join(args.prep, "data-bin")
     finished = lambda: datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")  # noqa: E731
     cpu = ["--cpu"] if args.device == "cpu" else []
+    features = str(args.num_features)
+    d_flags = ["--rfa-num-features", features]
+    lr = args.finetune_lr
+
+    def row_key(teacher_updates, method, budget):
+        return conversion_key(dict(teacher_updates=teacher_updates, seed=args.seed, method=method, num_features=features,
+                                   finetune_lr=lr, finetune_updates=budget))
 
     def record(row):
         nonlocal rows
         row.update(device=args.device_name, finished_utc=finished())
+        if row["method"] != "teacher":
+            row["num_features"] = features
+        if row["method"] in CONVERTING and int(row["finetune_updates"]) > 0:
+            row["finetune_lr"] = lr
         rows = [r for r in read_rows(args.csv) if conversion_key(r) != conversion_key(row)] + [row]
         write_rows(args.csv, rows, CONVERSION_FIELDS)
-        log(f"teacher {row['teacher_updates']} {row['method']} +{row['finetune_updates']}: BLEU {row['bleu']} chrF {row['chrf']}")
+        log(f"teacher {row['teacher_updates']} {row['method']} D={features} +{row['finetune_updates']}: "
+            f"BLEU {row['bleu']} chrF {row['chrf']}")
 
     for teacher_updates in args.teacher_updates:
         teacher_args = argparse.Namespace(**{**vars(args), "max_update": teacher_updates})
         teacher_dir = os.path.join(args.work_dir, f"softmax_u{teacher_updates}_s{args.seed}")
         teacher = os.path.join(teacher_dir, "checkpoint_best.pt")
         base = dict(teacher_updates=teacher_updates, seed=args.seed)
-        converting = [m for m in args.methods if CONVERSION_METHODS[m] is not None
-                      and any((teacher_updates, args.seed, m, b) not in done for b in args.finetune_updates)]
+        converting = [m for m in args.methods if m in CONVERTING
+                      and any(row_key(teacher_updates, m, b) not in done for b in args.finetune_updates)]
         # the teacher is trained only when a conversion needs it (a scratch run can go on beside its training)
-        if converting and ((teacher_updates, args.seed, "teacher", 0) not in done or not os.path.exists(teacher)):
+        if converting and (row_key(teacher_updates, "teacher", 0) not in done or not os.path.exists(teacher)):
             last = os.path.join(teacher_dir, "checkpoint_last.pt")
             if os.path.exists(teacher) and os.path.exists(last) and _updates_of(last) >= teacher_updates:
                 # trained already (by the quality study): fairseq-train would add an update when rerun
@@ -358,19 +394,21 @@ def conversion_study(args, shared_env):
                 row = train_and_score("softmax", teacher_args, shared_env, 1)
             record(dict(base, method="teacher", finetune_updates=0, bleu=row["bleu"], chrf=row["chrf"],
                         teacher_bleu=row["bleu"], train_seconds=row["train_seconds"]))
+            done.add(row_key(teacher_updates, "teacher", 0))
         teacher_bleu = next((r["bleu"] for r in read_rows(args.csv)
-                             if conversion_key(r) == (teacher_updates, args.seed, "teacher", 0)), "")
-        work_root = os.path.join(args.work_dir, f"conversion_u{teacher_updates}_s{args.seed}")
+                             if conversion_key(r) == row_key(teacher_updates, "teacher", 0)), "")
+        # D = 64 keeps the directories of the runs made before D was a study option
+        tag = "" if features == LEGACY_NUM_FEATURES else f"_d{features}"
+        work_root = os.path.join(args.work_dir, f"conversion_u{teacher_updates}_s{args.seed}{tag}")
         for method in args.methods:
             work = os.path.join(work_root, method)
-            os.makedirs(work, exist_ok=True)
-            todo = [b for b in sorted(args.finetune_updates)
-                    if (teacher_updates, args.seed, method, b) not in done]
+            todo = [b for b in sorted(args.finetune_updates) if row_key(teacher_updates, method, b) not in done]
             if not todo:
                 continue
+            os.makedirs(work, exist_ok=True)
             env = dict(shared_env, DATA=data_bin, RECIPE=RECIPE, MODEL="rfa")
-            if CONVERSION_METHODS[method] is None:  # from scratch: the same total number of updates
-                variant_flags = VARIANTS["hedgehog_gate_softmax_cross"][1]
+            if method == "scratch":  # the default model from scratch: the same total number of updates
+                variant_flags = VARIANTS["hedgehog_gate_softmax_cross"][1] + d_flags
                 extra = BUDGET_ARGS + ["--seed", str(args.seed)] + variant_flags + cpu
                 for budget in todo:
                     seconds = _train_to(env, extra, work, teacher_updates + budget, args)
@@ -383,7 +421,7 @@ def conversion_study(args, shared_env):
             if not os.path.exists(converted):
                 start = time.time()
                 run([sys.executable, "-m", "rfa_fairseq.cli.convert", "--input", teacher, "--output", converted,
-                     "--calibration-data", data_bin, *CONVERSION_METHODS[method]], env=shared_env,
+                     "--calibration-data", data_bin, *d_flags, *CONVERSION_METHODS[method]], env=shared_env,
                     log_path=os.path.join(work, "convert.log"), timeout_s=args.train_timeout_h * 3600,
                     limit_name="--train-timeout-h")
                 with open(os.path.join(work, "convert_seconds.txt"), "w") as f:
@@ -400,16 +438,21 @@ def conversion_study(args, shared_env):
                 teacher_forced_top1=f"{calibration.get('top1_agreement', float('nan')):.3f}",
                 convert_seconds=open(os.path.join(work, "convert_seconds.txt")).read().strip(),
             )
-            finetune_dir = os.path.join(work, "finetune")
+            # one fine-tuning run per learning rate, continued from budget to budget
+            finetune_dir = os.path.join(work, "finetune" if lr == DEFAULT_FINETUNE_LR else f"finetune_lr{lr}")
             os.makedirs(finetune_dir, exist_ok=True)
             extra = ["--seed", str(args.seed), "--no-epoch-checkpoints"] + cpu
+            if lr != DEFAULT_FINETUNE_LR:
+                extra += ["--lr", lr]  # after train.sh's FINETUNE_ARGS: the last --lr wins
             for budget in todo:
                 seconds = 0.0
                 checkpoint = converted
+                tag = f"test_ft{budget}"
                 if budget > 0:
                     seconds = _train_to(dict(env, FINETUNE_FROM=converted), extra, finetune_dir, budget, args)
                     checkpoint = os.path.join(finetune_dir, "checkpoint_last.pt")
-                scores = translate_and_score(checkpoint, work, args, shared_env, tag=f"test_ft{budget}")
+                    tag += "" if lr == DEFAULT_FINETUNE_LR else f"_lr{lr}"
+                scores = translate_and_score(checkpoint, work, args, shared_env, tag=tag)
                 record(dict(base, method=method, finetune_updates=budget, bleu=scores["bleu"], chrf=scores["chrf"],
                             teacher_bleu=teacher_bleu, train_seconds=f"{seconds:.0f}", **fidelity))
     plot_conversion(read_rows(args.csv), os.path.splitext(args.csv)[0] + ".png")
@@ -426,11 +469,23 @@ def plot_conversion(rows, png_path):
     fig, axes = plt.subplots(1, len(teachers), figsize=(7 * len(teachers), 5), squeeze=False)
     for ax, teacher in zip(axes[0], teachers):
         mine = [r for r in rows if int(r["teacher_updates"]) == teacher]
-        for method in CONVERSION_METHODS:
-            points = sorted((int(r["finetune_updates"]), float(r["bleu"])) for r in mine if r["method"] == method)
-            if points:
-                label = f"{method} (from scratch: {teacher} + x updates)" if method == "scratch" else method
-                ax.plot(*zip(*points), marker="o", label=label)
+        # one line per (method, D, fine-tuning lr); a converted model's budget-0 point starts each of its lines
+        curves = {}
+        for r in mine:
+            if r["method"] == "teacher":
+                continue
+            _, _, method, features, lr, budget = conversion_key(r)
+            curves.setdefault((method, features, lr), []).append((budget, float(r["bleu"])))
+        for (method, features, lr), points in sorted(curves.items()):
+            if method in CONVERTING and lr == "":
+                if any(m == method and f == features and l for m, f, l in curves):
+                    continue  # drawn as the start of its fine-tuned lines
+            elif method in CONVERTING:
+                points = points + curves.get((method, features, ""), [])
+            label = f"{method}, D = {features}" + (f", fine-tuning lr {lr}" if lr else "")
+            if method == "scratch":
+                label += f" (from scratch: {teacher} + x updates)"
+            ax.plot(*zip(*sorted(points)), marker="o", label=label)
         for r in mine:
             if r["method"] == "teacher":
                 ax.axhline(float(r["bleu"]), color="black", linestyle="--", label=f"softmax teacher ({r['bleu']})")
@@ -468,6 +523,11 @@ def main(argv=None):
                    help="with --conversion: distill_ce, distill_mse (rfa-convert-transformer's distillation losses), "
                         "swap (no distillation), scratch (the default model trained from scratch for the teacher's "
                         "updates + the fine-tuning budget) (default: all)")
+    p.add_argument("--num-features", type=int, default=None,
+                   help="with --conversion: D of the converted and the from-scratch models (default: rfa_transformer's)")
+    p.add_argument("--finetune-lr", default=DEFAULT_FINETUNE_LR,
+                   help=f"with --conversion: peak learning rate of the fine-tuning runs (default: scripts/train.sh's "
+                        f"fine-tuning recipe, {DEFAULT_FINETUNE_LR}); one fine-tuning run per value, kept apart in the CSV")
     p.add_argument("--train-args", default="", help="more fairseq-train flags for every run (they do not enter the row key)")
     p.add_argument("--train-timeout-h", type=float, default=48.0,
                    help="stop a training still running after this many hours (default 48)")
@@ -490,6 +550,13 @@ def main(argv=None):
         args.csv = CONVERSION_CSV if args.conversion else DEFAULT_CSV
     if any(u <= 0 for u in args.teacher_updates) or any(b < 0 for b in args.finetune_updates):
         p.error("--teacher-updates must be positive and --finetune-updates non-negative")
+    if args.num_features is not None and args.num_features <= 0:
+        p.error(f"--num-features must be positive, got {args.num_features}")
+    try:
+        if float(args.finetune_lr) <= 0:
+            raise ValueError
+    except ValueError:
+        p.error(f"--finetune-lr must be a positive number, got {args.finetune_lr!r}")
     for needed in ("data-bin/dict.en.txt", "test.raw.de", "spm.model"):
         if not os.path.exists(os.path.join(args.prep, needed)):
             p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh first")
@@ -506,6 +573,11 @@ def main(argv=None):
     shared_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.parallel))))
 
     if args.conversion:
+        if args.num_features is None:
+            sys.path.insert(0, REPO)
+            from rfa_fairseq.config import RFA_DEFAULTS
+
+            args.num_features = RFA_DEFAULTS["rfa_num_features"]
         return conversion_study(args, shared_env)
     rows = read_rows(args.csv)
     done = {key(r) for r in rows}

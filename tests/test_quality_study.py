@@ -44,10 +44,37 @@ def test_a_run_past_the_budget_is_refused(fake_training):
     assert state["calls"] == []
 
 
-def test_conversion_rows_are_keyed_by_teacher_seed_method_and_budget(tmp_path):
+def test_conversion_rows_are_keyed_by_teacher_seed_method_d_lr_and_budget(tmp_path):
     path = str(tmp_path / "conversion.csv")
-    row = {"teacher_updates": "1000", "seed": "1", "method": "distill_ce", "finetune_updates": "50", "bleu": "30.1"}
+    row = {"teacher_updates": "1000", "seed": "1", "method": "distill_ce", "num_features": "16", "finetune_lr": "0.001",
+           "finetune_updates": "50", "bleu": "30.1"}
     quality_study.write_rows(path, [row], quality_study.CONVERSION_FIELDS)
     (read,) = quality_study.read_rows(path)
-    assert quality_study.conversion_key(read) == (1000, 1, "distill_ce", 50) and read["bleu"] == "30.1"
+    assert quality_study.conversion_key(read) == (1000, 1, "distill_ce", "16", "0.001", 50) and read["bleu"] == "30.1"
     assert list(read) == quality_study.CONVERSION_FIELDS
+
+
+def test_conversion_key_of_rows_without_d_or_lr():
+    """Rows written before D and the fine-tuning lr were columns are D = 64 at train.sh's learning rate; the lr
+    keys only fine-tuned rows of converted models, D every row but the teacher's."""
+    key = quality_study.conversion_key
+    base = {"teacher_updates": "1000", "seed": "1"}
+    assert key(dict(base, method="distill_ce", finetune_updates="200")) == \
+        (1000, 1, "distill_ce", "64", quality_study.DEFAULT_FINETUNE_LR, 200)
+    assert key(dict(base, method="swap", finetune_updates="0", finetune_lr="0.001")) == (1000, 1, "swap", "64", "", 0)
+    assert key(dict(base, method="scratch", finetune_updates="200", num_features="16", finetune_lr="0.001")) == \
+        (1000, 1, "scratch", "16", "", 200)
+    assert key(dict(base, method="teacher", finetune_updates="0", num_features="16")) == (1000, 1, "teacher", "", "", 0)
+
+
+def test_the_default_finetuning_lr_is_train_sh_s():
+    text = open(os.path.join(REPO, "scripts", "train.sh")).read()
+    assert f"FINETUNE_ARGS=(--lr {quality_study.DEFAULT_FINETUNE_LR} " in text
+
+
+def test_bad_conversion_options_are_refused(capsys):
+    for argv, message in ((["--num-features", "0"], "--num-features must be positive"),
+                          (["--finetune-lr", "fast"], "--finetune-lr must be a positive number")):
+        with pytest.raises(SystemExit) as exit_info:
+            quality_study.main(["--conversion", *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
