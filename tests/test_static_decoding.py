@@ -12,7 +12,7 @@ from test_model import _decode_incrementally, _state_tensors, assert_beam_reorde
 from tiny_models import tiny_model_flags
 
 from rfa_fairseq.modules.static_decoding import StaticDecodeState
-from rfa_fairseq.ops import causal_rfa_recurrent, gate_keys, load_fused_extension
+from rfa_fairseq.ops import activate_learned, causal_rfa_recurrent, gate_keys, load_fused_extension
 from rfa_fairseq.ops.dispatch import add_layer_norm, causal_layer_step, softmax_cross_step
 
 EAGER = ["--no-rfa-static-decode"]
@@ -30,13 +30,22 @@ def kernel(request):
 
 @pytest.mark.parametrize("case", ["first_step", "identity", "reorder_and_shrink", "padded_key"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+@pytest.mark.parametrize("activation", [None, "hedgehog", "relu"], ids=["features", "hedgehog", "relu"])
 @torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
-def test_causal_layer_step_equals_the_recurrence(kernel, case, gated):
-    """gate + reorder + update + read-out in one step == gate_keys and the literal recurrence on state[order]."""
+def test_causal_layer_step_equals_the_recurrence(kernel, case, gated, activation):
+    """feature map + gate + reorder + update + read-out in one step == activate_learned, gate_keys and the
+    literal recurrence on state[order]."""
     g = torch.Generator().manual_seed(1)
     R0, H, F_, d = 6, 3, 8, 5
     R = 4 if case == "reorder_and_shrink" else R0
-    phi_q, phi_k = torch.rand(R, H, F_, generator=g) + 0.1, torch.rand(R, H, F_, generator=g)
+    if activation is None:
+        phi_q, phi_k = torch.rand(R, H, F_, generator=g) + 0.1, torch.rand(R, H, F_, generator=g)
+        given_q, given_k = phi_q, phi_k
+    else:  # pre-activations, spread so that the softmaxes and the relu see both signs and large values
+        D = F_ // 2 if activation == "hedgehog" else F_
+        given_q, given_k = 4 * torch.randn(R, H, D, generator=g), 4 * torch.randn(R, H, D, generator=g)
+        phi_q, phi_k = activate_learned(given_q, activation), activate_learned(given_k, activation)
+        assert phi_q.shape == (R, H, F_)
     v = torch.randn(R, H * d + 3, generator=g)[:, 3:]  # a strided view, as the fused projection gives it
     gate = torch.randn(R, H, generator=g) if gated else None
     state = None if case == "first_step" else torch.randn(R0, H, F_, d + 1, generator=g).abs()
@@ -45,8 +54,8 @@ def test_causal_layer_step_equals_the_recurrence(kernel, case, gated):
 
     out = torch.full((R, H * d), float("nan"))
     state_out = torch.full((R0 + 2, H, F_, d + 1), float("nan"))  # more rows than needed: rows only shrink
-    causal_layer_step(phi_q.reshape(R, -1), phi_k.reshape(R, -1), v, gate, pad, state, order, state_out, out,
-                      eps=1e-6, decode_kernel=kernel)
+    causal_layer_step(given_q.reshape(R, -1), given_k.reshape(R, -1), v, gate, pad, state, order, state_out, out,
+                      eps=1e-6, decode_kernel=kernel, activation=activation)
 
     k, log_gate = gate_keys(phi_k.unsqueeze(2), gate.unsqueeze(-1) if gated else None,
                             pad.unsqueeze(-1) if pad is not None else None)
@@ -55,6 +64,12 @@ def test_causal_layer_step_equals_the_recurrence(kernel, case, gated):
     torch.testing.assert_close(out, want.reshape(R, H * d), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_out[:R], want_state, rtol=1e-5, atol=1e-6)
     assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
+
+
+def test_causal_layer_step_refuses_an_unknown_activation():
+    with pytest.raises(ValueError, match="activation='elu' is not one of"):
+        causal_layer_step(torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, None, None,
+                          torch.empty(2, 1, 2, 3), torch.empty(2, 2), activation="elu")
 
 
 @torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..ops import (
     LEARNED_FEATURE_MAPS,
+    activate_learned,
     POSITIVE_FEATURE_MAPS,
     RANDOM_FEATURE_MAPS,
     feature_map,
@@ -67,6 +68,9 @@ class LearnedLinearFeatureMap(FeatureMap):
     def linear_part(self):
         return self.weight, self.bias
 
+    def activate(self, p: Tensor) -> Tensor:
+        return activate_learned(p if p.dtype == torch.float64 else p.float(), self.kind)
+
 
 class HedgehogFeatureMap(LearnedLinearFeatureMap):
     """[softmax(W x + b), softmax(-(W x + b))], F = 2D (Zhang et al. 2024)."""
@@ -80,10 +84,6 @@ class HedgehogFeatureMap(LearnedLinearFeatureMap):
             self.weight.copy_(eye[: self.num_features].expand_as(self.weight))
             self.bias.zero_()
 
-    def activate(self, p: Tensor) -> Tensor:
-        p = p if p.dtype == torch.float64 else p.float()
-        return torch.cat([torch.softmax(p, dim=-1), torch.softmax(-p, dim=-1)], dim=-1)
-
 
 class ReLUFeatureMap(LearnedLinearFeatureMap):
     """relu(W x + b) / sqrt(D), F = D (T2R, Kasai et al. 2021)."""
@@ -94,10 +94,6 @@ class ReLUFeatureMap(LearnedLinearFeatureMap):
         with torch.no_grad():
             nn.init.normal_(self.weight, std=self.head_dim ** -0.5)
             self.bias.zero_()
-
-    def activate(self, p: Tensor) -> Tensor:
-        p = p if p.dtype == torch.float64 else p.float()
-        return torch.relu(p) * self.num_features ** -0.5
 
 
 class ELUFeatureMap(FeatureMap):

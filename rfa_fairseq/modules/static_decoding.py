@@ -13,7 +13,8 @@ state is built once, at its first step, and every later step runs in place from 
 
 One decoder step: token embedding + positions, then per layer one fused input projection (q, k, v and
 the gate for self-attention, with a learned map's W folded in: x -> W_phi (W_q x + b_q) + b_phi), the
-feature map, the causal step (gate, reorder, update, read-out: ops.causal_layer_step), the output
+causal step (the learned map's activation, gate, reorder, update, read-out: ops.causal_layer_step; a
+random map's features are computed before it), the output
 projection, residual + layer norm (ops.add_layer_norm), the cross-attention (ops.softmax_cross_step over
 per-sentence K/V, or the RFA read-out), the FFN, and the output projection into the logits buffer.
 
@@ -326,7 +327,11 @@ class StaticDecodeState:
                                                             self.decode_kernel)
         proj = torch.addmm(plan.bias, h, plan.weight_t, out=self._buffer("proj", R, plan.bias.numel()))
         width = plan.q_width
-        phi_q, phi_k = self._features(plan, proj[:, :width], proj[:, width: 2 * width])
+        q, k = proj[:, :width], proj[:, width: 2 * width]
+        if plan.linear_map:  # pre-activations W_phi (W x + b) + b_phi: the step applies the map's activation
+            phi_q, phi_k, activation = q, k, plan.attn.phi.kind
+        else:
+            phi_q, phi_k, activation = *self._random_features(plan, q, k), None
         v = proj[:, plan.v_start: plan.v_start + C]
         gate = proj[:, plan.gate_start: plan.gate_start + H] if plan.attn.gate_proj is not None else None
         pair = self.states[i]  # rows only shrink: the first step's rows fit every later step
@@ -335,17 +340,14 @@ class StaticDecodeState:
         state_out = pair[target]
         attn = self._buffer("attn", R, C)
         causal_layer_step(phi_q, phi_k, v, gate, key_pad, state_in, order, state_out, attn, plan.attn.eps,
-                          decode_kernel=self.decode_kernel)
+                          decode_kernel=self.decode_kernel, activation=activation)
         self.current[i] = target
         y = torch.addmm(_bias(plan.attn.out_proj, C), attn, plan.attn.out_proj.weight.t(), out=self._buffer("y", R, C))
         self._residual(layer, layer.self_attn_layer_norm, y, x)
 
-    def _features(self, plan: CausalLayerPlan, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
-        """phi(q), phi(k) as (R, H * F) from the fused projection's q and k columns."""
+    def _random_features(self, plan: CausalLayerPlan, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+        """phi(q), phi(k) as (R, H * F) of a map without an affine first stage (random maps, elu)."""
         attn, R, H = plan.attn, q.size(0), plan.num_heads
-        if plan.linear_map:
-            D = attn.num_features
-            return (attn.phi.activate(q.view(R, H, D)).view(R, -1), attn.phi.activate(k.view(R, H, D)).view(R, -1))
         w = attn.random_matrix()
         heads = lambda t: t.reshape(R, H, 1, plan.head_dim)  # noqa: E731  (B, H, T = 1, d)
         return (attn.phi(heads(q), w, is_query=True).reshape(R, -1), attn.phi(heads(k), w, is_query=False).reshape(R, -1))

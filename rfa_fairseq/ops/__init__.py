@@ -1,10 +1,12 @@
 """Pure tensor functions of RFA: no fairseq imports here."""
 from .feature_maps import (  # noqa: F401
+    AFFINE_FEATURE_MAPS,
     FEATURE_MAPS,
     LEARNED_FEATURE_MAPS,
     POSITIVE_FEATURE_MAPS,
     RANDOM_FEATURE_MAPS,
     RANDOM_MATRIX_KINDS,
+    activate_learned,
     draw_random_matrix,
     feature_map,
     learned_feature_map,

@@ -121,6 +121,8 @@ def causal_rfa_decode_step(phi_q, phi_k, v, log_gate=None, state=None, order=Non
 # ---------------------------------------------------------------- the static decoding step's kernels
 
 _NONE = torch.empty(0)  # the C++ kernels' "absent" argument
+# feature-map activations the C++ causal_layer_step applies itself (its `activation` codes; 0: phi given)
+CPP_ACTIVATIONS = {None: 0, "hedgehog": 1, "relu": 2}
 
 
 def static_step_extension(decode_kernel: str, *tensors: Tensor):
@@ -140,14 +142,19 @@ def static_step_extension(decode_kernel: str, *tensors: Tensor):
 
 def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor], key_pad: Optional[Tensor],
                       state_in: Optional[Tensor], order: Optional[Tensor], state_out: Tensor, out: Tensor,
-                      eps: float = DENOMINATOR_EPS, decode_kernel: str = "auto") -> Tensor:
-    """One causal RFA layer step into `out` and `state_out` (shapes: static_step.causal_layer_step_torch)."""
+                      eps: float = DENOMINATOR_EPS, decode_kernel: str = "auto", activation: Optional[str] = None) -> Tensor:
+    """One causal RFA layer step into `out` and `state_out` (shapes: static_step.causal_layer_step_torch).
+    activation: None (phi_q, phi_k are features) or an affine learned map's activation ("hedgehog", "relu")
+    applied here to the pre-activations phi_q, phi_k (in the C++ kernel: per row and head, in the same pass)."""
+    if activation not in CPP_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not one of {', '.join(map(str, CPP_ACTIVATIONS))}")
     ext = static_step_extension(decode_kernel, phi_q, phi_k, v, state_out)
     if ext is None:
-        return causal_layer_step_torch(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps)
+        return causal_layer_step_torch(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
+                                       activation)
     ext.causal_layer_step(phi_q, phi_k, v, _NONE if gate_logits is None else gate_logits,
                           _NONE if key_pad is None else key_pad, _NONE if state_in is None else state_in,
-                          _NONE if order is None else order, state_out, out, eps)
+                          _NONE if order is None else order, state_out, out, eps, CPP_ACTIVATIONS[activation])
     return out
 
 

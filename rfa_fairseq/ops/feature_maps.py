@@ -125,8 +125,17 @@ def learned_feature_map(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], kin
     num_features = w.size(1)
     proj = torch.bmm(x.transpose(0, 1).reshape(H, B * T, d), w.to(x.dtype).transpose(-1, -2))  # (H, B*T, D)
     proj = (proj + b.to(x.dtype).unsqueeze(1)).view(H, B, T, num_features).transpose(0, 1)  # (B, H, T, D)
+    return activate_learned(proj, kind)
+
+
+# learned maps whose phi is activate(W x + b): the static decoding step folds W, b into its projection
+AFFINE_FEATURE_MAPS = ("hedgehog", "relu")
+
+
+def activate_learned(p: Tensor, kind: str) -> Tensor:
+    """The activation of an affine learned map, on its pre-activations p = W x + b.   p: (..., D) -> (..., F)."""
     if kind == "hedgehog":
-        return torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+        return torch.cat([torch.softmax(p, dim=-1), torch.softmax(-p, dim=-1)], dim=-1)
     if kind == "relu":
-        return torch.relu(proj) * num_features ** -0.5
-    raise ValueError(f"unknown learned feature map {kind!r}; expected one of {LEARNED_FEATURE_MAPS}")
+        return torch.relu(p) * p.size(-1) ** -0.5
+    raise ValueError(f"{kind!r} is not a learned map with an affine first stage ({', '.join(AFFINE_FEATURE_MAPS)})")

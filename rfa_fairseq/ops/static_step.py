@@ -1,8 +1,10 @@
 """The static decoding step's kernels in torch: the path on every device, and what the C++ kernels
 (csrc/rfa_static_step.cpp) are tested against. Each writes into buffers its caller allocated once.
 
-    causal_layer_step_torch(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps)
-        phi_q, phi_k: (R, H * F)   v: (R, H * d)   gate_logits: (R, H) or None   key_pad: (R,) bool or None
+    causal_layer_step_torch(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps, activation)
+        phi_q, phi_k: (R, H * F), or with activation = "hedgehog" / "relu" the map's pre-activations
+                      p = W x + b (R, H * D), turned into features here (feature_maps.activate_learned)
+        v: (R, H * d)   gate_logits: (R, H) or None   key_pad: (R,) bool or None
         state_in: (R0, H, F, d + 1) or None (first step)   order: (R,) rows of state_in, or None (row r reads row r)
         state_out: (>= R, H, F, d + 1), not state_in   out: (R, H * d)
         S' = g * state_in[order] + (1 - g) phi_k (x) [v, 1];  out = (phi_q . S')[:d] / max((phi_q . S')[d], eps)
@@ -18,13 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .feature_maps import activate_learned
+
 
 def causal_layer_step_torch(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
                             key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
-                            state_out: Tensor, out: Tensor, eps: float) -> Tensor:
+                            state_out: Tensor, out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
     _, H, F_, D1 = state_out.shape
     R = v.size(0)
     d = D1 - 1
+    if activation is not None:
+        phi_q = activate_learned(phi_q.reshape(R, H, -1).float(), activation)
+        phi_k = activate_learned(phi_k.reshape(R, H, -1).float(), activation)
     new = state_out[:R]
     k = phi_k.reshape(R, H, F_).float()
     if gate_logits is not None:

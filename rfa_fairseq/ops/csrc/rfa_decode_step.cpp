@@ -23,8 +23,8 @@ namespace {
 
 // One (row, head): S' = g * S + k (x) [v, 1] over F rows of D1 = d + 1 columns, acc = q . S'.
 // Pointers never alias (new_state is always a different buffer), so the inner loop vectorizes;
-// target_clones adds an AVX2/FMA build chosen at load time on CPUs that have it.
-__attribute__((target_clones("arch=haswell", "default")))
+// RFA_SIMD_CLONES adds an AVX2/FMA build chosen at load time on CPUs that have it.
+RFA_SIMD_CLONES
 void update_and_read_out(const float* __restrict__ s_in, float* __restrict__ s_out, const float* __restrict__ q,
                          const float* __restrict__ k, const float* __restrict__ v_aug, float g, int64_t F,
                          int64_t D1, float* __restrict__ acc) {
@@ -105,7 +105,7 @@ torch::Tensor decode_step(const torch::Tensor& state,      // (B0, H, F, d + 1) 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "fused causal RFA decoding step (reorder + update + read-out)");
   // the static decoding step's kernels (rfa_static_step.cpp)
-  m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: gate, reorder, update, read-out");
+  m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: feature map, gate, reorder, update, read-out");
   m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
   m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);

@@ -2,9 +2,15 @@
 #pragma once
 #include <torch/extension.h>
 
+// An AVX2 + FMA build of a hot loop beside the portable one, picked at load time by the CPU's features.
+// Not target_clones("arch=haswell"): GCC's resolver for an arch= clone compares the CPU *model*, so any
+// CPU but a Haswell (newer Intel, every AMD) would run the SSE2 default.
+#define RFA_SIMD_CLONES __attribute__((target_clones("avx2,fma", "default")))
+
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
-                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps);
+                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
+                       int64_t activation);
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                         const torch::Tensor& key_bias, int64_t beam, double scaling, torch::Tensor& out,
                         torch::Tensor& weights);

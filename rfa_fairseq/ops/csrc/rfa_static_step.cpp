@@ -2,13 +2,15 @@
 // is allocated by the caller once per batch and written in place, so a decoding step allocates nothing.
 //
 //   causal_layer_step   one decoder self-attention step of a causal RFA layer, all heads, from phi(q),
-//                       phi(k), v and the gate logits: the gate, the beam reorder, the state update
-//                       and the read-out in one pass over the state, written in (rows, heads x d)
+//                       phi(k) (or a learned map's pre-activations W x + b, activated here: hedgehog,
+//                       relu), v and the gate logits: the feature map, the gate, the beam reorder, the
+//                       state update and the read-out in one pass over the state, written in (rows, heads x d)
 //   softmax_cross_step  softmax cross-attention of one step over K, V kept once per source sentence
 //                       (a sentence's beams share them), with the head-averaged weights on request
 //   add_layer_norm      out = LayerNorm(x + residual) (residual optional), one pass per row
 //
-// References (tests/test_static_decoding.py compares against them): ops/naive.py's causal_rfa_recurrent, fairseq's MultiheadAttention, torch.nn.functional.layer_norm.
+// References (tests/test_static_decoding.py compares against them): ops/naive.py's causal_rfa_recurrent,
+// ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention, torch.nn.functional.layer_norm.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,7 +23,7 @@
 
 namespace {
 
-__attribute__((target_clones("arch=haswell", "default")))
+RFA_SIMD_CLONES
 float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -30,7 +32,7 @@ float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
 }
 
 // S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S'
-__attribute__((target_clones("arch=haswell", "default")))
+RFA_SIMD_CLONES
 void update_and_read_out(const float* __restrict__ s_in, float* __restrict__ s_out, const float* __restrict__ q,
                          const float* __restrict__ k, const float* __restrict__ v_aug, float g, float k_scale,
                          int64_t F, int64_t D1, float* __restrict__ acc) {
@@ -56,13 +58,13 @@ void update_and_read_out(const float* __restrict__ s_in, float* __restrict__ s_o
 }
 
 // y += a * x
-__attribute__((target_clones("arch=haswell", "default")))
+RFA_SIMD_CLONES
 void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 // out = LayerNorm(x + residual) of one row, through y (C floats); two passes for the variance, as torch
-__attribute__((target_clones("arch=haswell", "default")))
+RFA_SIMD_CLONES
 void layer_norm_row(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ gamma,
                     const float* __restrict__ beta, int64_t C, float eps, float* __restrict__ y, float* out) {
   float sum = 0.0f;
@@ -82,6 +84,46 @@ void layer_norm_row(const float* __restrict__ x, const float* __restrict__ resid
   for (int64_t c = 0; c < C; ++c) out[c] = (y[c] - mean) * rstd * gamma[c] + beta[c];
 }
 
+// causal_layer_step's `activation` (ops/dispatch.py CPP_ACTIVATIONS): what turns its phi_q / phi_k rows into features
+enum Activation : int64_t { kFeatures = 0, kHedgehog = 1, kReLU = 2 };
+
+// phi = [softmax(p), softmax(-p)] of one head's D pre-activations (F = 2D), max-shifted as torch.softmax
+RFA_SIMD_CLONES
+void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
+  float hi = p[0], lo = p[0];
+#pragma omp simd reduction(max : hi) reduction(min : lo)
+  for (int64_t i = 1; i < D; ++i) {
+    hi = std::max(hi, p[i]);
+    lo = std::min(lo, p[i]);
+  }
+  float sum_pos = 0.0f, sum_neg = 0.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    phi[i] = std::exp(p[i] - hi);
+    phi[D + i] = std::exp(lo - p[i]);  // softmax(-p): -p - max(-p) = lo - p
+    sum_pos += phi[i];
+    sum_neg += phi[D + i];
+  }
+  const float inv_pos = 1.0f / sum_pos, inv_neg = 1.0f / sum_neg;
+  for (int64_t i = 0; i < D; ++i) {
+    phi[i] *= inv_pos;
+    phi[D + i] *= inv_neg;
+  }
+}
+
+// the features of one head: a pointer to them (kFeatures) or to `buf`, where the activation wrote them
+const float* features(const float* row, int64_t activation, int64_t F, float* buf) {
+  if (activation == kHedgehog) {
+    hedgehog(row, F / 2, buf);
+    return buf;
+  }
+  if (activation == kReLU) {  // relu(p) / sqrt(D), D = F
+    const float scale = 1.0f / std::sqrt(static_cast<float>(F));
+    for (int64_t i = 0; i < F; ++i) buf[i] = std::max(row[i], 0.0f) * scale;
+    return buf;
+  }
+  return row;
+}
+
 void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols && t.stride(1) == 1 &&
                   t.scalar_type() == torch::kFloat32,
@@ -92,10 +134,15 @@ void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* 
 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
-                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps) {
+                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
+                       int64_t activation) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
-  check_rows(phi_q, R, H * F, "phi_q");
-  check_rows(phi_k, R, H * F, "phi_k");
+  TORCH_CHECK(activation == kFeatures || activation == kHedgehog || activation == kReLU,
+              "rfa static step: unknown feature-map activation ", activation);
+  TORCH_CHECK(activation != kHedgehog || F % 2 == 0, "rfa static step: the hedgehog map has an even number of features");
+  const int64_t P = activation == kHedgehog ? F / 2 : F;  // values per head in phi_q / phi_k rows
+  check_rows(phi_q, R, H * P, "phi_q");
+  check_rows(phi_k, R, H * P, "phi_k");
   check_rows(v, R, H * d, "v");
   check_rows(out, R, H * d, "out");
   TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && state_out.scalar_type() == torch::kFloat32,
@@ -138,7 +185,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const float eps_f = static_cast<float>(eps);
 
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> v_aug(D1), acc(D1);
+    std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / H, h = rh % H;
       float decay = 1.0f, k_scale = 1.0f;
@@ -152,8 +199,10 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       std::copy(vp + r * ldv + h * d, vp + r * ldv + h * d + d, v_aug.begin());
       v_aug[d] = 1.0f;  // the ones column accumulates z
       const int64_t src = reorder ? ord[r] : r;
-      update_and_read_out(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, pq + r * ldq + h * F,
-                          pk + r * ldk + h * F, v_aug.data(), decay, k_scale, F, D1, acc.data());
+      const float* q = features(pq + r * ldq + h * P, activation, F, q_buf.data());
+      const float* k = features(pk + r * ldk + h * P, activation, F, k_buf.data());
+      update_and_read_out(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(),
+                          decay, k_scale, F, D1, acc.data());
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
