@@ -35,6 +35,10 @@ MODELS = {
     "rfa": ("rfa_transformer", []),  # the default: hedgehog map, gate, softmax cross-attention
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
     "rfa_eager": ("rfa_transformer", ["--no-rfa-static-decode"]),  # the default on fairseq's eager path
+    # the default map at a fixed number of features D (the speed/quality knob), whatever the default D is
+    "rfa_d16": ("rfa_transformer", ["--rfa-num-features", "16"]),
+    "rfa_d32": ("rfa_transformer", ["--rfa-num-features", "32"]),
+    "rfa_d64": ("rfa_transformer", ["--rfa-num-features", "64"]),
     "rfa_rfa_cross": ("rfa_transformer", ["--no-rfa-softmax-cross-attn"]),  # constant state in the cross-attention too
     "rfa_paper": ("rfa_transformer", ["--rfa-feature-map", "sincos", "--no-rfa-gate", "--no-rfa-softmax-cross-attn"]),
     "rfa_paper_gated": ("rfa_transformer", ["--rfa-feature-map", "sincos", "--rfa-gate", "--no-rfa-softmax-cross-attn"]),

@@ -36,7 +36,11 @@ MODELS = {
     "softmax": ("softmax", []),
     "rfa": ("hedgehog_gate_softmax_cross", []),
     "rfa_eager": ("hedgehog_gate_softmax_cross", ["--model-overrides", "{'rfa_static_decode': False}"]),
+    # the default model trained at other numbers of features D (the study's D variants)
+    "rfa_d32": ("hedgehog_gate_softmax_cross_d32", []),
+    "rfa_d16": ("hedgehog_gate_softmax_cross_d16", []),
 }
+DEFAULT_MODELS = ["softmax", "rfa", "rfa_eager"]
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
 KEY = ("device", "threads", "batch_size", "model")
 
@@ -156,7 +160,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
                    help="output of data-prep/prepare-multi30k.sh (data-bin/, test.raw.de)")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS),
+                   help=f"default: {' '.join(DEFAULT_MODELS)}")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 128])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeats", type=int, default=2, help="runs per point, models alternating; the fastest counts")
