@@ -20,8 +20,11 @@ recipe model trained for each --teacher-updates (the study's own softmax run) is
 rfa_transformer by rfa-convert-transformer with attention distillation (ce or mse loss) or by a plain swap,
 translated as converted and after each --finetune-updates budget of scripts/train.sh FINETUNE_FROM (one run
 per method, continued from budget to budget), beside the default model trained from scratch for the
-teacher's updates plus the same budget. One row per (teacher, seed, method, budget) in
-benchmarks/results/conversion_multi30k.csv, skipped when present; a PNG of BLEU against budget.
+teacher's updates plus the same budget. One row per (teacher, seed, method, D, fine-tuning learning rate,
+budget) in benchmarks/results/conversion_multi30k.csv, skipped when present; a PNG of BLEU against budget.
+--num-features picks D of the converted and from-scratch models (default: rfa_transformer's), --finetune-lr
+the fine-tuning runs' peak learning rate (default: scripts/train.sh's recipe). A longer teacher or
+from-scratch run continues the study's shorter run of the same model instead of repeating its updates.
 
 --parallel N trains N variants at once (on a GPU, small models leave it mostly idle; timings from
 such runs are marked with the number of runs sharing the device and are only comparable within it).
@@ -39,6 +42,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,11 +56,12 @@ RECIPE = "multi30k_en_de"
 BUDGET_ARGS = ["--lr", "0.001", "--warmup-updates", "800", "--no-epoch-checkpoints"]
 
 # name -> (MODEL for train.sh, extra fairseq-train flags, what it tests). Every RFA variant spells out
-# the feature map, the gate and the cross-attention, so a row keeps its meaning when defaults change.
+# the feature map, the gate, the cross-attention and D, so a row keeps its meaning when defaults change.
 def _rfa(feature_map, gate, cross, *more):
+    d = [] if "--rfa-num-features" in more else ["--rfa-num-features", "64"]  # D = 64 unless a variant says
     return [
         "--rfa-feature-map", feature_map, "--rfa-gate" if gate else "--no-rfa-gate",
-        "--rfa-softmax-cross-attn" if cross == "softmax" else "--no-rfa-softmax-cross-attn", *more,
+        "--rfa-softmax-cross-attn" if cross == "softmax" else "--no-rfa-softmax-cross-attn", *d, *more,
     ]
 
 
@@ -91,6 +96,10 @@ VARIANTS = {
                   "T2R's learned relu(Wx + b) map, 128 features, and the gate"),
     "elu_gate": ("rfa", _rfa("elu", True, "rfa"), "elu(x) + 1 (64 features) and the gate"),
 }
+
+# the default model (hedgehog map, gate, softmax cross-attention) at each D
+DEFAULT_MODEL_VARIANTS = {64: "hedgehog_gate_softmax_cross", 32: "hedgehog_gate_softmax_cross_d32",
+                          16: "hedgehog_gate_softmax_cross_d16"}
 
 FIELDS = [
     "variant", "max_update", "seed", "bleu", "chrf", "valid_loss", "best_valid_loss", "valid_loss_by_epoch",
@@ -348,6 +357,31 @@ def _train_to(env, extra, work, updates, args):
     return time.time() - start
 
 
+def _continue_from(work, sources, updates):
+    """Start `work` from the furthest of `sources` (run directories of the same model, flags and seed) whose
+    checkpoint_last.pt stands at no more than `updates` updates, when `work` has no checkpoint yet: its
+    checkpoint_last.pt and train.log are copied and train.sh continues from there. The run is the one that
+    would be trained from scratch (fairseq restores model, optimizer, schedule and data position; the
+    inverse-sqrt schedule does not depend on --max-update), without repeating its first updates."""
+    if os.path.exists(os.path.join(work, "checkpoint_last.pt")):
+        return
+    reached = {}
+    for source in sources:
+        last = os.path.join(source, "checkpoint_last.pt")
+        if os.path.abspath(source) != os.path.abspath(work) and os.path.exists(last):
+            reached[source] = _updates_of(last)
+    usable = [source for source, n in reached.items() if n <= updates]
+    if not usable:
+        return
+    source = max(usable, key=reached.get)
+    os.makedirs(work, exist_ok=True)
+    for name in ("train.log", "checkpoint_best.pt", "checkpoint_last.pt"):  # the checkpoint last: it marks a copy done
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(work, name + ".tmp"))
+            os.replace(os.path.join(work, name + ".tmp"), os.path.join(work, name))
+    log(f"{work}: continues {source} (at {reached[source]} updates)")
+
+
 def conversion_study(args, shared_env):
     """Teachers = the softmax recipe model at each --teacher-updates; each is converted by every method (into the
     default model with D = --num-features) and fine-tuned at --finetune-lr; each (teacher, method, D, learning
@@ -386,6 +420,8 @@ def conversion_study(args, shared_env):
                       and any(row_key(teacher_updates, m, b) not in done for b in args.finetune_updates)]
         # the teacher is trained only when a conversion needs it (a scratch run can go on beside its training)
         if converting and (row_key(teacher_updates, "teacher", 0) not in done or not os.path.exists(teacher)):
+            shorter = [os.path.join(args.work_dir, f"softmax_u{u}_s{args.seed}") for u in args.teacher_updates]
+            _continue_from(teacher_dir, shorter, teacher_updates)
             last = os.path.join(teacher_dir, "checkpoint_last.pt")
             if os.path.exists(teacher) and os.path.exists(last) and _updates_of(last) >= teacher_updates:
                 # trained already (by the quality study): fairseq-train would add an update when rerun
@@ -398,8 +434,8 @@ def conversion_study(args, shared_env):
         teacher_bleu = next((r["bleu"] for r in read_rows(args.csv)
                              if conversion_key(r) == row_key(teacher_updates, "teacher", 0)), "")
         # D = 64 keeps the directories of the runs made before D was a study option
-        tag = "" if features == LEGACY_NUM_FEATURES else f"_d{features}"
-        work_root = os.path.join(args.work_dir, f"conversion_u{teacher_updates}_s{args.seed}{tag}")
+        d_tag = "" if features == LEGACY_NUM_FEATURES else f"_d{features}"
+        work_root = os.path.join(args.work_dir, f"conversion_u{teacher_updates}_s{args.seed}{d_tag}")
         for method in args.methods:
             work = os.path.join(work_root, method)
             todo = [b for b in sorted(args.finetune_updates) if row_key(teacher_updates, method, b) not in done]
@@ -408,8 +444,14 @@ def conversion_study(args, shared_env):
             os.makedirs(work, exist_ok=True)
             env = dict(shared_env, DATA=data_bin, RECIPE=RECIPE, MODEL="rfa")
             if method == "scratch":  # the default model from scratch: the same total number of updates
-                variant_flags = VARIANTS["hedgehog_gate_softmax_cross"][1] + d_flags
+                variant = DEFAULT_MODEL_VARIANTS.get(args.num_features)
+                variant_flags = VARIANTS[variant][1] if variant else VARIANTS["hedgehog_gate_softmax_cross"][1] + d_flags
                 extra = BUDGET_ARGS + ["--seed", str(args.seed)] + variant_flags + cpu
+                # the same model trained by the quality study, or for a smaller teacher here, is continued
+                sources = [os.path.join(args.work_dir, f"{variant}_u{u}_s{args.seed}") for u in args.teacher_updates
+                           if variant] + [os.path.join(args.work_dir, f"conversion_u{u}_s{args.seed}{d_tag}", method)
+                                          for u in args.teacher_updates]
+                _continue_from(work, sources, teacher_updates + todo[0])
                 for budget in todo:
                     seconds = _train_to(env, extra, work, teacher_updates + budget, args)
                     scores = translate_and_score(os.path.join(work, "checkpoint_last.pt"), work, args, shared_env,
@@ -447,12 +489,12 @@ def conversion_study(args, shared_env):
             for budget in todo:
                 seconds = 0.0
                 checkpoint = converted
-                tag = f"test_ft{budget}"
+                test_tag = f"test_ft{budget}"
                 if budget > 0:
                     seconds = _train_to(dict(env, FINETUNE_FROM=converted), extra, finetune_dir, budget, args)
                     checkpoint = os.path.join(finetune_dir, "checkpoint_last.pt")
-                    tag += "" if lr == DEFAULT_FINETUNE_LR else f"_lr{lr}"
-                scores = translate_and_score(checkpoint, work, args, shared_env, tag=tag)
+                    test_tag += "" if lr == DEFAULT_FINETUNE_LR else f"_lr{lr}"
+                scores = translate_and_score(checkpoint, work, args, shared_env, tag=test_tag)
                 record(dict(base, method=method, finetune_updates=budget, bleu=scores["bleu"], chrf=scores["chrf"],
                             teacher_bleu=teacher_bleu, train_seconds=f"{seconds:.0f}", **fidelity))
     plot_conversion(read_rows(args.csv), os.path.splitext(args.csv)[0] + ".png")

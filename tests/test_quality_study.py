@@ -78,3 +78,24 @@ def test_bad_conversion_options_are_refused(capsys):
         with pytest.raises(SystemExit) as exit_info:
             quality_study.main(["--conversion", *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_run_continues_the_furthest_shorter_run_of_the_same_model(tmp_path, monkeypatch):
+    """_continue_from copies the checkpoint (and train.log) of the source that got furthest without passing the
+    target, and leaves a run that has its own checkpoint alone."""
+    monkeypatch.setattr(quality_study, "_updates_of", lambda path: int(open(path).read()))
+    sources = []
+    for updates in (500, 1000, 1500):
+        source = tmp_path / f"u{updates}"
+        source.mkdir()
+        (source / "checkpoint_last.pt").write_text(str(updates))
+        (source / "train.log").write_text(f"log of {updates}")
+        sources.append(str(source))
+    work = tmp_path / "work"
+    quality_study._continue_from(str(work), sources, 1200)
+    assert (work / "checkpoint_last.pt").read_text() == "1000" and (work / "train.log").read_text() == "log of 1000"
+    quality_study._continue_from(str(work), sources, 2000)  # has its own checkpoint now: untouched
+    assert (work / "checkpoint_last.pt").read_text() == "1000"
+    fresh = tmp_path / "fresh"
+    quality_study._continue_from(str(fresh), sources, 400)  # every source is past 400: nothing to continue
+    assert not fresh.exists()
