@@ -221,6 +221,22 @@ def stream_worker(cmd, deadline: float, on_result) -> str:
     return status
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None (a note printed) when matplotlib is not installed."""
+    try:
+        import logging
+
+        import matplotlib
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's logging setup would print its debug lines
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install -e .[bench])", flush=True)
+        return None
+    return plt
+
+
 def write_csv(path: str, rows) -> None:
     tmp = path + ".tmp"
     fields = list(dict.fromkeys(key for row in rows for key in row))  # every column, in first-seen order

@@ -49,6 +49,7 @@ from benchmark_common import (  # noqa: E402
     make_dictionary,
     peak_memory_mb,
     print_table,
+    pyplot,
     run_worker,
     stream_worker,
     tensor_bytes,
@@ -496,13 +497,8 @@ def add_ratios(rows) -> None:
 
 
 def plot(rows, path, args):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (pip install -e .[bench])")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan", "rfa_eager": "tab:brown", "ct2": "tab:purple"}

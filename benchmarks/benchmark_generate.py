@@ -29,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import REPO, PLUGIN_DIR, device_tag, write_csv  # noqa: E402
+from benchmark_common import REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
 
 # model name -> (quality-study variant whose checkpoint it decodes, extra fairseq-generate flags)
 MODELS = {
@@ -113,13 +113,8 @@ def bleu(hyps, refs) -> float:
 
 
 def plot(rows, png_path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     points = sorted({(int(r["threads"]), int(r["batch_size"])) for r in rows})
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]

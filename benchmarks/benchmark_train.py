@@ -37,6 +37,7 @@ from benchmark_common import (  # noqa: E402
     machine_description,
     peak_memory_mb,
     print_table,
+    pyplot,
     run_worker,
     stream_worker,
     write_csv,
@@ -309,13 +310,8 @@ def add_speedups(rows) -> None:
 
 
 def plot(rows, path, title="") -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (pip install -e .[bench])")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for kind in sorted({r["kind"] for r in rows}):

@@ -251,8 +251,11 @@ def key(row):
 def _pyplot():
     """matplotlib.pyplot drawing to files, or None (logged) when matplotlib is not installed."""
     try:
+        import logging
+
         import matplotlib
 
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's logging setup would print its debug lines
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
