@@ -501,7 +501,9 @@ def plot(rows, path, args):
     if plt is None:
         return None
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan", "rfa_eager": "tab:brown", "ct2": "tab:purple"}
+    colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan",
+              "rfa_eager": "tab:brown", "ct2": "tab:purple", "rfa_d16": "tab:olive", "rfa_d32": "tab:pink", "rfa_d64": "tab:gray",
+              "rfa_paper": "gold", "rfa_paper_gated": "darkkhaki", "rfa_rfa_cross": "navy"}
     styles = ["-", "--", ":", "-."]
     batches = sorted({r["batch"] for r in rows})
     for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):
