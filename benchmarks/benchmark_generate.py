@@ -41,7 +41,8 @@ MODELS = {
     "rfa_d16": ("hedgehog_gate_softmax_cross_d16", []),
 }
 DEFAULT_MODELS = ["softmax", "rfa", "rfa_eager"]
-TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+# fairseq-generate's summary; its seconds have one decimal, its sentences/s two: the time is taken from the rate
+TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
 KEY = ("device", "threads", "batch_size", "model")
 
 
@@ -103,7 +104,7 @@ def generate(args, model, batch_size, threads, hyp_path):
             key, _, hyp = line.split("\t", 2)
             hyps[int(key[2:])] = hyp
     sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
-    return sentences, tokens, float(found.group(3)), usage.ru_maxrss / 1024, hyps
+    return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps
 
 
 def bleu(hyps, refs) -> float:
