@@ -32,7 +32,6 @@ MODEL_ARGS=(
     --encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 --decoder-embed-dim 128
     --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256
     --encoder-attention-heads 4 --decoder-attention-heads 4
-    --rfa-num-features 32
 )
 TRAIN_ARGS=(
     --optimizer adam --adam-betas "(0.9,0.98)" --lr 2e-3 --lr-scheduler inverse_sqrt --warmup-updates 150

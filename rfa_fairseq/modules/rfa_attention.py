@@ -59,7 +59,7 @@ class RFAAttention(nn.Module):
         qn_block_size: int = 8,
         *,
         feature_map: str = "hedgehog",
-        num_features: int = 64,
+        num_features: int = 16,
         random_matrix: str = "orthogonal",
         fixed_random_matrix: bool = False,
         sigma: str = "learned",
