@@ -253,9 +253,9 @@ def _pyplot():
     try:
         import logging
 
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # before the import, which logs too: fairseq's setup prints debug lines
         import matplotlib
 
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's logging setup would print its debug lines
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
