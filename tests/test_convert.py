@@ -17,6 +17,7 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from rfa_fairseq.checkpoints import safe_load
 from rfa_fairseq.cli.convert import main as convert_main
 from rfa_fairseq.cli.convert import teacher_forced_agreement
+from rfa_fairseq.config import RFA_DEFAULTS
 
 CONVERT = os.path.join(REPO, "scripts", "convert_transformer_to_rfa.py")
 # head dimension 16, 2 + 2 layers: small enough for a CPU test, large enough to learn the task well
@@ -151,7 +152,8 @@ def test_distilled_conversion_decodes_and_finetunes_through_train_sh(tmp_path_fa
               SAVE_DIR=finetune_dir, FINETUNE_FROM=distilled, **SYNTHETIC_PAIR).stdout
     assert f"loading pretrained model from {distilled}" in log
     command = next(line for line in log.splitlines() if line.startswith("train.sh: 20"))
-    assert "--rfa-feature-map hedgehog --rfa-num-features 64" in command and "--lr 0.0005 --warmup-updates 50" in command
+    default_d = RFA_DEFAULTS["rfa_num_features"]  # the converter's D: rfa_transformer's default
+    assert f"--rfa-feature-map hedgehog --rfa-num-features {default_d}" in command and "--lr 0.0005 --warmup-updates 50" in command
     finetuned = safe_load(str(finetune_dir / "checkpoint_last.pt"))
     assert finetuned["optimizer_history"][-1]["num_updates"] == 3
 
