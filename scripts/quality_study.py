@@ -38,6 +38,7 @@ import argparse
 import concurrent.futures
 import csv
 import datetime
+import glob
 import json
 import os
 import re
@@ -423,7 +424,8 @@ def conversion_study(args, shared_env):
                       and any(row_key(teacher_updates, m, b) not in done for b in args.finetune_updates)]
         # the teacher is trained only when a conversion needs it (a scratch run can go on beside its training)
         if converting and (row_key(teacher_updates, "teacher", 0) not in done or not os.path.exists(teacher)):
-            shorter = [os.path.join(args.work_dir, f"softmax_u{u}_s{args.seed}") for u in args.teacher_updates]
+            # any shorter run of the teacher, from this call's --teacher-updates or an earlier one
+            shorter = glob.glob(os.path.join(args.work_dir, f"softmax_u*_s{args.seed}"))
             _continue_from(teacher_dir, shorter, teacher_updates)
             last = os.path.join(teacher_dir, "checkpoint_last.pt")
             if os.path.exists(teacher) and os.path.exists(last) and _updates_of(last) >= teacher_updates:
@@ -451,9 +453,8 @@ def conversion_study(args, shared_env):
                 variant_flags = VARIANTS[variant][1] if variant else VARIANTS["hedgehog_gate_softmax_cross"][1] + d_flags
                 extra = BUDGET_ARGS + ["--seed", str(args.seed)] + variant_flags + cpu
                 # the same model trained by the quality study, or for a smaller teacher here, is continued
-                sources = [os.path.join(args.work_dir, f"{variant}_u{u}_s{args.seed}") for u in args.teacher_updates
-                           if variant] + [os.path.join(args.work_dir, f"conversion_u{u}_s{args.seed}{d_tag}", method)
-                                          for u in args.teacher_updates]
+                sources = (glob.glob(os.path.join(args.work_dir, f"{variant}_u*_s{args.seed}")) if variant else []) + \
+                    glob.glob(os.path.join(args.work_dir, f"conversion_u*_s{args.seed}{d_tag}", method))
                 _continue_from(work, sources, teacher_updates + todo[0])
                 for budget in todo:
                     seconds = _train_to(env, extra, work, teacher_updates + budget, args)
