@@ -1,19 +1,23 @@
-"""Multi30k EN-DE quality study: named variants of rfa_transformer vs the softmax twin, one budget.
+"""Multi30k quality study: named variants of rfa_transformer vs the softmax twin, one budget, EN-DE or EN-FR.
 
     python scripts/quality_study.py --prep outputs/multi30k --variants softmax rfa hedgehog_gate
+    python scripts/quality_study.py --pair en-fr --prep outputs/multi30k_en_fr --max-update 2000 --seed 2
     python scripts/quality_study.py --prep outputs/multi30k --fast            # 300 updates, to rank ideas
     python scripts/quality_study.py --list                                    # the variants and their flags
 
-Every run trains with scripts/train.sh (RECIPE=multi30k_en_de: 256 dims, 3+3 layers, joint 8k
-SentencePiece) at one shared budget: --max-update N (default 1,000) with --lr 0.001
+Every run trains with scripts/train.sh (RECIPE=multi30k_en_de or, with --pair en-fr, multi30k_en_fr: 256
+dims, 3+3 layers, joint 8k SentencePiece) at one shared budget: --max-update N (default 1,000) with --lr 0.001
 --warmup-updates 800 (the recipe's 4,000-update warm-up does not finish in a CPU budget), seed 1,
 then translates test_2016_flickr with scripts/generate.sh (beam 4, checkpoint_best.pt) and scores
 it with scripts/score.sh (sacreBLEU, chrF). One CSV row per (variant, budget, seed): valid loss after
 every epoch, the final and best valid loss, BLEU, chrF, training time and words/s, the decoding time
 fairseq-generate reports, the device and how many runs shared it. The CSV is rewritten whole after
 every finished run (no half-written rows) and finished rows are skipped, so the study can be stopped
-and continued; an unfinished training resumes from its checkpoint_last.pt. A PNG of the valid-loss
-curves is drawn from the CSV at the end.
+and continued; an unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the
+furthest shorter run of the same variant and seed on disk (the inverse-sqrt schedule does not depend on
+--max-update, so this is the run trained from scratch, without repeating its updates). Each pair has its own
+CSV (EN-FR: the EN-DE name with _en_fr before the suffix). Two PNGs are drawn at the end: the valid-loss
+curves of the CSV, and BLEU against updates per model and pair from both pairs' CSVs (--bleu-png).
 
 --conversion runs the conversion study instead (docs/quality.md, "Converting a softmax model"): the softmax
 recipe model trained for each --teacher-updates (the study's own softmax run) is converted into the default
@@ -52,7 +56,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CSV = os.path.join(REPO, "benchmarks", "results", "quality_multi30k.csv")
-RECIPE = "multi30k_en_de"
+PAIRS = ("en-de", "en-fr")
 # shared by every variant: a warm-up that ends inside the budget (see the module docstring)
 BUDGET_ARGS = ["--lr", "0.001", "--warmup-updates", "800", "--no-epoch-checkpoints"]
 
@@ -105,7 +109,21 @@ DEFAULT_MODEL_VARIANTS = {64: "hedgehog_gate_softmax_cross", 32: "hedgehog_gate_
 FIELDS = [
     "variant", "max_update", "seed", "bleu", "chrf", "valid_loss", "best_valid_loss", "valid_loss_by_epoch",
     "train_seconds", "train_wps", "decode_seconds", "device", "runs_sharing_device", "flags", "finished_utc",
+    "bleu_signature", "chrf_signature",
 ]
+
+
+def recipe_of(pair):
+    """scripts/train.sh's RECIPE for a Multi30k language pair: en-fr -> multi30k_en_fr."""
+    return "multi30k_" + pair.replace("-", "_")
+
+
+def csv_for_pair(csv_path, pair):
+    """The pair's CSV: EN-DE keeps the name it had before EN-FR existed, EN-FR adds _en_fr before the suffix."""
+    if pair == "en-de":
+        return csv_path
+    stem, ext = os.path.splitext(csv_path)
+    return f"{stem}_{pair.replace('-', '_')}{ext}"
 
 
 def log(message: str) -> None:
@@ -179,9 +197,10 @@ def parse_train_log(text: str):
 
 
 def translate_and_score(checkpoint, work, args, shared_env, tag="test"):
-    """Translate test_2016_flickr with `checkpoint` (beam 4) into work/<tag>.hyp.de and score it:
-    {bleu, chrf, decode_seconds} as strings for a CSV row."""
-    hyp = os.path.join(work, f"{tag}.hyp.de")
+    """Translate test_2016_flickr with `checkpoint` (beam 4) into work/<tag>.hyp.<tgt> and score it:
+    {bleu, chrf, decode_seconds, bleu_signature, chrf_signature} as strings for a CSV row."""
+    tgt = getattr(args, "pair", "en-de").split("-")[1]
+    hyp = os.path.join(work, f"{tag}.hyp.{tgt}")
     gen = ["bash", os.path.join(REPO, "scripts", "generate.sh"), "--data-bin", os.path.join(args.prep, "data-bin"),
            "--checkpoint", checkpoint, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192", "--output", hyp]
     if args.device == "cpu":
@@ -190,28 +209,34 @@ def translate_and_score(checkpoint, work, args, shared_env, tag="test"):
         limit_name="--decode-timeout-h")
     translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
     scores_json = os.path.join(work, f"{tag}.scores.json")
-    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, "test.raw.de"),
+    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, f"test.raw.{tgt}"),
          "--json", scores_json], env=shared_env, log_path=os.path.join(work, f"{tag}.score.log"),
         timeout_s=args.decode_timeout_h * 3600, limit_name="--decode-timeout-h")
     scores = json.load(open(scores_json))
     return {"bleu": f"{scores['bleu']['score']:.2f}", "chrf": f"{scores['chrf']['score']:.2f}",
-            "decode_seconds": translated.group(1) if translated else ""}
+            "decode_seconds": translated.group(1) if translated else "",
+            "bleu_signature": scores["bleu"].get("signature", ""), "chrf_signature": scores["chrf"].get("signature", "")}
 
 
 def train_and_score(name, args, shared_env, runs_sharing):
     model, flags, _ = VARIANTS[name]
     work = os.path.join(args.work_dir, f"{name}_u{args.max_update}_s{args.seed}")
+    # a longer budget continues the furthest shorter run of this variant and seed (same flags: same name)
+    shorter = glob.glob(os.path.join(args.work_dir, f"{glob.escape(name)}_u*_s{args.seed}"))
+    _continue_from(work, [d for d in shorter if re.fullmatch(rf"{re.escape(name)}_u\d+_s{args.seed}", os.path.basename(d))],
+                   args.max_update)
     os.makedirs(work, exist_ok=True)
     train_log = os.path.join(work, "train.log")  # written by train.sh (appended on resume)
-    env = dict(shared_env, DATA=os.path.join(args.prep, "data-bin"), RECIPE=RECIPE, MODEL=model, SAVE_DIR=work,
-               MAX_UPDATE=str(args.max_update))
+    env = dict(shared_env, DATA=os.path.join(args.prep, "data-bin"), RECIPE=recipe_of(getattr(args, "pair", "en-de")),
+               MODEL=model)
     extra = BUDGET_ARGS + ["--seed", str(args.seed)] + flags + shlex.split(args.train_args)
     extra += ["--cpu"] if args.device == "cpu" else []
-    start = time.time()
-    run(["bash", os.path.join(REPO, "scripts", "train.sh"), *extra], env=env, log_path=os.path.join(work, "train_sh.log"),
-        timeout_s=args.train_timeout_h * 3600, limit_name="--train-timeout-h")
-    train_seconds = time.time() - start
+    train_seconds = _train_to(env, extra, work, args.max_update, args)
     valid, wps = parse_train_log(open(train_log).read())
+    # fairseq's cumulative wall clock (restored on resume): the whole run's time, also for a continued run
+    walls = re.findall(r"\| train \|.*?\| wall (\d+)", open(train_log).read())
+    if walls:
+        train_seconds = float(walls[-1])
     if not valid:
         raise RuntimeError(f"{name}: no validation results in {train_log}")
 
@@ -224,6 +249,7 @@ def train_and_score(name, args, shared_env, runs_sharing):
         "decode_seconds": scores["decode_seconds"],
         "device": args.device_name, "runs_sharing_device": runs_sharing,
         "flags": " ".join(flags), "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"],
     }
 
 
@@ -265,7 +291,7 @@ def _pyplot():
     return plt
 
 
-def plot(rows, png_path):
+def plot(rows, png_path, pair="en-de"):
     plt = _pyplot()
     if plt is None:
         return
@@ -277,7 +303,7 @@ def plot(rows, png_path):
             style = dict(color="black", linewidth=2.5) if row["variant"] == "softmax" else dict(linewidth=1.2)
             ax.plot([u for u, _ in points], [v for _, v in points], marker=".",
                     label=f"{row['variant']} s{row['seed']} (BLEU {row['bleu']})", **style)
-        ax.set_title(f"Multi30k EN-DE, {budget} updates: valid loss")
+        ax.set_title(f"Multi30k {pair.upper()}, {budget} updates: valid loss")
         ax.set_xlabel("updates")
         ax.set_ylabel("valid loss (label-smoothed CE, base 2)")
         ax.set_ylim(top=min(9, ax.get_ylim()[1]))
@@ -287,6 +313,35 @@ def plot(rows, png_path):
     fig.savefig(png_path, dpi=90)
     log(f"wrote {png_path}")
 
+
+def plot_bleu_by_updates(csv_by_pair, png_path, variants=("softmax",) + tuple(DEFAULT_MODEL_VARIANTS.values())):
+    """BLEU on test_2016_flickr against training updates, one panel per pair, one line per variant (the mean over
+    seeds, each seed's row as a dot): the softmax twin and the default model at each D."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(csv_by_pair), figsize=(7 * len(csv_by_pair), 5), squeeze=False)
+    for ax, (pair, path) in zip(axes[0], csv_by_pair.items()):
+        rows = [r for r in read_rows(path) if r["variant"] in variants]
+        for variant in [v for v in variants if any(r["variant"] == v for r in rows)]:
+            by_budget = {}
+            for r in rows:
+                if r["variant"] == variant:
+                    by_budget.setdefault(int(r["max_update"]), []).append(float(r["bleu"]))
+            budgets = sorted(by_budget)
+            style = dict(color="black", linewidth=2.5) if variant == "softmax" else dict(linewidth=1.5)
+            line, = ax.plot(budgets, [sum(by_budget[b]) / len(by_budget[b]) for b in budgets], marker="o",
+                            label=f"{variant} (mean of seeds)", **style)
+            for b in budgets:
+                ax.scatter([b] * len(by_budget[b]), by_budget[b], color=line.get_color(), s=12, alpha=0.6)
+        ax.set_title(f"Multi30k {pair.upper()}: BLEU, test_2016_flickr (beam 4)")
+        ax.set_xlabel("training updates")
+        ax.set_ylabel("BLEU")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    log(f"wrote {png_path}")
 
 
 # ---------------------------------------------------------------- --conversion: softmax -> RFA
@@ -447,7 +502,7 @@ def conversion_study(args, shared_env):
             if not todo:
                 continue
             os.makedirs(work, exist_ok=True)
-            env = dict(shared_env, DATA=data_bin, RECIPE=RECIPE, MODEL="rfa")
+            env = dict(shared_env, DATA=data_bin, RECIPE=recipe_of("en-de"), MODEL="rfa")
             if method == "scratch":  # the default model from scratch: the same total number of updates
                 variant = DEFAULT_MODEL_VARIANTS.get(args.num_features)
                 variant_flags = VARIANTS[variant][1] if variant else VARIANTS["hedgehog_gate_softmax_cross"][1] + d_flags
@@ -547,15 +602,20 @@ def plot_conversion(rows, png_path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
-                   help="output of data-prep/prepare-multi30k.sh (data-bin/, test.raw.de, spm.model)")
+    p.add_argument("--pair", choices=PAIRS, default="en-de",
+                   help="Multi30k language pair (default en-de); en-fr trains RECIPE=multi30k_en_fr into its own CSV")
+    p.add_argument("--prep", default=None,
+                   help="output of data-prep/prepare-multi30k.sh --pair PAIR (data-bin/, test.raw.<tgt>, spm.model); "
+                        "default outputs/multi30k (en-de), outputs/multi30k_en_fr (en-fr)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="names from --list (default: all)")
     p.add_argument("--max-update", type=int, default=1000)
     p.add_argument("--fast", action="store_true", help="--max-update 300: rank ideas before confirming at full budget")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--parallel", type=int, default=1, help="variants trained at once (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "quality"))
+    p.add_argument("--work-dir", default=None, help="run directories (default outputs/quality, outputs/quality_en_fr)")
+    p.add_argument("--bleu-png", default=None,
+                   help="BLEU against updates, both pairs (default: the EN-DE CSV's name + _bleu_by_updates.png)")
     p.add_argument("--csv", default=None, help=f"default: {os.path.relpath(DEFAULT_CSV, REPO)}, with --conversion "
                    f"{os.path.relpath(CONVERSION_CSV, REPO)}")
     p.add_argument("--conversion", action="store_true",
@@ -592,8 +652,13 @@ def main(argv=None):
         p.error(f"unknown variant(s) {', '.join(unknown)}; see --list")
     if args.fast:
         args.max_update = 300
+    if args.conversion and args.pair != "en-de":
+        p.error("--conversion studies EN-DE only (its CSV has no pair column)")
+    pair_tag = "" if args.pair == "en-de" else "_" + args.pair.replace("-", "_")
+    args.prep = args.prep or os.path.join(REPO, "outputs", "multi30k" + pair_tag)
+    args.work_dir = args.work_dir or os.path.join(REPO, "outputs", "quality" + pair_tag)
     if args.csv is None:
-        args.csv = CONVERSION_CSV if args.conversion else DEFAULT_CSV
+        args.csv = CONVERSION_CSV if args.conversion else csv_for_pair(DEFAULT_CSV, args.pair)
     if any(u <= 0 for u in args.teacher_updates) or any(b < 0 for b in args.finetune_updates):
         p.error("--teacher-updates must be positive and --finetune-updates non-negative")
     if args.num_features is not None and args.num_features <= 0:
@@ -603,9 +668,10 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         p.error(f"--finetune-lr must be a positive number, got {args.finetune_lr!r}")
-    for needed in ("data-bin/dict.en.txt", "test.raw.de", "spm.model"):
+    src, tgt = args.pair.split("-")
+    for needed in (f"data-bin/dict.{src}.txt", f"data-bin/dict.{tgt}.txt", f"test.raw.{tgt}", "spm.model"):
         if not os.path.exists(os.path.join(args.prep, needed)):
-            p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh first")
+            p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh --pair {args.pair} first")
     import torch
 
     if args.device is None:
@@ -657,7 +723,11 @@ def main(argv=None):
             raise
     rows = read_rows(args.csv)
     if rows:
-        plot(rows, os.path.splitext(args.csv)[0] + ".png")
+        plot(rows, os.path.splitext(args.csv)[0] + ".png", args.pair)
+        stem, ext = os.path.splitext(args.csv)
+        stem = stem[: -len(pair_tag)] if pair_tag and stem.endswith(pair_tag) else stem
+        plot_bleu_by_updates({pair: csv_for_pair(stem + ext, pair) for pair in PAIRS},
+                             args.bleu_png or stem + "_bleu_by_updates.png")
         budget_rows = sorted((r for r in rows if int(r["max_update"]) == args.max_update), key=lambda r: -float(r["bleu"]))
         print(f"\n{'variant':30s} {'seed':>4s} {'BLEU':>6s} {'chrF':>6s} {'valid':>6s} {'train s':>8s} {'decode s':>8s}")
         for r in budget_rows:

@@ -27,7 +27,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # ------------------------------------------------------------------ settings (environment)
 DATA="${DATA:-}"                      # binarized data (fairseq-preprocess --destdir); required
-RECIPE="${RECIPE:-iwslt14_de_en}"     # iwslt14_de_en | wmt14_en_de | wmt14_en_de_big | wmt14_en_fr_big | multi30k_en_de
+RECIPE="${RECIPE:-iwslt14_de_en}"     # iwslt14_de_en | wmt14_en_de | wmt14_en_de_big | wmt14_en_fr_big | multi30k_en_de | multi30k_en_fr
 MODEL="${MODEL:-rfa}"                 # rfa | softmax (the baseline of the same size)
 ARCH="${ARCH:-}"                      # default: the recipe's architecture for MODEL
 SAVE_DIR="${SAVE_DIR:-}"              # default: checkpoints/<config name>, as the config
@@ -76,13 +76,13 @@ case "$RECIPE" in
         rfa_arch=rfa_transformer_vaswani_wmt_en_fr_big; softmax_arch=transformer_vaswani_wmt_en_fr_big
         src=en; tgt=fr; max_update=300000; fp16=1
         RECIPE_ARGS=("${WMT_ARGS[@]}" --dropout 0.1 --lr 0.0005) ;;
-    multi30k_en_de)
+    multi30k_en_de | multi30k_en_fr)  # one model and schedule for both Multi30k pairs
         rfa_arch=rfa_transformer; softmax_arch=transformer
-        src=en; tgt=de; max_update=10000; fp16=0
+        src=en; tgt=${RECIPE##*_}; max_update=10000; fp16=0
         RECIPE_ARGS=(--encoder-embed-dim 256 --encoder-ffn-embed-dim 1024 --encoder-layers 3 --encoder-attention-heads 4
                      --decoder-embed-dim 256 --decoder-ffn-embed-dim 1024 --decoder-layers 3 --decoder-attention-heads 4
                      --share-all-embeddings --share-decoder-input-output-embed --dropout 0.3 --weight-decay 0.0001 --lr 0.0005 --max-tokens 4096) ;;
-    *) die "unknown RECIPE='$RECIPE' (one of: iwslt14_de_en wmt14_en_de wmt14_en_de_big wmt14_en_fr_big multi30k_en_de)" ;;
+    *) die "unknown RECIPE='$RECIPE' (one of: iwslt14_de_en wmt14_en_de wmt14_en_de_big wmt14_en_fr_big multi30k_en_de multi30k_en_fr)" ;;
 esac
 
 case "$MODEL" in

@@ -37,6 +37,7 @@ RECIPES = {
     "wmt14_en_de_big": ("rfa_transformer_vaswani_wmt_en_de_big", (1024, 4096, 6, 16), 0.3, 5e-4, 0.0, 3584, True, ("en", "de")),
     "wmt14_en_fr_big": ("rfa_transformer_vaswani_wmt_en_fr_big", (1024, 4096, 6, 16), 0.1, 5e-4, 0.0, 3584, True, ("en", "fr")),
     "multi30k_en_de": ("rfa_transformer", (256, 1024, 3, 4), 0.3, 5e-4, 1e-4, 4096, True, ("en", "de")),
+    "multi30k_en_fr": ("rfa_transformer", (256, 1024, 3, 4), 0.3, 5e-4, 1e-4, 4096, True, ("en", "fr")),
 }
 CONFIGS = [name + suffix for name in RECIPES for suffix in ("", "_softmax")]
 RFA_DEFAULTS = {k: v for k, v in _RFA_DATACLASS_DEFAULTS.items() if k.startswith("rfa_")}  # not "_name"
