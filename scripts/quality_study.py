@@ -320,6 +320,7 @@ def plot_bleu_by_updates(csv_by_pair, png_path, variants=("softmax",) + tuple(DE
     plt = _pyplot()
     if plt is None:
         return
+    csv_by_pair = {pair: path for pair, path in csv_by_pair.items() if os.path.exists(path)}
     fig, axes = plt.subplots(1, len(csv_by_pair), figsize=(7 * len(csv_by_pair), 5), squeeze=False)
     for ax, (pair, path) in zip(axes[0], csv_by_pair.items()):
         rows = [r for r in read_rows(path) if r["variant"] in variants]
