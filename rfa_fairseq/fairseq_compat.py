@@ -52,7 +52,7 @@ exact as before.
 import atexit
 import functools
 import logging
-import pickle
+import os
 import queue
 import threading
 
@@ -60,8 +60,9 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.data import iterators
 from fairseq.distributed import utils as distributed_utils
+from fairseq.file_io import PathManager
 
-from . import checkpoints
+from . import checkpoints, resume, textio
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +144,13 @@ def stop_data_threads_at_exit():
 def _wrap_load_checkpoint_to_cpu(original):
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        checkpoints.warn_unknown_rfa_overrides(arg_overrides)
+        if checkpoints.is_local_path(path):
+            checkpoints.verify_checkpoint_file(path)
         checkpoints.check_checkpoint_against_overrides(path, arg_overrides)
         try:
             return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        except Exception as exc:  # torch raises many kinds on a damaged file (KeyError, RuntimeError, ...)
             explained = checkpoints.explain_load_failure(path, exc)
             if explained is None:
                 raise
@@ -158,11 +162,49 @@ def _wrap_load_checkpoint_to_cpu(original):
 
 def _wrap_torch_persistent_save(original):
     @functools.wraps(original)
-    def torch_persistent_save(obj, filename, *args, **kwargs):
-        return original(checkpoints.mark_rfa_checkpoint(obj), filename, *args, **kwargs)
+    def torch_persistent_save(obj, filename, async_write=False, *args, **kwargs):
+        obj = checkpoints.mark_rfa_checkpoint(obj)
+        if async_write or not isinstance(filename, (str, os.PathLike)) or not checkpoints.is_local_path(filename):
+            return original(obj, filename, async_write, *args, **kwargs)
+        checkpoints.save_atomic(obj, filename)  # fairseq's own write has no fsync and leaves FILE.tmp behind
 
     torch_persistent_save.rfa_fairseq_wrapper = True
     return torch_persistent_save
+
+
+class AtomicCopyPathManager(PathManager):
+    """fairseq's PathManager, as `checkpoint_utils` sees it, with `copy` of local files made atomic:
+    save_checkpoint copies the checkpoint it wrote to checkpoint_last.pt, checkpoint_best.pt, ... in
+    place, and a process killed inside that copy left a torn file under the final name. Here each
+    name is written as a temporary copy, fsynced and renamed into place (checkpoints.copy_atomic)."""
+
+    rfa_fairseq_wrapper = True
+
+    @staticmethod
+    def copy(src_path, dst_path, overwrite=False):
+        if not (checkpoints.is_local_path(src_path) and checkpoints.is_local_path(dst_path)):
+            return PathManager.copy(src_path, dst_path, overwrite=overwrite)
+        if not overwrite and os.path.exists(dst_path):
+            return False
+        checkpoints.copy_atomic(src_path, dst_path)
+        return True
+
+
+def _wrap_load_checkpoint(original):
+    @functools.wraps(original)
+    def load_checkpoint(cfg, trainer, **passthrough_args):
+        substitute = resume.prepare_resume(cfg, trainer)
+        if substitute is None:
+            return original(cfg, trainer, **passthrough_args)
+        requested = cfg.restore_file
+        cfg.restore_file = substitute
+        try:
+            return original(cfg, trainer, **passthrough_args)
+        finally:
+            cfg.restore_file = requested
+
+    load_checkpoint.rfa_fairseq_wrapper = True
+    return load_checkpoint
 
 
 def _wrap_broadcast_object_slow(original):
@@ -175,12 +217,35 @@ def _wrap_broadcast_object_slow(original):
     return _broadcast_object_slow
 
 
+def _wrap_train_epoch(original):
+    @functools.wraps(original)
+    def train(cfg, trainer, task, epoch_itr):
+        max_update = cfg.optimization.max_update
+        if max_update and trainer.get_num_updates() >= max_update:
+            logger.info(f"rfa_fairseq: the checkpoint is at {trainer.get_num_updates()} updates, --max-update is "
+                        f"{max_update}: nothing left to train")
+            return [None], True
+        return original(cfg, trainer, task, epoch_itr)
+
+    train.rfa_fairseq_wrapper = True
+    return train
+
+
 def install_checkpoint_hooks() -> None:
-    """Install the wrappers 2-4 (see the module docstring); a no-op where they are installed."""
+    """Install the checkpoint wrappers 2-5 (see the module docstring); a no-op where they are installed."""
     hooks = [
         (checkpoint_utils, "load_checkpoint_to_cpu", _wrap_load_checkpoint_to_cpu),
         (checkpoint_utils, "torch_persistent_save", _wrap_torch_persistent_save),
+        (checkpoint_utils, "PathManager", lambda _: AtomicCopyPathManager),
+        (checkpoint_utils, "load_checkpoint", _wrap_load_checkpoint),
         (distributed_utils, "_broadcast_object_slow", _wrap_broadcast_object_slow),
+    ]
+    from fairseq_cli import interactive as interactive_cli
+    from fairseq_cli import train as train_cli
+
+    hooks += [
+        (train_cli, "train", _wrap_train_epoch),
+        (interactive_cli, "buffered_read", lambda _: textio.buffered_read_utf8),
     ]
     for module, name, wrap in hooks:
         current = getattr(module, name, None)
