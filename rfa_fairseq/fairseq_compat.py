@@ -53,6 +53,7 @@ import atexit
 import functools
 import logging
 import os
+import pickle
 import queue
 import threading
 
@@ -150,11 +151,15 @@ def _wrap_load_checkpoint_to_cpu(original):
         checkpoints.check_checkpoint_against_overrides(path, arg_overrides)
         try:
             return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
-        except Exception as exc:  # torch raises many kinds on a damaged file (KeyError, RuntimeError, ...)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
             explained = checkpoints.explain_load_failure(path, exc)
             if explained is None:
                 raise
             raise explained from exc
+        except KeyError as exc:  # a torch file that loaded, without the entries fairseq's upgrade step reads
+            raise checkpoints.NotACheckpointError(
+                f"{path} is a torch file but not a fairseq checkpoint (it has no entry {exc}): pass a checkpoint "
+                f"written by fairseq-train or rfa-convert-transformer") from exc
 
     load_checkpoint_to_cpu.rfa_fairseq_wrapper = True
     return load_checkpoint_to_cpu
