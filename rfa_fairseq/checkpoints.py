@@ -4,17 +4,24 @@ the check of RFA options against it.
 - Loading: `safe_load(path)` is `torch.load(path, weights_only=True)` on the CPU, never without
   weights_only. torch's weights_only unpickler refuses every pickled class that is not allowlisted;
   the plugin allowlists exactly the classes fairseq checkpoints pickle (`FAIRSEQ_CHECKPOINT_CLASSES`,
-  allowlisted at import by `fairseq_compat`). A refused class, a truncated file or a missing file
-  raises one error naming the file (`CheckpointLoadError`, FileNotFoundError).
-- Saving: `save_atomic(state, path)` writes a temporary file and renames it, so an interrupted
-  write never leaves a half-written checkpoint under the final name.
+  allowlisted at import by `fairseq_compat`). Before unpickling, `verify_checkpoint_file` checks that
+  the file is a complete torch archive and recomputes the CRC-32 that torch.save stores for every
+  record (torch.load does not check them). A file that is not a checkpoint, a truncated or overwritten
+  one, a refused class or a missing file raises one error naming the file (`CheckpointLoadError`:
+  `NotACheckpointError`, `DamagedCheckpointError`; FileNotFoundError).
+- Saving: `save_atomic(state, path)` writes a temporary file beside `path`, fsyncs it and renames it
+  over `path`; `copy_atomic` copies a complete file the same way. A process killed at any instant
+  leaves `path` as the old complete file or the new one. `output_file_problem` checks an output path
+  before any work.
 - Configuration: `stored_model_config(state)` / `model_config(state)` read the model options a
   fairseq checkpoint stores (cfg["model"], or "args" in old files).
 - Options: `check_rfa_overrides` refuses --model-overrides that change an RFA option the weights
-  depend on; `mark_rfa_checkpoint` puts the plugin marker first in rfa_* checkpoints.
+  depend on; `warn_unknown_rfa_overrides` warns about rfa* keys that are no option;
+  `mark_rfa_checkpoint` puts the plugin marker first in rfa_* checkpoints.
 
 fairseq's own loading and saving go through these too: `fairseq_compat` wraps
-`checkpoint_utils.load_checkpoint_to_cpu` and `torch_persistent_save` with them.
+`checkpoint_utils.load_checkpoint_to_cpu`, `torch_persistent_save` and the copies of
+`save_checkpoint` with them; `resume` picks the checkpoint fairseq-train resumes from.
 """
 import argparse
 import difflib

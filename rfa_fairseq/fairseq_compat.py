@@ -10,26 +10,44 @@ idempotent (the plugin may be imported more than once, e.g. by a test and by --u
    pickle (`checkpoints.FAIRSEQ_CHECKPOINT_CLASSES`); anything else is still refused. weights_only
    is never turned off.
 2. `fairseq.checkpoint_utils.load_checkpoint_to_cpu` (fairseq-train resume, --restore-file,
-   --finetune-from-model, fairseq-generate/-interactive/-validate): a refused class, a truncated file
-   or an RFA option changed by --model-overrides gives one clear error naming the file
-   (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of torch's generic text.
-3. `fairseq.checkpoint_utils.torch_persistent_save`: an rfa_* checkpoint gets a first entry
+   --finetune-from-model, fairseq-generate/-interactive/-validate): the file's checksums are verified
+   first (`checkpoints.verify_checkpoint_file`), and a file that is not a checkpoint, a truncated or
+   overwritten one, a refused class or an RFA option changed by --model-overrides gives one clear
+   error naming the file (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of
+   torch's generic text (or `KeyError: 101`); an rfa* --model-overrides key that is no RFA option gets a
+   warning naming the closest one.
+3. Checkpoint writing, so that every name fairseq-train writes appears atomically (a process killed
+   at any instant leaves each name as the old complete file or the new one):
+   `checkpoint_utils.torch_persistent_save` writes through `checkpoints.save_atomic` (temporary file,
+   fsync, rename; fairseq's own had no fsync), and `checkpoint_utils.PathManager` becomes
+   `AtomicCopyPathManager`, whose `copy` (checkpoint_last.pt, checkpoint_best.pt, ... are copies of the
+   first file) writes a temporary copy, fsyncs it and renames it into place (`checkpoints.copy_atomic`)
+   where fairseq copied into the final name. Pruning (--keep-*) removes whole names. Under distributed
+   training rank 0 writes, through the same hooks. An rfa_* checkpoint also gets a first entry
    `NeedsUserDirRfaFairseq()` so that loading it WITHOUT the plugin fails with torch's
    "Unsupported global: GLOBAL rfa_fairseq.checkpoint_safety.NeedsUserDirRfaFairseq": the only text
    we can put in front of a user whose process never imported this plugin.
+   `checkpoint_utils.load_checkpoint` (fairseq-train's resume) first picks the newest intact checkpoint
+   in --save-dir (`resume.prepare_resume`: a torn or older checkpoint_last.pt, a missing one, an
+   unloadable --restore-file) and removes temporary files of killed writes. `fairseq_cli.train.train`
+   returns at once when the resumed checkpoint is already at --max-update (fairseq trained one more
+   update each time the finished command was run again, e.g. after a kill during its exit).
 4. `fairseq.distributed.utils._broadcast_object_slow`: with several ranks, rank 0 loads the
    checkpoint (through the checks above) and broadcasts it, as a pickle that now holds omegaconf
    DictConfig objects, to the other ranks, which `torch.load` it with weights_only. The omegaconf
    classes (`checkpoints.broadcast_checkpoint_classes`) are allowlisted only while such a broadcast
    is read, never for files.
-5. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
+5. `fairseq_cli.interactive.buffered_read`: fairseq-interactive's input (--input FILE or stdin) is
+   read under the plugin's one rule for text (`textio`): a line that is not UTF-8 is an error naming
+   the file and line (fairseq failed without naming either for a file, and made <unk> of stdin).
+6. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
    replaces `fairseq.data.iterators.BackgroundConsumer`; `stop_data_threads` runs at exit). Without
    it a run that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT. Details below.
 
 Not applied at import: `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch` only in
 its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
 
-The background data thread (5). fairseq wraps every epoch iterator in a `BufferedIterator`
+The background data thread (6). fairseq wraps every epoch iterator in a `BufferedIterator`
 (`--data-buffer-size`, default 10): a daemon thread (`BackgroundConsumer`) pulls batches from the
 torch DataLoader (with `--num-workers 0` it collates them itself) and keeps up to 10 ready in a queue.
 Training that stops at `--max-update` (or `--max-valid-steps`, an error, ...) in the middle of an epoch
@@ -139,7 +157,7 @@ def stop_data_threads_at_exit():
     register(stop_data_threads)
 
 
-# ---------------------------------------------------------------- checkpoint loading and saving (2-4)
+# ---------------------------------------------------------------- checkpoint loading and saving, text input (2-5)
 
 
 def _wrap_load_checkpoint_to_cpu(original):
@@ -237,7 +255,7 @@ def _wrap_train_epoch(original):
 
 
 def install_checkpoint_hooks() -> None:
-    """Install the checkpoint wrappers 2-5 (see the module docstring); a no-op where they are installed."""
+    """Install the wrappers 2-5 (see the module docstring); a no-op where they are installed."""
     hooks = [
         (checkpoint_utils, "load_checkpoint_to_cpu", _wrap_load_checkpoint_to_cpu),
         (checkpoint_utils, "torch_persistent_save", _wrap_torch_persistent_save),
