@@ -1,7 +1,10 @@
 """Text input, one rule for every tool that reads sentences (rfa-score, rfa-check-data,
 fairseq-interactive with the plugin): input is UTF-8, and a line that is not is an error naming the
 file, the line and the first bad byte. Never a silent replacement: a sentence turned into <unk> or
-U+FFFD would be translated or scored as something the user did not write."""
+U+FFFD would be translated or scored as something the user did not write.
+
+Standard library only: scripts/generate.sh runs rfa_fairseq/cli/scoring.py as a file (without
+importing the package, which imports fairseq), and it loads this file on its own."""
 import sys
 
 STDIN = "-"

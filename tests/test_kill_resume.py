@@ -13,7 +13,8 @@ command each time, and check what a preempted cluster job needs:
 
 Targeted kills come from tests/fairseq_train_kill.py (RFA_KILL_AT=POINT:N), random ones from this
 test (SIGKILL after a random delay, seeded). A chain ends when a run is not killed (its kill point
-is never reached, or its delay outlasts the training); the next chain starts in a new directory."""
+is never reached, or its delay outlasts the training); the next chain starts in a new directory, and
+a kill point that was not reached is tried again there."""
 import os
 import random
 import re
@@ -33,7 +34,7 @@ from rfa_fairseq.resume import CHECKPOINT_NAME
 KILL_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fairseq_train_kill.py")
 MAX_UPDATE = 28  # within epoch 1 (31 updates)
 SAVE_EVERY = 4
-KILLS = 22
+KILLS = 20
 # targeted kills: each step of a save, at its first to third occurrence in a run
 POINTS = ("write", "copy", "publish", "prune")
 TARGETED = [f"{point}:{n}" for n in (1, 2, 3) for point in POINTS]
@@ -116,10 +117,13 @@ def test_killed_anywhere_the_same_command_resumes_from_the_newest_intact_checkpo
         command = train_command(data, save_dir)
         runs = 0
         while True:
-            # the planned kills, then random ones until there were KILLS; then runs that are not killed
-            kind, value = (planned.pop() if planned else ("delay", rng.uniform(*RANDOM_DELAY_S))) \
-                if len(kills) < KILLS else (None, None)
             newest = max(saved_checkpoints(save_dir).values(), default=None)
+            # the planned kills, then random ones until there were KILLS; then runs that are not killed,
+            # as is a run with nothing left to train (killed while it exited)
+            if len(kills) >= KILLS or newest == MAX_UPDATE:
+                kind, value = None, None
+            else:
+                kind, value = planned.pop() if planned else ("delay", rng.uniform(*RANDOM_DELAY_S))
             code, log = run_once(command, tmp_path / f"chain{chains}_run{runs}.log",
                                  kill_at=value if kind == "kill_at" else None, delay=value if kind == "delay" else None)
             runs += 1
@@ -136,6 +140,8 @@ def test_killed_anywhere_the_same_command_resumes_from_the_newest_intact_checkpo
                 kills.append(f"{kind}={value if kind == 'kill_at' else f'{value:.2f}s'}")
                 continue
             assert code == 0 and "done training" in log, f"exit {code}:\n{log[-3000:]}"
+            if kind == "kill_at":  # the run ended before its kill point: try that point again in the next chain
+                planned.append((kind, value))
             assert after["checkpoint_last.pt"] == MAX_UPDATE
             updates, model = final_parameters(save_dir)
             assert updates == reference_updates and model.keys() == reference_model.keys()
@@ -147,4 +153,5 @@ def test_killed_anywhere_the_same_command_resumes_from_the_newest_intact_checkpo
           f"{time.monotonic() - started:.0f} s: {', '.join(kills)}")
     targeted = {kill.split("=")[1].split(":")[0] for kill in kills if kill.startswith("kill_at")}
     assert targeted == set(POINTS), f"kill points never reached: {set(POINTS) - targeted}"
+    assert sum(kill.startswith("kill_at") for kill in kills) == len(TARGETED), kills
     assert sum(kill.startswith("delay") for kill in kills) >= RANDOM_KILLS // 2, kills

@@ -16,7 +16,16 @@ import os
 import re
 import sys
 
-from ..textio import InputEncodingError, read_utf8_lines
+if __package__:
+    from ..textio import InputEncodingError, read_utf8_lines
+else:  # run as a file (scripts/generate.sh), so that importing the package does not import fairseq
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "rfa_fairseq_textio", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "textio.py"))
+    _textio = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_textio)
+    InputEncodingError, read_utf8_lines = _textio.InputEncodingError, _textio.read_utf8_lines
 
 SPM_SPACE = "\u2581"  # SentencePiece's word-boundary marker
 # fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
