@@ -4,22 +4,32 @@ the check of RFA options against it.
 - Loading: `safe_load(path)` is `torch.load(path, weights_only=True)` on the CPU, never without
   weights_only. torch's weights_only unpickler refuses every pickled class that is not allowlisted;
   the plugin allowlists exactly the classes fairseq checkpoints pickle (`FAIRSEQ_CHECKPOINT_CLASSES`,
-  allowlisted at import by `fairseq_compat`). A refused class, a truncated file or a missing file
-  raises one error naming the file (`CheckpointLoadError`, FileNotFoundError).
-- Saving: `save_atomic(state, path)` writes a temporary file and renames it, so an interrupted
-  write never leaves a half-written checkpoint under the final name.
+  allowlisted at import by `fairseq_compat`). Before unpickling, `verify_checkpoint_file` checks that
+  the file is a complete torch archive and recomputes the CRC-32 that torch.save stores for every
+  record (torch.load does not check them). A file that is not a checkpoint, a truncated or overwritten
+  one, a refused class or a missing file raises one error naming the file (`CheckpointLoadError`:
+  `NotACheckpointError`, `DamagedCheckpointError`; FileNotFoundError).
+- Saving: `save_atomic(state, path)` writes a temporary file beside `path`, fsyncs it and renames it
+  over `path`; `copy_atomic` copies a complete file the same way. A process killed at any instant
+  leaves `path` as the old complete file or the new one. `output_file_problem` checks an output path
+  before any work.
 - Configuration: `stored_model_config(state)` / `model_config(state)` read the model options a
   fairseq checkpoint stores (cfg["model"], or "args" in old files).
 - Options: `check_rfa_overrides` refuses --model-overrides that change an RFA option the weights
-  depend on; `mark_rfa_checkpoint` puts the plugin marker first in rfa_* checkpoints.
+  depend on; `warn_unknown_rfa_overrides` warns about rfa* keys that are no option;
+  `mark_rfa_checkpoint` puts the plugin marker first in rfa_* checkpoints.
 
 fairseq's own loading and saving go through these too: `fairseq_compat` wraps
-`checkpoint_utils.load_checkpoint_to_cpu` and `torch_persistent_save` with them.
+`checkpoint_utils.load_checkpoint_to_cpu`, `torch_persistent_save` and the copies of
+`save_checkpoint` with them; `resume` picks the checkpoint fairseq-train resumes from.
 """
 import argparse
+import difflib
 import os
 import pickle
-import re
+import shutil
+import warnings
+import zipfile
 
 import torch
 
@@ -126,13 +136,77 @@ def _torch_detail(exc):
     return " ".join(detail.split())[:400]
 
 
-def _intact_candidates(path):
-    """Epoch and update checkpoints (written atomically by fairseq) beside `path`, newest first."""
-    directory = os.path.dirname(os.path.abspath(path))
-    pattern = re.compile(r"checkpoint(\d+|_\d+_\d+)\.pt")
-    names = [name for name in os.listdir(directory) if pattern.fullmatch(name)] if os.path.isdir(directory) else []
-    names.sort(key=lambda name: os.path.getmtime(os.path.join(directory, name)), reverse=True)
-    return names[:3]
+class NotACheckpointError(CheckpointLoadError):
+    """The file is not a torch checkpoint at all (text, another format, a directory, empty)."""
+
+
+class DamagedCheckpointError(CheckpointLoadError):
+    """A torch checkpoint whose bytes are not those that were saved: cut short or overwritten."""
+
+
+# what a file that torch.save wrote starts with: a zip archive (torch >= 1.6), or a pickle (the legacy format)
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTOCOL = 0x80
+# paths (with inode, size and mtime) whose checksums were verified in this process: resume checks a
+# candidate, then fairseq loads it; the second check of unchanged bytes is skipped
+_VERIFIED = set()
+
+
+def _file_key(path):
+    info = os.stat(path)
+    return (os.path.abspath(path), info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def verify_checkpoint_file(path, checksums=True):
+    """Check that `path` is a complete torch checkpoint with the bytes that were saved, before unpickling it.
+
+    torch.save writes a zip archive with a CRC-32 of every record (the pickled structure and each
+    tensor's bytes) but torch.load does not check them, so a checkpoint whose weights were overwritten
+    loads and fails (or decodes garbage) later. Here every record's CRC-32 is recomputed (about 1 GB/s;
+    as long as the load itself). Raises NotACheckpointError / DamagedCheckpointError naming the file;
+    FileNotFoundError when it does not exist. checksums=False checks only the kind and completeness of
+    the file (cheap: a few reads at its start and end)."""
+    if os.path.isdir(path):
+        raise NotACheckpointError(f"{path} is a directory, not a checkpoint file: pass a checkpoint file "
+                                  f"such as {os.path.join(path, 'checkpoint_best.pt')}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    key = _file_key(path)
+    if key in _VERIFIED:
+        return
+    size = key[2]
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    if head[:len(_ZIP_MAGIC)] != _ZIP_MAGIC:
+        if head[:1] == bytes([_PICKLE_PROTOCOL]):
+            return  # torch's legacy (pre-1.6) format carries no checksums; torch.load reports its damage
+        shown = head.decode("latin-1").encode("unicode_escape").decode("ascii")
+        raise NotACheckpointError(
+            f"{path} is not a torch checkpoint ({size} bytes, starting with '{shown}'; a checkpoint written by "
+            f"torch.save/fairseq-train is a zip archive): check the file name you passed"
+            if size else f"{path} is empty (0 bytes), not a checkpoint: it was probably being written when the "
+            f"process was stopped; pass another checkpoint")
+    if not zipfile.is_zipfile(path):
+        raise DamagedCheckpointError(
+            f"checkpoint {path} is truncated ({size} bytes, the zip archive has no end): it was cut short while "
+            f"being written; pass an intact checkpoint (fairseq-train resumes from the newest intact one by itself)")
+    if not checksums:
+        return
+    record = None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for record in archive.infolist():
+                with archive.open(record) as stream:  # zipfile checks the record's CRC-32 at its end
+                    while stream.read(1 << 22):
+                        pass
+    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+        if record is not None and "CRC" in str(exc):
+            what = "the pickled structure" if record.filename.endswith("data.pkl") else "tensor data"
+            raise DamagedCheckpointError(
+                f"checkpoint {path} is damaged: record {record.filename} ({what}, {record.file_size} bytes) fails its "
+                f"CRC-32 check, its bytes changed after it was saved; pass an intact checkpoint") from exc
+        raise DamagedCheckpointError(f"checkpoint {path} is damaged ({exc}); pass an intact checkpoint") from exc
+    _VERIFIED.add(key)
 
 
 def explain_load_failure(path, exc):
@@ -143,53 +217,129 @@ def explain_load_failure(path, exc):
         refused = _refused_classes(path)
         if NeedsUserDirRfaFairseq.__module__ + "." + NeedsUserDirRfaFairseq.__name__ in refused:
             return CheckpointLoadError(f"cannot load {path}: it is an rfa_fairseq checkpoint; {NeedsUserDirRfaFairseq.hint}")
-        names = ", ".join(refused) if refused else _torch_detail(exc)
-        return CheckpointLoadError(
-            f"refusing to load checkpoint {path}: it pickles {names}, which a fairseq/rfa_fairseq checkpoint "
-            f"does not contain. torch's weights_only loader refused it because unpickling arbitrary objects "
-            f"can run code. Do not load files you do not trust; if this file is trusted and needs the class, "
-            f"allowlist exactly that class with torch.serialization.add_safe_globals. (torch: {_torch_detail(exc)})"
-        )
-    damaged = isinstance(exc, EOFError) or (isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc))
-    if damaged:
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        others = _intact_candidates(path)
-        hint = f" Epoch/update checkpoints in that directory, newest first: {', '.join(others)}." if others else ""
-        return CheckpointLoadError(
-            f"checkpoint {path} is truncated or not a torch checkpoint ({size} bytes): it was probably being written "
-            f"when the process was stopped (fairseq writes checkpoint_*.pt atomically but copies it to "
-            f"checkpoint_last.pt/checkpoint_best.pt without). Resume from an intact one with --restore-file, or "
-            f"delete this file.{hint}"
-        )
+        if refused:
+            return CheckpointLoadError(
+                f"refusing to load checkpoint {path}: it pickles {', '.join(refused)}, which a fairseq/rfa_fairseq "
+                f"checkpoint does not contain. torch's weights_only loader refused it because unpickling arbitrary "
+                f"objects can run code. Do not load files you do not trust; if this file is trusted and needs the "
+                f"class, allowlist exactly that class with torch.serialization.add_safe_globals. "
+                f"(torch: {_torch_detail(exc)})"
+            )
+    if isinstance(exc, (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, ValueError, IndexError,
+                        UnicodeDecodeError, AttributeError, TypeError, zipfile.BadZipFile)):
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        return DamagedCheckpointError(
+            f"checkpoint {path} cannot be read ({size} bytes; torch: {type(exc).__name__}: {_torch_detail(exc)}): "
+            f"it is damaged or not a torch checkpoint; pass an intact checkpoint")
     return None
 
 
-def safe_load(path, mmap=False):
-    """torch.load(path) to the CPU with weights_only=True; failures raise CheckpointLoadError naming the file."""
-    if not os.path.isfile(path):
+def safe_load(path, mmap=False, verify=None):
+    """torch.load(path) to the CPU with weights_only=True; failures raise CheckpointLoadError naming the file.
+    `verify` (default: unless mmap, which is for cheap reads of the options) checks the file's checksums first."""
+    if verify if verify is not None else not mmap:
+        verify_checkpoint_file(path)
+    elif not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+    except Exception as exc:  # torch raises many kinds on a damaged file (KeyError, RuntimeError, ...)
         explained = explain_load_failure(path, exc)
         if explained is None:
             raise
         raise explained from exc
 
 
+def num_updates(state):
+    """The update count a fairseq checkpoint was saved at (0 when it records none)."""
+    history = state.get("optimizer_history") or [{}]
+    return int(history[-1].get("num_updates", 0) or 0)
+
+
 # ---------------------------------------------------------------- saving
 
 
+def is_local_path(path):
+    """Whether `path` is a file on this machine (not an iopath URL such as manifold:// or s3://)."""
+    from fairseq.file_io import PathManager
+
+    return not PathManager.path_requires_pathmanager(str(path))
+
+
+def _fsync_directory(directory):
+    """Make a rename in `directory` durable (a power loss after it cannot bring the old name back)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temporary_name(output):
+    return f"{output}.tmp{os.getpid()}"
+
+
+def _publish(tmp_path, output):
+    """Rename the complete `tmp_path` over `output`: readers see the old file or the new one, never a part."""
+    os.replace(tmp_path, output)
+    _fsync_directory(os.path.dirname(os.path.abspath(output)))
+
+
+def output_file_problem(output, flag="--output"):
+    """Why `output` cannot be written as a checkpoint file (checked before any work), or None."""
+    output = str(output)
+    if os.path.isdir(output):
+        return (f"{flag} {output} is a directory; give a file name, e.g. "
+                f"{flag} {os.path.join(output, 'checkpoint.pt')}")
+    parent = os.path.dirname(os.path.abspath(output))
+    while not os.path.exists(parent):  # save_atomic creates missing directories
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{flag} {output}: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK):
+        return f"{flag} {output}: directory {parent} is not writable"
+    return None
+
+
 def save_atomic(state, output):
-    """torch.save to a temporary file beside `output`, renamed over it once complete."""
+    """torch.save to a temporary file beside `output`, flushed to disk (fsync) and renamed over it once
+    complete: a process killed at any instant leaves `output` as the old complete file or the new one."""
+    output = str(output)
+    if os.path.isdir(output):
+        raise IsADirectoryError(f"{output} is a directory; give the checkpoint a file name, e.g. "
+                                f"{os.path.join(output, 'checkpoint.pt')}")
     directory = os.path.dirname(os.path.abspath(output))
     os.makedirs(directory, exist_ok=True)
-    tmp_path = f"{output}.tmp{os.getpid()}"
+    tmp_path = _temporary_name(output)
     try:
-        torch.save(state, tmp_path)
-        os.replace(tmp_path, output)
+        with open(tmp_path, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _publish(tmp_path, output)
     finally:
         if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def copy_atomic(source, output):
+    """Copy the complete file `source` to a temporary file beside `output`, flush it to disk (fsync) and
+    rename it over `output`: `output` is the old complete file or the new one at every instant.
+    A copy, not a hard link: the names stay independent files, so writing into one in place later
+    (`cp other.pt checkpoint_best.pt`, a disk error) cannot change the others."""
+    tmp_path = _temporary_name(output)
+    try:
+        shutil.copyfile(source, tmp_path)
+        with open(tmp_path, "rb+") as handle:
+            os.fsync(handle.fileno())
+        _publish(tmp_path, output)
+    finally:
+        if os.path.lexists(tmp_path):
             os.remove(tmp_path)
 
 
@@ -259,6 +409,26 @@ def check_rfa_overrides(path, state, arg_overrides) -> None:
                 f"{flag(name)} {stored} ({name}={stored!r}); its weights only work with that value. Drop {name} "
                 f"from --model-overrides (to change it, fine-tune with fairseq-train --finetune-from-model)."
             )
+
+
+_WARNED_OVERRIDES = set()
+
+
+def warn_unknown_rfa_overrides(arg_overrides) -> list:
+    """Warn (once per key and process) about rfa* keys of --model-overrides that are no RFA option:
+    fairseq sets any key silently, so a typo would leave the option at its trained value. Returns the keys."""
+    from .config import RFA_DEFAULTS
+
+    unknown = [key for key in (arg_overrides or {}) if str(key).startswith("rfa") and key not in RFA_DEFAULTS]
+    for key in unknown:
+        if key in _WARNED_OVERRIDES:
+            continue
+        _WARNED_OVERRIDES.add(key)
+        close = difflib.get_close_matches(str(key).replace("-", "_"), list(RFA_DEFAULTS), n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'?" if close else f"the RFA options are {', '.join(RFA_DEFAULTS)}"
+        warnings.warn(f"rfa_fairseq: --model-overrides key '{key}' is not an RFA option and changes nothing; {hint}",
+                      UserWarning, stacklevel=2)
+    return unknown
 
 
 def check_checkpoint_against_overrides(path, arg_overrides) -> None:

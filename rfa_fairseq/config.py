@@ -174,6 +174,26 @@ def apply_rfa_defaults(args) -> None:
             setattr(args, name, default)
 
 
+# --rfa-num-features above this is refused up front: 32x the paper's D = 64 for translation, 16x the
+# largest D of docs/quality.md. Every token keeps 2D floats per head and layer, and the (D x head_dim)
+# random matrices are drawn at every update, so a mistyped D (1000000) ran for minutes with no message
+MAX_RFA_NUM_FEATURES = 2048
+
+
+def check_rfa_num_features(args) -> None:
+    """Refuse an unreasonable --rfa-num-features before anything is allocated, with what it would cost."""
+    value = getattr(args, "rfa_num_features", None)
+    if not isinstance(value, int) or value <= MAX_RFA_NUM_FEATURES:
+        return
+    heads = getattr(args, "decoder_attention_heads", None) or 1
+    per_token = 2 * value * 4 * heads  # 2D fp32 features per head, for q and again for k
+    raise ValueError(
+        f"{flag('rfa_num_features')}={value} is above the limit of {MAX_RFA_NUM_FEATURES}: every token would keep "
+        f"2 x {value} fp32 features per head ({per_token / 2 ** 20:.1f} MiB per token and layer with {heads} heads, "
+        f"for queries and again for keys). The paper uses 64 and docs/quality.md finds 16 enough; pick a value "
+        f"<= {MAX_RFA_NUM_FEATURES}")
+
+
 def validate_rfa_args(args) -> None:
     """Reject bad or contradictory options before any model is built, naming the flag."""
     if args.rfa_feature_map not in FEATURE_MAPS:
@@ -196,6 +216,7 @@ def validate_rfa_args(args) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}")
+    check_rfa_num_features(args)
     for name in ("rfa_temperature", "rfa_sigma_lr_multiplier"):
         if not getattr(args, name) > 0:
             raise ValueError(f"{flag(name)} must be > 0, got {getattr(args, name)!r}")

@@ -10,26 +10,44 @@ idempotent (the plugin may be imported more than once, e.g. by a test and by --u
    pickle (`checkpoints.FAIRSEQ_CHECKPOINT_CLASSES`); anything else is still refused. weights_only
    is never turned off.
 2. `fairseq.checkpoint_utils.load_checkpoint_to_cpu` (fairseq-train resume, --restore-file,
-   --finetune-from-model, fairseq-generate/-interactive/-validate): a refused class, a truncated file
-   or an RFA option changed by --model-overrides gives one clear error naming the file
-   (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of torch's generic text.
-3. `fairseq.checkpoint_utils.torch_persistent_save`: an rfa_* checkpoint gets a first entry
+   --finetune-from-model, fairseq-generate/-interactive/-validate): the file's checksums are verified
+   first (`checkpoints.verify_checkpoint_file`), and a file that is not a checkpoint, a truncated or
+   overwritten one, a refused class or an RFA option changed by --model-overrides gives one clear
+   error naming the file (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of
+   torch's generic text (or `KeyError: 101`); an rfa* --model-overrides key that is no RFA option gets a
+   warning naming the closest one.
+3. Checkpoint writing, so that every name fairseq-train writes appears atomically (a process killed
+   at any instant leaves each name as the old complete file or the new one):
+   `checkpoint_utils.torch_persistent_save` writes through `checkpoints.save_atomic` (temporary file,
+   fsync, rename; fairseq's own had no fsync), and `checkpoint_utils.PathManager` becomes
+   `AtomicCopyPathManager`, whose `copy` (checkpoint_last.pt, checkpoint_best.pt, ... are copies of the
+   first file) writes a temporary copy, fsyncs it and renames it into place (`checkpoints.copy_atomic`)
+   where fairseq copied into the final name. Pruning (--keep-*) removes whole names. Under distributed
+   training rank 0 writes, through the same hooks. An rfa_* checkpoint also gets a first entry
    `NeedsUserDirRfaFairseq()` so that loading it WITHOUT the plugin fails with torch's
    "Unsupported global: GLOBAL rfa_fairseq.checkpoint_safety.NeedsUserDirRfaFairseq": the only text
    we can put in front of a user whose process never imported this plugin.
+   `checkpoint_utils.load_checkpoint` (fairseq-train's resume) first picks the newest intact checkpoint
+   in --save-dir (`resume.prepare_resume`: a torn or older checkpoint_last.pt, a missing one, an
+   unloadable --restore-file) and removes temporary files of killed writes. `fairseq_cli.train.train`
+   returns at once when the resumed checkpoint is already at --max-update (fairseq trained one more
+   update each time the finished command was run again, e.g. after a kill during its exit).
 4. `fairseq.distributed.utils._broadcast_object_slow`: with several ranks, rank 0 loads the
    checkpoint (through the checks above) and broadcasts it, as a pickle that now holds omegaconf
    DictConfig objects, to the other ranks, which `torch.load` it with weights_only. The omegaconf
    classes (`checkpoints.broadcast_checkpoint_classes`) are allowlisted only while such a broadcast
    is read, never for files.
-5. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
+5. `fairseq_cli.interactive.buffered_read`: fairseq-interactive's input (--input FILE or stdin) is
+   read under the plugin's one rule for text (`textio`): a line that is not UTF-8 is an error naming
+   the file and line (fairseq failed without naming either for a file, and made <unk> of stdin).
+6. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
    replaces `fairseq.data.iterators.BackgroundConsumer`; `stop_data_threads` runs at exit). Without
    it a run that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT. Details below.
 
 Not applied at import: `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch` only in
 its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
 
-The background data thread (5). fairseq wraps every epoch iterator in a `BufferedIterator`
+The background data thread (6). fairseq wraps every epoch iterator in a `BufferedIterator`
 (`--data-buffer-size`, default 10): a daemon thread (`BackgroundConsumer`) pulls batches from the
 torch DataLoader (with `--num-workers 0` it collates them itself) and keeps up to 10 ready in a queue.
 Training that stops at `--max-update` (or `--max-valid-steps`, an error, ...) in the middle of an epoch
@@ -52,6 +70,7 @@ exact as before.
 import atexit
 import functools
 import logging
+import os
 import pickle
 import queue
 import threading
@@ -60,8 +79,9 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.data import iterators
 from fairseq.distributed import utils as distributed_utils
+from fairseq.file_io import PathManager
 
-from . import checkpoints
+from . import checkpoints, resume, textio
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +157,15 @@ def stop_data_threads_at_exit():
     register(stop_data_threads)
 
 
-# ---------------------------------------------------------------- checkpoint loading and saving (2-4)
+# ---------------------------------------------------------------- checkpoint loading and saving, text input (2-5)
 
 
 def _wrap_load_checkpoint_to_cpu(original):
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        checkpoints.warn_unknown_rfa_overrides(arg_overrides)
+        if checkpoints.is_local_path(path):
+            checkpoints.verify_checkpoint_file(path)
         checkpoints.check_checkpoint_against_overrides(path, arg_overrides)
         try:
             return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
@@ -151,6 +174,10 @@ def _wrap_load_checkpoint_to_cpu(original):
             if explained is None:
                 raise
             raise explained from exc
+        except KeyError as exc:  # a torch file that loaded, without the entries fairseq's upgrade step reads
+            raise checkpoints.NotACheckpointError(
+                f"{path} is a torch file but not a fairseq checkpoint (it has no entry {exc}): pass a checkpoint "
+                f"written by fairseq-train or rfa-convert-transformer") from exc
 
     load_checkpoint_to_cpu.rfa_fairseq_wrapper = True
     return load_checkpoint_to_cpu
@@ -158,11 +185,49 @@ def _wrap_load_checkpoint_to_cpu(original):
 
 def _wrap_torch_persistent_save(original):
     @functools.wraps(original)
-    def torch_persistent_save(obj, filename, *args, **kwargs):
-        return original(checkpoints.mark_rfa_checkpoint(obj), filename, *args, **kwargs)
+    def torch_persistent_save(obj, filename, async_write=False, *args, **kwargs):
+        obj = checkpoints.mark_rfa_checkpoint(obj)
+        if async_write or not isinstance(filename, (str, os.PathLike)) or not checkpoints.is_local_path(filename):
+            return original(obj, filename, async_write, *args, **kwargs)
+        checkpoints.save_atomic(obj, filename)  # fairseq's own write has no fsync and leaves FILE.tmp behind
 
     torch_persistent_save.rfa_fairseq_wrapper = True
     return torch_persistent_save
+
+
+class AtomicCopyPathManager(PathManager):
+    """fairseq's PathManager, as `checkpoint_utils` sees it, with `copy` of local files made atomic:
+    save_checkpoint copies the checkpoint it wrote to checkpoint_last.pt, checkpoint_best.pt, ... in
+    place, and a process killed inside that copy left a torn file under the final name. Here each
+    name is written as a temporary copy, fsynced and renamed into place (checkpoints.copy_atomic)."""
+
+    rfa_fairseq_wrapper = True
+
+    @staticmethod
+    def copy(src_path, dst_path, overwrite=False):
+        if not (checkpoints.is_local_path(src_path) and checkpoints.is_local_path(dst_path)):
+            return PathManager.copy(src_path, dst_path, overwrite=overwrite)
+        if not overwrite and os.path.exists(dst_path):
+            return False
+        checkpoints.copy_atomic(src_path, dst_path)
+        return True
+
+
+def _wrap_load_checkpoint(original):
+    @functools.wraps(original)
+    def load_checkpoint(cfg, trainer, **passthrough_args):
+        substitute = resume.prepare_resume(cfg, trainer)
+        if substitute is None:
+            return original(cfg, trainer, **passthrough_args)
+        requested = cfg.restore_file
+        cfg.restore_file = substitute
+        try:
+            return original(cfg, trainer, **passthrough_args)
+        finally:
+            cfg.restore_file = requested
+
+    load_checkpoint.rfa_fairseq_wrapper = True
+    return load_checkpoint
 
 
 def _wrap_broadcast_object_slow(original):
@@ -175,12 +240,35 @@ def _wrap_broadcast_object_slow(original):
     return _broadcast_object_slow
 
 
+def _wrap_train_epoch(original):
+    @functools.wraps(original)
+    def train(cfg, trainer, task, epoch_itr):
+        max_update = cfg.optimization.max_update
+        if max_update and trainer.get_num_updates() >= max_update:
+            logger.info(f"rfa_fairseq: the checkpoint is at {trainer.get_num_updates()} updates, --max-update is "
+                        f"{max_update}: nothing left to train")
+            return [None], True
+        return original(cfg, trainer, task, epoch_itr)
+
+    train.rfa_fairseq_wrapper = True
+    return train
+
+
 def install_checkpoint_hooks() -> None:
-    """Install the wrappers 2-4 (see the module docstring); a no-op where they are installed."""
+    """Install the wrappers 2-5 (see the module docstring); a no-op where they are installed."""
     hooks = [
         (checkpoint_utils, "load_checkpoint_to_cpu", _wrap_load_checkpoint_to_cpu),
         (checkpoint_utils, "torch_persistent_save", _wrap_torch_persistent_save),
+        (checkpoint_utils, "PathManager", lambda _: AtomicCopyPathManager),
+        (checkpoint_utils, "load_checkpoint", _wrap_load_checkpoint),
         (distributed_utils, "_broadcast_object_slow", _wrap_broadcast_object_slow),
+    ]
+    from fairseq_cli import interactive as interactive_cli
+    from fairseq_cli import train as train_cli
+
+    hooks += [
+        (train_cli, "train", _wrap_train_epoch),
+        (interactive_cli, "buffered_read", lambda _: textio.buffered_read_utf8),
     ]
     for module, name, wrap in hooks:
         current = getattr(module, name, None)

@@ -3,10 +3,11 @@ checkpoint loaded without the plugin, a checkpoint loaded with other RFA options
 with, and broken parallel data (rfa-check-data, also run by scripts/train.sh)."""
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
-from cli_support import REPO, TINY_MODEL, TINY_TRAIN, assert_exit_code, run, synthetic_data
+from cli_support import BIN, REPO, TINY_MODEL, TINY_TRAIN, assert_exit_code, env, run, synthetic_data
 from conftest import PLUGIN_DIR
 from helpers import build_model, make_dictionary
 
@@ -224,3 +225,95 @@ def test_train_sh_refuses_misaligned_data_before_writing_anything(bin_copy, tmp_
             "sides were binarized from files with different line counts") in proc.stderr
     assert f"train.sh: error: problems in DATA='{bin_copy}' (listed above)" in proc.stderr
     assert not save_dir.exists(), "nothing may be written when the data check fails"
+
+
+# ---------------------------------------------------------------- files that are not what they should be
+
+
+def last_line(text):
+    return text.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_text_file_as_checkpoint_is_named_by_every_tool(data, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello world\n")
+    expected = f"{text} is not a torch checkpoint (12 bytes, starting with 'hello world\\n'; a checkpoint written by "
+    runs = {
+        "fairseq-generate": generate(data, text),
+        "rfa-convert-transformer": run("rfa-convert-transformer", "--input", text, "--output", tmp_path / "rfa.pt",
+                                       check=False),
+        "rfa-average-checkpoints": run("rfa-average-checkpoints", "--inputs", text, "--output", tmp_path / "avg.pt",
+                                       check=False),
+    }
+    for tool, proc in runs.items():
+        assert_exit_code(proc, 1)
+        assert expected in last_line(proc.stderr), f"{tool}: {last_line(proc.stderr)}"
+    assert not (tmp_path / "rfa.pt").exists() and not (tmp_path / "avg.pt").exists()
+
+
+def test_truncated_bin_is_named_by_check_data(bin_copy, capsys):
+    bin_path = bin_copy / "test.src-tgt.tgt.bin"
+    size = os.path.getsize(bin_path)
+    with open(bin_path, "r+b") as handle:
+        handle.truncate(size - 10)
+    code, err = check(capsys, "bin", bin_copy, "-s", "src", "-t", "tgt")
+    assert code == 1
+    assert (f"{bin_path}: {size - 10} bytes, but {bin_copy}/test.src-tgt.tgt.idx describes {size} bytes: the .bin is "
+            "truncated") in err
+    assert last_line(err).endswith(f"the first in {bin_path} (all listed above)")
+
+
+def test_output_that_is_a_directory_is_refused_before_any_work(tmp_path, capsys):
+    from rfa_fairseq.cli import average_checkpoints, convert
+
+    missing = tmp_path / "missing.pt"  # never read: the output is checked first
+    assert convert.main(["--input", str(missing), "--output", str(tmp_path)]) == 1
+    assert last_line(capsys.readouterr().err) == (f"rfa-convert-transformer: error: --output {tmp_path} is a directory; "
+                                                  f"give a file name, e.g. --output {tmp_path}/checkpoint.pt")
+    assert average_checkpoints.main(["--inputs", str(missing), "--output", str(tmp_path)]) == 1
+    assert last_line(capsys.readouterr().err) == (f"rfa-average-checkpoints: error: --output {tmp_path} is a directory; "
+                                                  f"give a file name, e.g. --output {tmp_path}/checkpoint.pt")
+
+
+def test_unreasonable_number_of_features_is_refused_with_its_cost():
+    with pytest.raises(ValueError) as error:
+        build_model(["--rfa-num-features", "1000000"])
+    assert str(error.value) == (
+        "--rfa-num-features=1000000 is above the limit of 2048: every token would keep 2 x 1000000 fp32 features per "
+        "head (30.5 MiB per token and layer with 4 heads, for queries and again for keys). The paper uses 64 and "
+        "docs/quality.md finds 16 enough; pick a value <= 2048")
+    build_model(["--rfa-num-features", "2048"])
+
+
+# ---------------------------------------------------------------- text that is not UTF-8
+
+
+def test_rfa_score_names_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path, capsys):
+    from rfa_fairseq.cli import scoring
+
+    hyp, ref = write(tmp_path / "hyp.txt", b"a b\nc \xe9 d\n"), write(tmp_path / "ref.txt", "a b\nc d\n")
+    assert scoring.main(["--hyp", str(hyp), "--ref", str(ref)]) == 1
+    assert last_line(capsys.readouterr().err) == (
+        f"rfa-score: error: hypothesis file {hyp}:2: not valid UTF-8 (byte 0xe9 at column 3): input must be UTF-8; "
+        "convert the file (e.g. iconv -f latin1 -t utf-8) or list every such line with rfa-check-data raw")
+
+
+@pytest.mark.slow
+def test_fairseq_interactive_names_the_line_that_is_not_utf8_from_a_file_or_stdin(data, rfa_checkpoint, tmp_path):
+    source = write(tmp_path / "input.src", b"w1 w2\nw3 \xff w4\n")
+    common = [data / "bin", "--user-dir", PLUGIN_DIR, "--path", rfa_checkpoint, "--source-lang", "src",
+              "--target-lang", "tgt", "--cpu", "--beam", "2"]
+    from_file = run("fairseq-interactive", *common, "--input", source, check=False)
+    # the same bytes on standard input (as bytes: run() would encode text as UTF-8)
+    from_stdin = subprocess.run([os.path.join(BIN, "fairseq-interactive"), *map(str, common)], input=source.read_bytes(),
+                                capture_output=True, env=env(), timeout=600)
+    for proc, name in ((from_file, source), (from_stdin, "<stdin>")):
+        assert_exit_code(proc, 1)
+        stderr = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode("utf-8", "replace")
+        assert last_line(stderr) == (
+            f"rfa_fairseq.textio.InputEncodingError: {name}:2: not valid UTF-8 (byte 0xff at column 4): input must be "
+            "UTF-8; convert the file (e.g. iconv -f latin1 -t utf-8) or list every such line with rfa-check-data raw")
+    # valid input still translates
+    ok = run("fairseq-interactive", *common, "--input", write(tmp_path / "ok.src", "w1 w2\n"))
+    assert "H-0" in ok.stdout

@@ -5,6 +5,7 @@ The kill lands mid-epoch (update 10 of 31 in epoch 1): fairseq saves the data it
 the optimizer, the lr scheduler and the meters; dropout is seeded from (seed, update); and the RFA
 matrices are drawn from (seed, update, module). So a resumed run must match exactly, not roughly."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,13 +100,31 @@ def test_sigkill_then_resume_matches_uninterrupted_run(data, tmp_path):
     assert min(update for update, _ in resumed_draws[0]) == KILL_AFTER
     assert {update for update, _ in resumed_draws[0]} == set(range(KILL_AFTER, MAX_UPDATE))
 
-    # a checkpoint cut short (SIGKILL while fairseq copied it to checkpoint_last.pt, which is not
-    # atomic) is reported by name, with the intact ones to resume from
+    # checkpoint_last.pt cut short (as fairseq's own non-atomic copy could leave it, or a disk): the same
+    # command resumes from the newest intact checkpoint, copies it to checkpoint_last.pt, keeps the damaged
+    # file, and has nothing left to train (fairseq alone would train one more update past --max-update)
     truncated = save_dir / "checkpoint_last.pt"
     with open(truncated, "r+b") as handle:
         handle.truncate(os.path.getsize(truncated) // 2)
     proc = run("fairseq-train", *command[3:], check=False)  # the real console script (no launcher, no --unrounded)
+    assert_exit_code(proc, 0)
+    log = proc.stdout + proc.stderr  # fairseq logs to stdout
+    assert re.search(rf"WARNING \| rfa_fairseq.resume \| {truncated} cannot be loaded \(checkpoint {truncated} is "
+                     rf"truncated .*; kept as {truncated}.damaged\); resuming from {save_dir}/checkpoint\S+.pt "
+                     rf"\({MAX_UPDATE} updates\), the newest intact checkpoint in {save_dir}, now also {truncated}",
+                     log), log[-3000:]
+    assert "nothing left to train" in log
+    assert f"Loaded checkpoint {truncated} (epoch 2 @ {MAX_UPDATE} updates)" in log
+    assert (save_dir / "checkpoint_last.pt.damaged").is_file()
+
+    # no checkpoint intact: one error listing every file tried, and no training from update 0
+    for path in save_dir.glob("*.pt"):
+        with open(path, "r+b") as handle:
+            handle.truncate(os.path.getsize(path) // 2)
+    proc = run("fairseq-train", *command[3:], check=False)
     assert_exit_code(proc, 1)
-    assert f"checkpoint {truncated} is truncated or not a torch checkpoint" in proc.stderr
-    assert "Resume from an intact one with --restore-file" in proc.stderr
-    assert f"Epoch/update checkpoints in that directory, newest first: checkpoint_2_{MAX_UPDATE}.pt," in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"rfa_fairseq.resume.ResumeError: no checkpoint in --save-dir {save_dir} is intact, so "
+                            "training cannot resume; tried: "), error
+    for path in save_dir.glob("*.pt"):
+        assert f"{path}: checkpoint {path} is truncated" in error

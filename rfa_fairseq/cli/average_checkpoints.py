@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..checkpoints import CheckpointLoadError, safe_load, save_atomic
+from ..checkpoints import CheckpointLoadError, output_file_problem, safe_load, save_atomic
 
 
 class AveragingError(Exception):
@@ -120,6 +120,9 @@ def build_parser():
 
 
 def run(args):
+    problem = output_file_problem(args.output)
+    if problem:
+        raise AveragingError(problem)
     n = args.num_epoch_checkpoints or args.num_update_checkpoints
     if n is not None:
         if len(args.inputs) != 1:

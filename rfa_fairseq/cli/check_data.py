@@ -11,7 +11,8 @@ a stray \\r splits the line and shifts every later line against the other side);
 than --max-positions tokens including the end-of-sentence token.
 
 bin (a fairseq-preprocess --destdir): dict.<lang>.txt present and well-formed (`<token> <count>
-[#fairseq:overwrite]`, no duplicates); for each split, the .idx/.bin pair of both languages;
+[#fairseq:overwrite]`, no duplicates); for each split, the .idx/.bin pair of both languages, each .bin
+of the size its .idx describes (a truncated copy);
 the same number of sentences on both sides; no empty or too long sentence (reported as the
 sentence's line in the text it was binarized from); no token id outside the dictionary.
 
@@ -26,6 +27,8 @@ import os
 import sys
 from collections import defaultdict
 
+from ..textio import describe_utf8_error
+
 # fairseq's default --max-source-positions / --max-target-positions
 DEFAULT_MAX_POSITIONS = 1024
 DEFAULT_MAX_ERRORS = 10
@@ -38,9 +41,11 @@ class Report:
         self.max_errors = max_errors
         self.counts = defaultdict(int)
         self.total = 0
+        self.first_path = None
 
     def problem(self, path, line, kind, message):
         self.total += 1
+        self.first_path = self.first_path or path
         key = (path, kind)
         self.counts[key] += 1
         if self.counts[key] <= self.max_errors:
@@ -71,8 +76,7 @@ def read_lines(path, report):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                report.problem(path, number, "invalid UTF-8",
-                               f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                report.problem(path, number, "invalid UTF-8", describe_utf8_error(raw, exc))
                 lines.append(None)
                 continue
             if "\r" in text:
@@ -165,6 +169,34 @@ def _token_ids_max(dataset):
     return int(tokens.max()) if tokens.size else None
 
 
+def _expected_bin_size(dataset):
+    """Size in bytes of the .bin that `dataset`'s index describes (private fields of fairseq's
+    MMapIndexedDataset / IndexedDataset; None when they are not there)."""
+    index = getattr(dataset, "_index", None)
+    if index is not None and hasattr(index, "_pointers"):  # mmap (fairseq-preprocess's default)
+        if len(index) == 0:
+            return 0
+        return int(index._pointers[-1]) + int(index.sizes[-1]) * index.dtype().itemsize
+    offsets, element_size = getattr(dataset, "data_offsets", None), getattr(dataset, "element_size", None)
+    if offsets is not None and element_size is not None:  # the older lazy/cached formats
+        return int(offsets[-1]) * int(element_size)
+    return None
+
+
+def check_bin_size(dataset, bin_path, index_path, report):
+    """Whether the .bin has the size its index says; a truncated .bin passed every other check and
+    failed inside fairseq's DataLoader ("offset must be non-negative and no greater than buffer length")."""
+    expected = _expected_bin_size(dataset)
+    actual = os.path.getsize(bin_path)
+    if expected is None or expected == actual:
+        return True
+    how = "truncated" if actual < expected else "longer than its index says"
+    report.problem(bin_path, None, "size",
+                   f"{actual} bytes, but {index_path} describes {expected} bytes: the .bin is {how} (cut short "
+                   f"while copied or written, or from another fairseq-preprocess run); binarize the data again")
+    return False
+
+
 def check_binarized_split(data_dir, split, source_lang, target_lang, dict_sizes, max_positions, report, required):
     prefix = _split_prefix(data_dir, split, source_lang, target_lang)
     if prefix is None:
@@ -190,8 +222,10 @@ def check_binarized_split(data_dir, split, source_lang, target_lang, dict_sizes,
         except Exception as exc:  # a damaged index is a data problem to report, not a crash
             report.problem(base + ".idx", None, "unreadable", f"cannot read the binarized data: {exc}")
             continue
-        sizes[lang] = dataset.sizes
         bin_path = base + ".bin"
+        if not check_bin_size(dataset, bin_path, base + ".idx", report):
+            continue
+        sizes[lang] = dataset.sizes
         for sentence in [int(i) for i in (dataset.sizes <= 1).nonzero()[0]]:
             report.problem(bin_path, sentence + 1, "empty sentence",
                            f"sentence {sentence} (line {sentence + 1} of the text it was binarized from) is empty")
@@ -262,7 +296,8 @@ def main(argv=None):
     problems = report.finish()
     summary = ", ".join(f"{name}: {count} pairs" for name, count in counts.items())
     if problems:
-        print(f"rfa-check-data: {problems} problem(s) found ({summary})", file=sys.stderr)
+        print(f"rfa-check-data: {problems} problem(s) found ({summary}), the first in {report.first_path} "
+              f"(all listed above)", file=sys.stderr)
         return 1
     print(f"rfa-check-data: OK ({summary})", file=sys.stderr)
     return 0

@@ -57,7 +57,8 @@ import sys
 
 import torch
 
-from ..checkpoints import CheckpointLoadError, mark_rfa_checkpoint, safe_load, save_atomic, stored_model_config
+from ..checkpoints import (CheckpointLoadError, mark_rfa_checkpoint, output_file_problem, safe_load, save_atomic,
+                           stored_model_config)
 from ..config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
 from ..distillation import (
     DISTILL_LOSSES,
@@ -434,6 +435,9 @@ def convert(args, log=print):
     """Write args.output from args.input; returns a dict describing the conversion."""
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise ConversionError("--output must differ from --input (the softmax checkpoint is kept)")
+    problem = output_file_problem(args.output)
+    if problem:
+        raise ConversionError(problem)
     sigma_init = args.sigma_init or ("fit" if args.calibration_data else "temperature")
     if sigma_init != "temperature" and not args.calibration_data:
         raise ConversionError(f"--sigma-init {sigma_init} needs --calibration-data (sentences to measure q and k on)")

@@ -16,6 +16,17 @@ import os
 import re
 import sys
 
+if __package__:
+    from ..textio import InputEncodingError, read_utf8_lines
+else:  # run as a file (scripts/generate.sh), so that importing the package does not import fairseq
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "rfa_fairseq_textio", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "textio.py"))
+    _textio = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_textio)
+    InputEncodingError, read_utf8_lines = _textio.InputEncodingError, _textio.read_utf8_lines
+
 SPM_SPACE = "\u2581"  # SentencePiece's word-boundary marker
 # fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -31,11 +42,16 @@ class ScoringError(Exception):
 
 def read_lines(path, role):
     """Lines of a UTF-8 text file; only '\\n' ends a line, so stray '\\r' or
-    U+2028 inside a sentence cannot shift the alignment with the reference."""
+    U+2028 inside a sentence cannot shift the alignment with the reference. A line that is not UTF-8
+    is an error naming the file and line (rfa_fairseq.textio)."""
+    if os.path.isdir(path):
+        raise ScoringError(f"{role} file {path} is a directory; pass the text file")
     if not os.path.isfile(path):
         raise ScoringError(f"{role} file not found: {path}")
-    with open(path, encoding="utf-8", newline="\n") as handle:
-        return [line[:-1] if line.endswith("\n") else line for line in handle]
+    try:
+        return [text for _, text in read_utf8_lines(path)]
+    except InputEncodingError as exc:
+        raise ScoringError(f"{role} file {exc}") from None
 
 
 def check_same_length(hyps, hyp_path, refs, ref_path):
