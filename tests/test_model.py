@@ -62,12 +62,6 @@ def _state_tensors(incremental_state):
             for t in (value.tensors() if isinstance(value, DecodeState) else [value])]
 
 
-def _attention_states(incremental_state):
-    """The attention state proper: every causal layer's state buffers and the cross-attention K/V or RFA states."""
-    decoding = incremental_state[DecodeState.KEY]["state"]
-    return [t for layer in decoding.layers for t in layer["self"]["states"] + list(layer["cross"].values())
-            if isinstance(t, torch.Tensor)]
-
 
 def test_modules_are_where_the_options_say():
     model, _ = build_model()
@@ -202,7 +196,7 @@ def test_bf16_model_keeps_fp32_states_and_finite_outputs():
         full, _ = model(src, src_lengths, prev)
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert full.dtype == torch.bfloat16 and torch.isfinite(full.float()).all()
-    assert all(t.dtype == torch.float32 for t in _attention_states(state))
+    assert all(t.dtype == torch.float32 for t in state[DecodeState.KEY]["state"].attention_tensors())
 
 
 @pytest.mark.parametrize(
@@ -348,7 +342,7 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
         if kernel == "cpp" and decode_step.load_fused_extension() is None:
             continue  # no C++ toolchain here (use_decoding_step skips such tests with the reason)
         model, d = build_model(_flags("sincos", True, False) + ["--rfa-decode-kernel", kernel])
-        assert model.decoder.decode_kernel == kernel
+        assert model.decoder.rfa.rfa_decode_kernel == kernel
         model.eval()
         src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)
         builds, state = [], {}

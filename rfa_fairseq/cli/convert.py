@@ -244,8 +244,7 @@ def rfa_head_outputs(module, item):
     query, mask = item["query"], item["key_padding_mask"]
     try:
         if module.causal:
-            length = query.size(0)
-            module(query, query, query, key_padding_mask=mask, attn_mask=query.new_zeros(()).expand(length, length))
+            module(query, query, query, key_padding_mask=mask)
         else:
             module(query, item["key"], item["value"], key_padding_mask=mask)
     finally:

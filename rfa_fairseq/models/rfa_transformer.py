@@ -154,7 +154,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.decode_kernel = str(getattr(cfg, RFA_CONFIG).rfa_decode_kernel)
+        self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
         self._workspace = None
 
@@ -211,7 +211,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
             pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
         beam = self._beam_of(key, pad, rows)
         workspace, self._workspace = self._workspace or Workspace(), None
-        state = DecodeState(step_kernels(self.decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
+        state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
                             len(self.layers), weight.device, weight.dtype)
         weakref.finalize(state, self._return_workspace, workspace)  # the next batch reuses it
         if key is not None:

@@ -97,15 +97,22 @@ class DecodeState:
         The causal states apply it in the next step; K/V move only when sentences leave."""
         new_order = new_order.to(self.device)
         self.order = new_order if self.order is None else self.order.index_select(0, new_order)
-        self.rows = new_order.numel()
-        sentence = follow_rows(self.sentence_of_row, new_order)
-        if sentence is None:
-            return
-        groups = sentence.view(-1, self.beam) if self.beam > 1 and self.rows % self.beam == 0 else None
-        if groups is not None and bool((groups == groups[:, :1]).all()):
-            kept = groups[:, 0]
-        else:  # rows of one sentence went apart: keep K/V once per row from now on
-            kept, self.beam = sentence, 1
+        unchanged_rows, self.rows = self.rows == new_order.numel(), new_order.numel()
+        if new_order.is_cuda:
+            # checking the rows would wait for the GPU: trust fairseq's beam search, whose beams of a sentence
+            # stay together and whose sentences only leave (the batch shrinks)
+            if unchanged_rows:
+                return
+            kept = self.sentence_of_row.index_select(0, new_order).view(-1, self.beam)[:, 0]
+        else:
+            sentence = follow_rows(self.sentence_of_row, new_order)
+            if sentence is None:
+                return
+            groups = sentence.view(-1, self.beam) if self.beam > 1 and self.rows % self.beam == 0 else None
+            if groups is not None and bool((groups == groups[:, :1]).all()):
+                kept = groups[:, 0]
+            else:  # rows of one sentence went apart: keep K/V once per row from now on
+                kept, self.beam = sentence, 1
         for layer in self.layers:
             cross = layer["cross"]
             for name, value in cross.items():
@@ -113,6 +120,12 @@ class DecodeState:
                     cross[name] = value.index_select(0, kept)
         self.sentences = kept.numel()
         self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
+
+    def attention_tensors(self) -> List[Tensor]:
+        """The attention state proper: every causal layer's state buffers (the batch's rows) and the
+        cross-attention's per-sentence tensors."""
+        causal = [t[: self.rows] for layer in self.layers for t in layer["self"]["states"]]
+        return causal + [t for layer in self.layers for t in layer["cross"].values() if isinstance(t, Tensor)]
 
     def tensors(self) -> List[Tensor]:
         """Every tensor the batch keeps between steps: K/V and the workspace (the causal states are in it)."""

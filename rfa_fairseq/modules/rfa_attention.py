@@ -174,7 +174,7 @@ class RFAAttention(nn.Module):
         T, B, _ = x.shape
         return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def _phi(self, x: Tensor, w: Optional[Tensor], is_query: bool) -> Tensor:
+    def features(self, x: Tensor, w: Optional[Tensor], is_query: bool) -> Tensor:
         """(T, B, C) projected inputs -> (B, H, T, F) fp32 features."""
         return self.phi(self._heads(x), w, is_query)
 
@@ -218,7 +218,7 @@ class RFAAttention(nn.Module):
                              "(prepare_step, step: RFATransformerDecoder), not through forward")
         tgt_len, bsz, _ = query.shape
         w = self.random_matrix()  # (H, D, d) or None
-        phi_q = self._phi(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
+        phi_q = self.features(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
         if self.causal:
             if attn_mask is not None:
                 self._check_causal_mask(attn_mask, tgt_len)
@@ -226,7 +226,7 @@ class RFAAttention(nn.Module):
         else:
             if attn_mask is not None:
                 raise ValueError("non-causal RFA attention does not support attn_mask")
-            phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
+            phi_k, _ = gate_keys(self.features(self.k_proj(key), w, is_query=False), None, key_padding_mask)
             out, _ = noncausal_rfa(phi_q, phi_k, self._values(self.v_proj(value)), eps=self.eps)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim).to(query.dtype)  # (T, B, C)
         return self.out_proj(out), None
@@ -236,7 +236,7 @@ class RFAAttention(nn.Module):
 
     def _causal_self_attention(self, phi_q, query, key_padding_mask, w) -> Tensor:
         """Decoder self-attention over whole sequences, chunked. -> (B, H, T, d)"""
-        phi_k = self._phi(self.k_proj(query), w, is_query=False)  # (B, H, T, F)
+        phi_k = self.features(self.k_proj(query), w, is_query=False)  # (B, H, T, F)
         v = self._values(self.v_proj(query))  # (B, H, T, d)
         gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
         phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
@@ -252,7 +252,7 @@ class RFAAttention(nn.Module):
         Causal: the fused input projection and two fp32 state buffers (rows, H, F, d + 1) used in turn.
         Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence (state.per_sentence)."""
         if not self.causal:
-            phi_k = self._phi(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
+            phi_k = self.features(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
             if key_padding_mask is not None:
                 phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
             buffers["rfa_state"] = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))
@@ -303,7 +303,7 @@ class RFAAttention(nn.Module):
         R, C, H = h.size(0), self.embed_dim, self.num_heads
         q = torch.addmm(_bias(self.q_proj, C), h, self.q_proj.weight.t(), out=state.buffer("q", R, C))
         sentence_states = buffers["rfa_state"]  # (n, H, F, d + 1)
-        phi_q = self._phi(q.unsqueeze(0), self.random_matrix(), is_query=True)  # (R, H, 1, F)
+        phi_q = self.features(q.unsqueeze(0), self.random_matrix(), is_query=True)  # (R, H, 1, F)
         n, beam = sentence_states.size(0), state.beam
         grouped = phi_q.view(n, beam, H, 1, -1).transpose(1, 2).reshape(n, H, beam, -1)
         out, _ = noncausal_rfa(grouped, None, None, state=sentence_states, eps=self.eps)  # (n, H, beam, d)
