@@ -1,6 +1,6 @@
 """RFA given feature maps: causal (decoder self-attention) and non-causal (cross / encoder).
 
-Every function has the signature
+The attention functions here share the signature
 
     f(phi_q, phi_k, v, log_gate=None, state=None) -> (out, state)
 
