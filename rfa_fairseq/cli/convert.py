@@ -57,6 +57,7 @@ import sys
 
 import torch
 
+from . import run_console_script
 from ..checkpoints import CheckpointLoadError, mark_rfa_checkpoint, safe_load, save_atomic, stored_model_config
 from ..config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
 from ..distillation import (
@@ -503,13 +504,10 @@ def convert(args, log=print):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
+    def run(args):
         convert(args, log=lambda message: print(message, file=sys.stderr))
-    except ConversionError as exc:
-        print(f"rfa-convert-transformer: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_console_script("rfa-convert-transformer", build_parser(), run, ConversionError, argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import os
 import re
 import sys
 
+from . import run_console_script
+
 SPM_SPACE = "\u2581"  # SentencePiece's word-boundary marker
 # fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -248,13 +250,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except ScoringError as exc:
-        print(f"rfa-score: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_console_script("rfa-score", build_parser(), run, ScoringError, argv)
 
 
 if __name__ == "__main__":
