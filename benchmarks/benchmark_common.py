@@ -34,7 +34,7 @@ MODELS = {
     "softmax": ("transformer", []),
     "rfa": ("rfa_transformer", []),  # the default: hedgehog map, gate, softmax cross-attention
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
-    "rfa_eager": ("rfa_transformer", ["--no-rfa-static-decode"]),  # the default on fairseq's eager path
+    "rfa_torch": ("rfa_transformer", ["--rfa-decode-kernel", "torch"]),  # the default with the torch step kernels
     # the default map at a fixed number of features D (the speed/quality knob), whatever the default D is
     "rfa_d16": ("rfa_transformer", ["--rfa-num-features", "16"]),
     "rfa_d32": ("rfa_transformer", ["--rfa-num-features", "32"]),
@@ -128,10 +128,8 @@ def peak_memory_mb(device: str) -> float:
 def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
-    if hasattr(obj, "attention_tensors"):  # the static decoding step's state: causal states and cross K/V
+    if hasattr(obj, "attention_tensors"):  # RFA's DecodeState: causal states and cross K/V
         return tensor_bytes(obj.attention_tensors())
-    if hasattr(obj, "tensors"):  # an eager causal layer's CausalRFAState
-        return tensor_bytes(obj.tensors())
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -57,9 +57,9 @@ from benchmark_common import (  # noqa: E402
 )
 
 DEFAULT_LENGTHS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
-# incremental-state entries that hold attention state: fairseq's MultiheadAttention, RFAAttention (eager
-# decoding) and the static decoding step (its causal states and cross-attention K/V, not its activations)
-ATTENTION_STATE_KEYS = ("attn_state", "rfa_state", "rfa_static_decoding")
+# incremental-state entries that hold attention state: fairseq's MultiheadAttention and RFA's decoding
+# state (its causal states and cross-attention K/V, not its activations)
+ATTENTION_STATE_KEYS = ("attn_state", "rfa_decoding")
 MODEL_CHOICES = sorted(MODELS) + ["ct2"]
 CT2_PIN = "ctranslate2==4.8.5"
 
@@ -502,7 +502,7 @@ def plot(rows, path, args):
         return None
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan",
-              "rfa_eager": "tab:brown", "ct2": "tab:purple", "rfa_d16": "tab:olive", "rfa_d32": "tab:pink", "rfa_d64": "tab:gray",
+              "rfa_torch": "tab:brown", "ct2": "tab:purple", "rfa_d16": "tab:olive", "rfa_d32": "tab:pink", "rfa_d64": "tab:gray",
               "rfa_paper": "gold", "rfa_paper_gated": "darkkhaki", "rfa_rfa_cross": "navy"}
     styles = ["-", "--", ":", "-."]
     batches = sorted({r["batch"] for r in rows})

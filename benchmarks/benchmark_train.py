@@ -65,6 +65,7 @@ def bounded_run(cmd, timeout_s, env=None, check=True):
 def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
     from fairseq.modules import MultiheadAttention
 
+    from rfa_fairseq.config import RFAConfig
     from rfa_fairseq.modules import RFAAttention
 
     _, embed, _, heads = DIMS[dims]
@@ -73,8 +74,8 @@ def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
     if kind == "softmax_sdpa":
         return SDPAAttention(embed, heads)
     sequence_kernel = "torch" if kind.endswith("_torch") else "auto"  # *_torch: CUDA tensors on the torch path too
-    return RFAAttention(embed, heads, self_attention=True, causal=True, chunk_size=chunk_size, gate=gate,
-                        sequence_kernel=sequence_kernel)
+    return RFAAttention(embed, heads, self_attention=True, causal=True,
+                        rfa=RFAConfig(rfa_chunk_size=chunk_size, rfa_gate=gate, rfa_sequence_kernel=sequence_kernel))
 
 
 def _sdpa_module_class():
@@ -123,10 +124,8 @@ def measure(args, module, length: int) -> dict:
     x = torch.randn(T, B, C, device=device, dtype=dtype, requires_grad=True)
     if args.kind == "softmax":  # what fairseq's decoder passes: a materialized T x T future mask
         mask = torch.triu(torch.full((T, T), float("-inf"), device=device, dtype=dtype), 1)
-    elif args.kind == "softmax_sdpa":
-        mask = None  # causal inside scaled_dot_product_attention
-    else:  # what our decoder passes: a zero-stride stand-in
-        mask = torch.zeros((), device=device).expand(T, T)
+    else:  # causal inside scaled_dot_product_attention; RFA's causal self-attention is causal by construction
+        mask = None
 
     def step():
         out, _ = module(query=x, key=x, value=x, attn_mask=mask, need_weights=False)

@@ -1,4 +1,14 @@
-"""RFA options: one dataclass gives the `--rfa-*` flags, their help and defaults."""
+"""RFA options: one dataclass gives the `--rfa-*` flags, their help and defaults. build_model makes one
+RFAConfig of a model's options and hands it whole to the attention modules and feature maps.
+
+Every field is marked with what it is for (metadata "role"):
+  weights   the checkpoint's weights depend on it: changing one when loading a checkpoint (for example with
+            fairseq-generate --model-overrides) either fails on parameter shapes or silently computes
+            something the weights were not trained for (check_rfa_overrides refuses that);
+  training  only matters in training (evaluation uses the saved eval_random_matrix and the loaded sigma);
+  decoding  only matters in incremental decoding.
+and "speed_only" when results do not depend on it (kernels, chunks): fine-tuning keeps the command line's.
+"""
 import argparse
 from dataclasses import dataclass, field, fields
 
@@ -10,118 +20,96 @@ from .ops import DECODE_KERNELS, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE
 SIGMA_MODES = ("learned", "fixed", "log")
 
 
+def _meta(role: str, help: str, speed_only: bool = False) -> dict:
+    return {"help": help, "role": role, "speed_only": speed_only}
+
+
 @dataclass
 class RFAConfig(FairseqDataclass):
     rfa_feature_map: ChoiceEnum(FEATURE_MAPS) = field(
         default="hedgehog",
-        metadata={
-            "help": "random feature map: sincos = Gaussian random Fourier features (paper Eq. 2), "
+        metadata=_meta("weights", "random feature map: sincos = Gaussian random Fourier features (paper Eq. 2), "
             "arccos = paper's phi_arccos (degree-1 arc-cosine kernel), positive = Performer FAVOR+ "
             "positive random features; learned deterministic maps (no random matrix, phi >= 0): hedgehog = "
             "[softmax(Wx+b), softmax(-(Wx+b))] (2D features), relu = T2R's relu(Wx+b) (D features), elu = elu(x)+1 "
-            "(head_dim features) (default: hedgehog, the best of docs/quality.md; the paper's map is sincos)"
-        },
+            "(head_dim features) (default: hedgehog, the best of docs/quality.md; the paper's map is sincos)"),
     )
     rfa_num_features: int = field(
         default=16,
-        metadata={
-            "help": "number D of random (or learned) vectors per head (sincos and hedgehog give 2D features); "
+        metadata=_meta("weights", "number D of random (or learned) vectors per head (sincos and hedgehog give 2D features); "
             "the decode state per head is 2D x (head_dim + 1) floats. 16 is the fastest D that kept the default "
-            "map on par with softmax on Multi30k (docs/quality.md); the paper's MT setup uses 64 (default: 16)"
-        },
+            "map on par with softmax on Multi30k (docs/quality.md); the paper's MT setup uses 64 (default: 16)"),
     )
     rfa_random_matrix: ChoiceEnum(RANDOM_MATRIX_KINDS) = field(
         default="orthogonal",
-        metadata={
-            "help": "random projections: gaussian = i.i.d. N(0, I) rows; orthogonal = orthogonal blocks "
-            "with chi-distributed row norms (lower-variance estimate) (default: orthogonal)"
-        },
+        metadata=_meta("training", "random projections: gaussian = i.i.d. N(0, I) rows; orthogonal = orthogonal blocks "
+            "with chi-distributed row norms (lower-variance estimate) (default: orthogonal)"),
     )
     rfa_fixed_random_matrix: bool = field(
         default=False,
-        metadata={"help": "train with the fixed evaluation matrices instead of redrawing them at every update (ablation)"},
+        metadata=_meta("training", "train with the fixed evaluation matrices instead of redrawing them at every update (ablation)"),
     )
     rfa_sigma: ChoiceEnum(SIGMA_MODES) = field(
         default="learned",
-        metadata={
-            "help": "sigma scaling the random projections, per head and dimension: learned (paper's "
+        metadata=_meta("training", "sigma scaling the random projections, per head and dimension: learned (paper's "
             "learned variance), log (learned as exp(m * theta): --rfa-sigma-lr-multiplier m speeds up its "
-            "learning) or fixed at its initial value (default: learned)"
-        },
+            "learning) or fixed at its initial value (default: learned)"),
     )
     rfa_sigma_lr_multiplier: float = field(
         default=10.0,
-        metadata={"help": "with --rfa-sigma log: m in sigma = exp(m * theta), a learning-rate multiplier for log sigma (default: 10)"},
+        metadata=_meta("training", "with --rfa-sigma log: m in sigma = exp(m * theta), a learning-rate multiplier for log sigma (default: 10)"),
     )
     rfa_temperature: float = field(
         default=1.0,
-        metadata={
-            "help": "tau: sigma starts at tau^-1/2, so RFA starts as softmax(q.k / tau) over the "
-            "l2-normalized q and k (arccos ignores a uniform sigma) (default: 1.0)"
-        },
+        metadata=_meta("training", "tau: sigma starts at tau^-1/2, so RFA starts as softmax(q.k / tau) over the "
+            "l2-normalized q and k (arccos ignores a uniform sigma) (default: 1.0)"),
     )
     rfa_gate: bool = field(
         default=True,
-        metadata={
-            "help": "gated RFA in the decoder self-attention (paper Eq. 7): g_t = sigmoid(w_g.x_t + b_g) "
+        metadata=_meta("weights", "gated RFA in the decoder self-attention (paper Eq. 7): g_t = sigmoid(w_g.x_t + b_g) "
             "per head, S_t = g_t S_t-1 + (1 - g_t) phi(k_t) v_t^T, same for z; --no-rfa-gate: ungated "
-            "(default: gated)"
-        },
+            "(default: gated)"),
     )
     rfa_chunk_size: int = field(
         default=64,
-        metadata={"help": "chunk size of the causal training pass; memory is O(L) for any value (default: 64)"},
+        metadata=_meta("training", "chunk size of the causal training pass; memory is O(L) for any value (default: 64)", speed_only=True),
     )
     rfa_decode_kernel: ChoiceEnum(DECODE_KERNELS) = field(
         default="auto",
-        metadata={
-            "help": "the causal decoding step: auto = flash-linear-attention on CUDA when installed, the fused C++ "
-            "step on CPU when it builds (built once, cached), the torch step otherwise; torch = always the torch step "
-            "(no C++ build); cpp = the C++ step on CPU, an error when it cannot be built. Same results, other speeds "
-            "(default: auto)"
-        },
+        metadata=_meta("decoding", "the kernels of the incremental decoding step: auto = the C++ kernels on CPU in fp32 when they "
+            "build (built once, cached), the torch kernels otherwise (CUDA, bf16/fp16); torch = always the torch kernels "
+            "(no C++ build); cpp = the C++ kernels, an error where they cannot run (not CPU fp32) or cannot be built. "
+            "Same results, other speeds (default: auto)", speed_only=True),
     )
     rfa_sequence_kernel: ChoiceEnum(SEQUENCE_KERNELS) = field(
         default="auto",
-        metadata={
-            "help": "causal RFA over whole sequences (training, scoring): auto = flash-linear-attention on CUDA when "
+        metadata=_meta("training", "causal RFA over whole sequences (training, scoring): auto = flash-linear-attention on CUDA when "
             "installed, the chunked torch path otherwise; torch = always the torch path. Same results, other speeds "
-            "(default: auto)"
-        },
-    )
-    rfa_static_decode: bool = field(
-        default=True,
-        metadata={
-            "help": "incremental decoding without autograd (fairseq-generate, fairseq-interactive) runs the static "
-            "step: the batch's states, cross-attention K/V and activations are allocated once and updated in place; "
-            "--no-rfa-static-decode: fairseq's eager path, layer by layer (same translations; for debugging; with "
-            "fairseq-generate: --model-overrides \"{'rfa_static_decode': False}\") (default: static)"
-        },
+            "(default: auto)", speed_only=True),
     )
     rfa_encoder_self_attn: bool = field(
         default=False,
-        metadata={"help": "use RFA in the encoder self-attention too (softmax by default, as in the paper's MT setup)"},
+        metadata=_meta("weights", "use RFA in the encoder self-attention too (softmax by default, as in the paper's MT setup)"),
     )
     rfa_softmax_cross_attn: bool = field(
         default=True,
-        metadata={
-            "help": "softmax encoder-decoder attention: its cache is the source's keys and values, fixed while "
+        metadata=_meta("weights", "softmax encoder-decoder attention: its cache is the source's keys and values, fixed while "
             "the output grows, so decoding stays constant-cost in the output length; --no-rfa-softmax-cross-attn: "
-            "RFA cross-attention as in the paper (a per-sentence state) (default: softmax)"
-        },
+            "RFA cross-attention as in the paper (a per-sentence state) (default: softmax)"),
     )
 
 
-RFA_DEFAULTS = {f.name: f.default for f in fields(RFAConfig)}
+    @classmethod
+    def from_args(cls, args) -> "RFAConfig":
+        """The rfa_* options of a model's args (after apply_rfa_defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name in RFA_ROLES})
 
-# Options a trained model's weights depend on: changing one when loading a checkpoint (for example
-# with fairseq-generate --model-overrides) either fails on parameter shapes or silently computes
-# something the weights were not trained for. The others only matter in training (chunk size,
-# random-matrix kind: evaluation uses the saved eval_random_matrix) or at initialization
-# (temperature, sigma mode: sigma is loaded).
-WEIGHT_DEFINING_RFA_OPTIONS = (
-    "rfa_feature_map", "rfa_num_features", "rfa_gate", "rfa_encoder_self_attn", "rfa_softmax_cross_attn",
-)
+
+RFA_DEFAULTS = {f.name: f.default for f in fields(RFAConfig)}
+RFA_ROLES = {f.name: f.metadata["role"] for f in fields(RFAConfig) if "role" in f.metadata}
+WEIGHT_DEFINING_RFA_OPTIONS = tuple(name for name, role in RFA_ROLES.items() if role == "weights")
+# what rebuilds a checkpoint's model for fine-tuning (cli/finetune_flags.py): all but the speed-only options
+MODEL_DEFINING_RFA_OPTIONS = tuple(f.name for f in fields(RFAConfig) if f.name in RFA_ROLES and not f.metadata["speed_only"])
 
 
 class RFAOptionMismatchError(ValueError):

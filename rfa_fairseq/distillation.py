@@ -49,8 +49,8 @@ def rfa_attention(module, item) -> Tensor:
     """The RFA module's attention weights (B, H, T, S) on the same inputs, differentiable in its
     feature map and gate."""
     w = module.random_matrix()  # (H, D, d) or None
-    phi_q = module._phi(module.q_proj(item["query"]), w, is_query=True)  # (B, H, T, F)
-    phi_k = module._phi(module.k_proj(item["key"]), w, is_query=False)
+    phi_q = module.features(module.q_proj(item["query"]), w, is_query=True)  # (B, H, T, F)
+    phi_k = module.features(module.k_proj(item["key"]), w, is_query=False)
     gate_logits = None
     if module.causal and module.gate_proj is not None:
         gate_logits = module.gate_proj(item["query"]).permute(1, 2, 0)  # (B, H, T)

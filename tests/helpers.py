@@ -66,18 +66,18 @@ def plugin_env():
 
 
 def use_decoding_step(path: str, monkeypatch) -> None:
-    """Select the decoding step for a test: "fused" (the C++ step; skipped, with the reason,
-    only where no C++ toolchain exists) or "torch" (the fallback)."""
+    """Select the decoding step's kernels for a test: "fused" (the C++ kernels; skipped, with the reason,
+    only where no C++ toolchain exists) or "torch"."""
     import shutil
 
     import pytest
 
-    from rfa_fairseq.ops import fused_step
+    from rfa_fairseq.ops import decode_step
 
     if path == "torch":
-        monkeypatch.setattr(fused_step, "load_fused_extension", lambda: None)
+        monkeypatch.setattr(decode_step, "load_fused_extension", lambda: None)
         return
-    if fused_step.load_fused_extension() is None:
+    if decode_step.load_fused_extension() is None:
         missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
         if missing:
             pytest.skip(f"the fused decoding step cannot be built here: {', '.join(missing)} not on PATH")

@@ -1,4 +1,5 @@
-"""The CUDA path: flash-linear-attention against the torch references, decoding, and fairseq-train /
+"""The CUDA path: flash-linear-attention against the torch references, the decoding step (its torch
+kernels) against the full forward, and fairseq-train /
 fairseq-generate on a GPU. Every test is skipped, with the reason, where CUDA or fla is missing.
 
 Shapes are those of the base models (8 heads, head dim 64, 2 x 64 sincos features): fla compiles
@@ -25,10 +26,11 @@ from rfa_fairseq.ops import (
     causal_rfa_fla,
     causal_rfa_recurrent,
     causal_rfa_reference,
-    causal_rfa_step_fla,
     fla_import_error,
     gate_keys,
+    step_kernels,
 )
+from rfa_fairseq.modules.decoding import DecodeState
 
 
 def _skip_reason():
@@ -121,22 +123,26 @@ def test_dispatch_takes_fla_for_cuda_and_torch_when_disabled_or_fp64():
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
-def test_fla_decoding_step_with_beam_order(gated):
-    """fused_recurrent_simple_gla after the gather == the recurrence on state[order], in fp32."""
+def test_decoding_step_kernels_on_cuda_with_beam_order(gated):
+    """The decoding step's kernels on CUDA (the torch kernels) == the recurrence on state[order], in fp32."""
     torch.manual_seed(2)
+    kernels = step_kernels("auto", torch.device("cuda"), torch.float32)
+    assert kernels.name == "torch"
     state = torch.rand(4, H, F_, D + 1, device="cuda")
-    spare = torch.empty(3, H, F_, D + 1, device="cuda")
     for order in (torch.tensor([3, 0, 3], device="cuda"), None):
         rows = 3 if order is not None else 4
         q, k = features(rows, H, 1, F_), features(rows, H, 1, F_)
         v = torch.randn(rows, H, 1, D, device="cuda")
-        log_gate = -torch.rand(rows, H, 1, device="cuda") if gated else None
-        out, new_state = causal_rfa_step_fla(q, k, v, log_gate, state, order, out_state=spare)
+        gate = torch.randn(rows, H, device="cuda") if gated else None
+        out, new_state = torch.empty(rows, H * D, device="cuda"), torch.empty(4, H, F_, D + 1, device="cuda")
+        kernels.causal_layer_step(q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1), gate, None, state, order,
+                                  new_state, out, 1e-3)
+        keys, log_gate = gate_keys(k, gate.unsqueeze(-1) if gated else None, None)
         entering = state[order] if order is not None else state
-        want_out, want_state = causal_rfa_recurrent(q.double(), k.double(), v.double(),
+        want_out, want_state = causal_rfa_recurrent(q.double(), keys.double(), v.double(),
                                                     log_gate.double() if gated else None, entering.double())
-        assert new_state is not state and new_state.dtype == out.dtype == torch.float32
-        assert relative_error(out, want_out) < 1e-5 and relative_error(new_state, want_state) < 1e-5
+        assert relative_error(out.view(rows, H, 1, D), want_out) < 1e-5
+        assert relative_error(new_state[:rows], want_state) < 1e-5
 
 
 # ------------------------------------------------------------------ model
@@ -159,7 +165,7 @@ MODEL_VARIANTS = [  # feature map, gated, RFA encoder, RFA cross-attention
 
 @pytest.mark.parametrize("feature_map,gate,rfa_encoder,rfa_cross", MODEL_VARIANTS)
 def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa_encoder, rfa_cross):
-    """Full forward (fla chunked) == step by step (fla fused recurrent) through a whole model."""
+    """Full forward (fla chunked) == step by step (the decoding step's torch kernels) through a whole model."""
     model, d = gpu_model(flags(feature_map, gate, rfa_encoder, rfa_cross))
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=9, tgt_len=70))
     with torch.no_grad():
@@ -186,14 +192,13 @@ def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
     expand = torch.arange(3, device="cuda").repeat_interleave(beam)
     src, src_lengths, prev = src[expand], src_lengths[expand], prev[torch.arange(9, device="cuda") % 3]
     model.decoder.set_beam_size(beam)
-    cross = model.decoder.layers[0].encoder_attn
     k = 3
     orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state, rows = {}, torch.arange(9, device="cuda")
         _decode_incrementally(model, encoder_out, prev[:, :k], state)
-        assert cross._get_input_buffer(state)["cross_state"].size(0) == 3
+        assert state[DecodeState.KEY]["state"].sentences == 3  # the cross state once per sentence
         for step, order in enumerate(orders):
             order = order.cuda()
             model.decoder.reorder_incremental_state_scripting(state, order)
@@ -205,13 +210,13 @@ def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
             scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
             model.decoder.set_beam_size(beam)
             torch.testing.assert_close(continued, scratch, rtol=1e-4, atol=1e-4)
-        assert cross._get_input_buffer(state)["cross_state"].size(0) == 2
+        assert state[DecodeState.KEY]["state"].sentences == 2
 
 
 @pytest.mark.parametrize("feature_map,gate,rfa_cross", [("sincos", False, True), ("hedgehog", True, False)],
                          ids=["sincos-ungated-rfa_cross", "hedgehog-gated-softmax_cross"])
 def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(feature_map, gate, rfa_cross):
-    """fairseq's beam search on CUDA (fla steps, reorders, finishing sentences): per-token scores ==
+    """fairseq's beam search on CUDA (decoding steps, reorders, finishing sentences): per-token scores ==
     teacher-forced full forward (fla chunked), up to TF32."""
     from fairseq.sequence_generator import SequenceGenerator
 
@@ -303,36 +308,32 @@ def test_fairseq_train_and_generate_on_cuda(corpus, precision, rfa_flags, update
 
 
 def test_decoding_steps_and_reorders_do_not_synchronize_the_host():
-    """RFA's decoding step (self and cross attention) and beam reorder queue GPU work without
-    waiting for it: torch's sync debug mode turns any host synchronisation into an error.
-    (fairseq's own decoder and beam search still synchronise; this checks what RFA adds.)"""
-    model, _ = gpu_model(flags("sincos", gate=True))
-    layer = model.decoder.layers[0]
-    self_attn, cross = layer.self_attn, layer.encoder_attn
-    beam, sentences, C = 4, 3, H * D
-    for module in (self_attn, cross):
-        module.set_beam_size(beam)
-    encoder_out = torch.randn(7, sentences, C, device="cuda").repeat_interleave(beam, dim=1)  # (S, B * beam, C)
-    steps = [torch.randn(1, sentences * beam, C, device="cuda") for _ in range(6)]
+    """RFA's decoding step (embeddings, every layer's self and cross attention, logits) and the beam reorder
+    queue GPU work without waiting for it: torch's sync debug mode turns any host synchronisation into an
+    error. (fairseq's beam search itself still synchronises; this checks the decoder's part.)"""
+    model, d = gpu_model(flags("sincos", gate=True))
+    beam, sentences = 4, 3
+    model.decoder.set_beam_size(beam)
+    src, src_lengths, prev = on_cuda(*random_batch(d, bsz=sentences, src_len=7, tgt_len=8))
+    expand = torch.arange(sentences, device="cuda").repeat_interleave(beam)
+    src, src_lengths, prev = src[expand], src_lengths[expand], prev[expand]
     within_beam = torch.tensor([1, 1, 0, 3], device="cuda")
-    order = (torch.arange(sentences, device="cuda").repeat_interleave(beam) * beam
-             + within_beam.repeat(sentences))  # (B * beam,) beams swap within their sentence
+    order = expand * beam + within_beam.repeat(sentences)  # (B * beam,) beams swap within their sentence
     state = {}
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
 
-    def step(x):
-        with torch.no_grad():
-            self_attn(x, x, x, incremental_state=state)
-            cross(x, encoder_out, encoder_out, incremental_state=state, static_kv=True)
-            self_attn.reorder_incremental_state(state, order)
-            cross.reorder_incremental_state(state, order)
+        def step(t):
+            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            model.decoder.reorder_incremental_state_scripting(state, order)
 
-    for x in steps[:2]:  # first steps: cross state built, fla kernels compiled and autotuned
-        step(x)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for x in steps[2:]:
-            step(x)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        for t in range(2):  # the first step builds the batch's state
+            step(t)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(2, prev.size(1)):
+                step(t)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -11,6 +11,7 @@ from rfa_fairseq.distillation import (
     distillation_loss,
     softmax_attention,
 )
+from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
 from rfa_fairseq.ops import causal_rfa_reference, gate_keys, noncausal_rfa_reference, rfa_attention_weights
 
@@ -44,7 +45,8 @@ def _layer_and_batches(seed=0, batches=6, length=9, sharpness=4.0, vocabulary=12
     noisy embeddings of a small vocabulary: like a language, a pattern seen in training recurs later."""
     torch.manual_seed(seed)
     embeddings = torch.randn(vocabulary, 32)
-    module = RFAAttention(32, 2, self_attention=True, causal=True, feature_map="hedgehog", num_features=16, gate=True)
+    module = RFAAttention(32, 2, self_attention=True, causal=True,
+                          rfa=RFAConfig(rfa_feature_map="hedgehog", rfa_num_features=16, rfa_gate=True))
     with torch.no_grad():
         module.q_proj.weight.mul_(sharpness)
         module.k_proj.weight.mul_(sharpness)
@@ -72,7 +74,7 @@ def test_only_the_feature_map_and_gate_are_distilled():
     names = {id(p): n for n, p in module.named_parameters()}
     assert sorted(names[id(p)] for p in distillable_parameters(module)) == [
         "gate_proj.bias", "gate_proj.weight", "phi.bias", "phi.weight"]
-    random_map = RFAAttention(32, 2, self_attention=True, causal=True, feature_map="sincos", gate=False)
+    random_map = RFAAttention(32, 2, self_attention=True, causal=True, rfa=RFAConfig(rfa_feature_map="sincos", rfa_gate=False))
     assert distillable_parameters(random_map) == [], "sigma of a random map is fitted, not distilled"
 
 
@@ -105,15 +107,15 @@ def test_distillation_matches_what_the_layer_computes():
     with torch.no_grad():
         x = item["query"]
         w = module.random_matrix()
-        phi_q = module._phi(module.q_proj(x), w, is_query=True)
-        phi_k = module._phi(module.k_proj(x), w, is_query=False)
+        phi_q = module.features(module.q_proj(x), w, is_query=True)
+        phi_k = module.features(module.k_proj(x), w, is_query=False)
         phi_k, log_gate = gate_keys(phi_k, module.gate_proj(x).permute(1, 2, 0), item["key_padding_mask"])
         v = module._heads(module.v_proj(x))
         weights = rfa_attention_weights(phi_q, phi_k, log_gate, eps=module.eps)
         seen = {}
         handle = module.out_proj.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
         length = x.size(0)
-        module(x, x, x, key_padding_mask=item["key_padding_mask"], attn_mask=x.new_zeros(()).expand(length, length))
+        module(x, x, x, key_padding_mask=item["key_padding_mask"])
         handle.remove()
     out = (weights @ v.to(weights.dtype)).permute(2, 0, 1, 3).reshape(length, 3, 32)  # (T, B, C)
     valid = item["query_valid"].t()  # (T, B)

@@ -22,7 +22,7 @@ import torch
 from cli_support import TESTS, TINY_MODEL, TINY_TRAIN, assert_exit_code, env, run, synthetic_data
 from conftest import PLUGIN_DIR, REPO
 
-from rfa_fairseq.ops import extension, fused_step
+from rfa_fairseq.ops import extension, load_fused_extension, require_fused_extension, step_kernels
 
 GENERATE_JIT = os.path.join(TESTS, "fairseq_generate_jit.py")
 CPP = ["--model-overrides", "{'rfa_decode_kernel': 'cpp'}"]
@@ -33,16 +33,18 @@ JIT_BUILD_CACHE_PREFIX = "rfa_jit_build_"  # pytest's cache directory of the ses
 # when they cannot be had), checked against the torch path; prints the module's file
 JIT_STEP = textwrap.dedent("""
     import torch
-    from rfa_fairseq.ops import extension, fused_step
+    from rfa_fairseq.ops import extension, step_kernels
     extension.import_prebuilt = lambda: (None, "skipped by the test")
     g = torch.Generator().manual_seed(0)
-    phi_q, phi_k = torch.rand(3, 2, 1, 8, generator=g), torch.rand(3, 2, 1, 8, generator=g)
-    v, state, order = torch.randn(3, 2, 1, 4, generator=g), torch.rand(3, 2, 8, 5, generator=g), torch.tensor([2, 0, 0])
-    with torch.no_grad():
-        out, new_state = fused_step.causal_rfa_step_fused(phi_q, phi_k, v, None, state, order, kernel="cpp")
-        ref, ref_state = fused_step.causal_rfa_step_fused(phi_q, phi_k, v, None, state, order, kernel="torch")
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(new_state, ref_state)
+    phi_q, phi_k = torch.rand(3, 16, generator=g), torch.rand(3, 16, generator=g)
+    v, state, order = torch.randn(3, 8, generator=g), torch.rand(3, 2, 8, 5, generator=g), torch.tensor([2, 0, 0])
+    results = []
+    for kernel in ("cpp", "torch"):
+        out, new_state = torch.empty(3, 8), torch.empty(3, 2, 8, 5)
+        step_kernels(kernel, torch.device("cpu"), torch.float32).causal_layer_step(
+            phi_q, phi_k, v, None, None, state, order, new_state, out, 1e-3)
+        results.append((out, new_state))
+    torch.testing.assert_close(results[0], results[1])
     print("module", extension.require_fused_extension().__file__)
 """)
 
@@ -195,8 +197,8 @@ def test_the_prebuilt_module_is_what_decoding_loads(prebuilt, fresh_loader):
     assert prebuilt.build_hash == extension.build_hash(torch.__version__)
     # where `import rfa_fairseq` finds it: next to extension.py (in the source tree for editable installs)
     assert Path(prebuilt.__file__).parent == Path(extension.__file__).parent
-    assert fused_step.load_fused_extension() is prebuilt
-    assert fused_step.require_fused_extension() is prebuilt
+    assert load_fused_extension() is prebuilt
+    assert require_fused_extension() is prebuilt
     if Path(prebuilt.__file__).is_relative_to(REPO) and (Path(REPO) / ".git").exists():
         ignored = subprocess.run(["git", "check-ignore", "-q", prebuilt.__file__], cwd=REPO, timeout=60)
         assert ignored.returncode == 0, f"{prebuilt.__file__} is compiled into the source tree but not git-ignored"
@@ -337,21 +339,15 @@ def test_a_live_builder_is_waited_for_a_bounded_time_then_auto_falls_back_and_cp
     # the public path: the prebuilt module unusable, the default wait shortened
     monkeypatch.setattr(extension, "import_prebuilt", lambda: (None, "skipped by the test"))
     monkeypatch.setattr(extension, "BUILD_LOCK_TIMEOUT_S", 1.0)
-    g = torch.Generator().manual_seed(0)
-    phi_q, phi_k = torch.rand(2, 2, 1, 8, generator=g), torch.rand(2, 2, 1, 8, generator=g)
-    v, state, order = torch.randn(2, 2, 1, 4, generator=g), torch.rand(2, 2, 8, 5, generator=g), torch.tensor([1, 1])
-    with torch.no_grad():
-        expected = fused_step.causal_rfa_step_fused(phi_q, phi_k, v, None, state, order, kernel="torch")
-        with pytest.warns(UserWarning) as warned:
-            out = fused_step.causal_rfa_step_fused(phi_q, phi_k, v, None, state, order, kernel="auto")
-            again = fused_step.causal_rfa_step_fused(phi_q, phi_k, v, None, state, order, kernel="auto")
-        with pytest.raises(RuntimeError) as error:
-            fused_step.causal_rfa_step_fused(phi_q, phi_k, v, None, state, order, kernel="cpp")
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning) as warned:
+        chosen = [step_kernels("auto", cpu, torch.float32) for _ in range(2)]  # two batches
+    with pytest.raises(RuntimeError) as error:
+        step_kernels("cpp", cpu, torch.float32)
     messages = [str(w.message) for w in warned]
-    assert len(messages) == 1, messages  # one warning per process, not one per step
+    assert len(messages) == 1, messages  # one warning per process, not one per batch
     assert str(lock_path) in messages[0] and "--rfa-decode-kernel torch" in messages[0]
-    for result in (out, again):
-        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    assert [kernels.name for kernels in chosen] == ["torch", "torch"]  # auto falls back on the torch kernels
     assert str(lock_path) in str(error.value) and "--rfa-decode-kernel torch" in str(error.value)
     assert str(error.value).startswith("--rfa-decode-kernel cpp: the fused C++ decoding step is not available")
     assert torch_lock.exists()

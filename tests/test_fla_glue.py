@@ -4,8 +4,8 @@ documented simple-GLA contract literally. The kernels themselves are tested on C
 import pytest
 import torch
 
-from rfa_fairseq.ops import causal_rfa, causal_rfa_decode_step, fla_available, fla_backend
-from rfa_fairseq.ops.naive import causal_rfa_recurrent, causal_rfa_reference
+from rfa_fairseq.ops import causal_rfa, fla_available, fla_backend
+from rfa_fairseq.ops.naive import causal_rfa_reference
 from rfa_fairseq.ops.rfa import gate_keys
 
 
@@ -35,13 +35,9 @@ def chunk_stand_in(q, k, v, g=None, scale=None, initial_state=None, output_final
     return simple_gla(q, k, v, g, scale, initial_state, cu_seqlens_cpu)
 
 
-def recurrent_stand_in(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
-    return simple_gla(q, k, v, g, scale, initial_state)
-
-
 @pytest.fixture
 def stand_in(monkeypatch):
-    monkeypatch.setattr(fla_backend, "_fla_ops", lambda: (chunk_stand_in, recurrent_stand_in))
+    monkeypatch.setattr(fla_backend, "_fla_ops", lambda: chunk_stand_in)
 
 
 def test_cpu_tensors_take_the_torch_path():
@@ -75,22 +71,3 @@ def test_packed_chunked_call_matches_reference_with_gradients(stand_in, gated, w
     for got, want in zip(*results):
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
     assert results[0][0].dtype == results[0][1].dtype == torch.float32
-
-
-@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
-def test_decoding_step_applies_the_order_into_the_spare_buffer(stand_in, gated):
-    torch.manual_seed(1)
-    H, F_, d = 2, 6, 4
-    state, spare = torch.rand(4, H, F_, d + 1), torch.empty(3, H, F_, d + 1)
-    order = torch.tensor([2, 0, 2])  # beam search: rows may repeat and the batch may shrink
-    phi_q, phi_k, v = torch.rand(3, H, 1, F_), torch.rand(3, H, 1, F_), torch.randn(3, H, 1, d)
-    log_gate = -torch.rand(3, H, 1) if gated else None
-    out, new_state = fla_backend.causal_rfa_step_fla(phi_q, phi_k, v, log_gate, state, order, out_state=spare)
-    want_out, want_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, state[order])
-    torch.testing.assert_close(out, want_out)
-    torch.testing.assert_close(new_state, want_state)
-    assert new_state is not state and torch.equal(spare, state[order])
-    # CPU tensors: the dispatch keeps the C++/torch step, same result
-    out_cpu, state_cpu = causal_rfa_decode_step(phi_q, phi_k, v, log_gate, state, order)
-    torch.testing.assert_close(out_cpu, want_out)
-    torch.testing.assert_close(state_cpu, want_state)

@@ -6,9 +6,10 @@ import torch
 from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, random_batch, use_decoding_step
 
 from rfa_fairseq.cli.convert import RFA_PARAMETER_SUFFIXES
+from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.modules.static_decoding import StaticDecodeState
-from rfa_fairseq.ops import CausalRFAState, num_feature_dims
+from rfa_fairseq.modules.decoding import DecodeState
+from rfa_fairseq.ops import num_feature_dims
 
 VARIANTS = [
     pytest.param(fm, gate, enc, "rfa", id=f"{fm}-{'gated' if gate else 'ungated'}-{'rfa_enc' if enc else 'softmax_enc'}")
@@ -56,10 +57,10 @@ def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders
 
 
 def _state_tensors(incremental_state):
-    """Every tensor of the incremental state, those inside the causal layers' CausalRFAState (eager
-    decoding) or the StaticDecodeState (static decoding) too."""
+    """Every tensor of the incremental state, those inside the DecodeState too."""
     return [t for buf in incremental_state.values() for value in buf.values() if value is not None
-            for t in (value.tensors() if isinstance(value, (CausalRFAState, StaticDecodeState)) else [value])]
+            for t in (value.tensors() if isinstance(value, DecodeState) else [value])]
+
 
 
 def test_modules_are_where_the_options_say():
@@ -103,10 +104,9 @@ def test_beam_reorder_equals_decoding_the_reordered_batch(gate, step, monkeypatc
     assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
 
 
-@pytest.mark.parametrize("decoding", ["static", "eager"])
 @pytest.mark.parametrize("feature_map,gate", [("sincos", False), ("positive", True), ("hedgehog", True)])
-def test_incremental_state_size_does_not_grow(feature_map, gate, decoding):
-    model, d = build_model(_flags(feature_map, gate, False) + (["--no-rfa-static-decode"] if decoding == "eager" else []))
+def test_incremental_state_size_does_not_grow(feature_map, gate):
+    model, d = build_model(_flags(feature_map, gate, False))
     model.eval()
     src, src_lengths, _ = random_batch(d, bsz=2, src_len=6, tgt_len=1)
     prev = torch.randint(d.nspecial, len(d), (2, 501))
@@ -122,11 +122,7 @@ def test_incremental_state_size_does_not_grow(feature_map, gate, decoding):
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
     F_ = num_feature_dims(feature_map, attn.num_features, attn.head_dim)
-    if decoding == "eager":
-        causal = attn._get_input_buffer(state)["causal"].state
-    else:
-        static = state[StaticDecodeState.KEY]["state"]
-        causal = static.states[0][static.current[0]]
+    causal = state[DecodeState.KEY]["state"].layers[0]["self"]["states"][0]
     assert causal.shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
@@ -200,7 +196,7 @@ def test_bf16_model_keeps_fp32_states_and_finite_outputs():
         full, _ = model(src, src_lengths, prev)
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert full.dtype == torch.bfloat16 and torch.isfinite(full.float()).all()
-    assert all(t.dtype == torch.float32 for t in _state_tensors(state) if t.is_floating_point())
+    assert all(t.dtype == torch.float32 for t in state[DecodeState.KEY]["state"].attention_tensors())
 
 
 @pytest.mark.parametrize(
@@ -246,40 +242,6 @@ def test_plain_transformer_weights_load_into_rfa_model():
     missing, unexpected = rfa.load_state_dict(softmax.state_dict(), strict=False)
     assert not unexpected
     assert missing and all(k.endswith(RFA_PARAMETER_SUFFIXES) for k in missing), missing
-
-
-def test_beam_grouped_cross_state_and_shrinking_batch():
-    """With fairseq's beam layout (set_beam_size), the cross state is kept once per sentence;
-    within-beam reorders and dropped sentences must equal decoding the new rows from scratch (the eager
-    path's buffers; tests/test_static_decoding.py has the static step's twin)."""
-    model, d = build_model(["--rfa-gate", "--no-rfa-softmax-cross-attn", "--no-rfa-static-decode"])
-    model.eval()
-    beam = 3
-    src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
-    expand = torch.arange(3).repeat_interleave(beam)  # how SequenceGenerator lays out beams
-    src, src_lengths = src[expand], src_lengths[expand]
-    prev = prev[torch.arange(9) % 3]  # different prefixes per beam
-    model.decoder.set_beam_size(beam)
-    cross = model.decoder.layers[0].encoder_attn
-    k = 3
-    # within-beam reorder, then sentence 1 finishes (rows 3..5 leave), reorder again
-    orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=src_lengths)
-        state, rows = {}, torch.arange(9)
-        _decode_incrementally(model, encoder_out, prev[:, :k], state)
-        assert cross._get_input_buffer(state)["cross_state"].size(0) == 3  # once per sentence
-        for step, order in enumerate(orders):
-            model.decoder.reorder_incremental_state_scripting(state, order)
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
-            rows = rows[order]
-            continued = _decode_incrementally(model, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
-            model.decoder.set_beam_size(1)
-            fresh = model.encoder(src[rows], src_lengths=src_lengths[rows])
-            scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
-            model.decoder.set_beam_size(beam)
-            torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
-        assert cross._get_input_buffer(state)["cross_state"].size(0) == 2  # compacted after the shrink
 
 
 @pytest.mark.parametrize("step", ["fused", "torch"])
@@ -361,43 +323,45 @@ def test_learned_map_refuses_a_temperature():
 
 
 def test_attention_module_builds_without_a_cfg_with_the_flags_defaults():
-    """RFAAttention takes typed options (the --rfa-* flags without the prefix) with the flags' own defaults."""
+    """RFAAttention takes the model's RFAConfig whole; without one, RFAConfig's defaults (declared there only)."""
     import inspect
 
-    from rfa_fairseq.config import RFA_DEFAULTS
-
-    model_level = {"rfa_encoder_self_attn", "rfa_softmax_cross_attn", "rfa_static_decode"}  # the model's, not a module's
-    defaults = {name: p.default for name, p in inspect.signature(RFAAttention).parameters.items()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert {f"rfa_{name}": value for name, value in defaults.items() if f"rfa_{name}" in RFA_DEFAULTS} == {
-        name: value for name, value in RFA_DEFAULTS.items() if name.startswith("rfa_") and name not in model_level}
+    assert not any(name.startswith(("feature", "num_features", "gate", "sigma", "chunk"))
+                   for name in inspect.signature(RFAAttention).parameters)
     module = RFAAttention(16, 2, self_attention=True, causal=True)
-    out, _ = module(torch.randn(5, 3, 16), None, None, attn_mask=torch.zeros(()).expand(5, 5))
+    out, _ = module(torch.randn(5, 3, 16), None, None)  # causal by construction: no mask
     assert out.shape == (5, 3, 16) and module.gated and module.feature_map == "hedgehog"
+    assert module.num_features == RFAConfig().rfa_num_features
 
 
-def test_decode_kernel_option_picks_the_step_and_every_kernel_decodes_alike(monkeypatch):
-    from rfa_fairseq.ops import fused_step
+def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_decodes_alike(monkeypatch):
+    from rfa_fairseq.ops import decode_step
 
     outputs = {}
     for kernel in ("auto", "torch", "cpp"):
-        if kernel == "cpp" and fused_step.load_fused_extension() is None:
+        if kernel == "cpp" and decode_step.load_fused_extension() is None:
             continue  # no C++ toolchain here (use_decoding_step skips such tests with the reason)
         model, d = build_model(_flags("sincos", True, False) + ["--rfa-decode-kernel", kernel])
-        assert all(m.decode_kernel == kernel for m in model.rfa_modules())
+        assert model.decoder.rfa.rfa_decode_kernel == kernel
         model.eval()
         src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)
-        builds = []
+        builds, state = [], {}
         with monkeypatch.context() as patch:
-            patch.setattr(fused_step, "load_fused_extension", lambda: builds.append(1) or None)
+            loader = decode_step.load_fused_extension
+            patch.setattr(decode_step, "load_fused_extension", lambda: builds.append(1) or loader())
             with torch.no_grad():
-                outputs[kernel] = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
-        if kernel == "torch":
-            assert not builds, "--rfa-decode-kernel torch must not load the C++ step"
+                outputs[kernel] = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+        assert len(builds) == (kernel == "auto"), "the kernels are chosen once per batch; torch never loads C++"
+        assert state[DecodeState.KEY]["state"].kernels.name == ("torch" if kernel == "torch" else "cpp")
     for kernel, out in outputs.items():
         torch.testing.assert_close(out, outputs["torch"], rtol=1e-5, atol=1e-5)
     with pytest.raises(SystemExit):
         parse_args(["--rfa-decode-kernel", "cuda"])
+    model, d = build_model(["--rfa-decode-kernel", "cpp"])
+    model.eval().to(torch.bfloat16)
+    src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=2)
+    with torch.no_grad(), pytest.raises(ValueError, match="--rfa-decode-kernel cpp: the C\\+\\+ decoding step runs on the CPU in fp32"):
+        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
 
 
 def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_fla(monkeypatch):
@@ -426,13 +390,12 @@ def test_attention_dropout_drops_values_and_keeps_the_expected_output(role):
     output without dropout; nothing is dropped in eval."""
     torch.manual_seed(0)
     kwargs = dict(self_attention=role != "cross", encoder_decoder_attention=role == "cross", causal=role == "causal",
-                  num_features=8, feature_map="positive")
+                  rfa=RFAConfig(rfa_num_features=8, rfa_feature_map="positive"))
     module = RFAAttention(16, 2, dropout=0.3, **kwargs)
     exact = RFAAttention(16, 2, dropout=0.0, **kwargs)
     exact.load_state_dict(module.state_dict())
     x = torch.randn(6, 2, 16)
-    mask = x.new_zeros(()).expand(6, 6) if role == "causal" else None
-    run = lambda m: m(x, x, x, attn_mask=mask)[0]  # noqa: E731
+    run = lambda m: m(x, x, x)[0]  # noqa: E731
     module.train(), exact.train()
     module.set_num_updates(0), exact.set_num_updates(0)  # training draws: the same matrices in both
     with torch.no_grad():

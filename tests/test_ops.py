@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import use_decoding_step
 
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
@@ -13,8 +12,6 @@ from rfa_fairseq.ops import (
     causal_rfa_chunked,
     causal_rfa_recurrent,
     causal_rfa_reference,
-    causal_rfa_step_,
-    causal_rfa_step_fused,
     draw_random_matrix,
     exact_kernel,
     feature_map,
@@ -27,6 +24,7 @@ from rfa_fairseq.ops import (
     noncausal_rfa_reference,
     random_matrix_seed,
     scale_inputs,
+    step_kernels,
 )
 
 
@@ -308,92 +306,35 @@ def test_guard_never_touches_a_healthy_positive_denominator(sigma):
         assert not torch.allclose(clipped, exact_ratio)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_inplace_decoding_step_equals_the_recurrence(gated):
-    B, H, T, Fdim, d = 3, 2, 6, 10, 4
-    g = torch.Generator().manual_seed(4)
-    phi_q, phi_k = torch.rand(B, H, T, Fdim, generator=g), torch.rand(B, H, T, Fdim, generator=g)
-    v = torch.randn(B, H, T, d, generator=g)
-    log_gate = F.logsigmoid(torch.randn(B, H, T, generator=g)) if gated else None
-    ref, ref_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate)
-    state, outs = None, []
-    with torch.no_grad():
-        for t in range(T):
-            lg = log_gate[..., t : t + 1] if gated else None
-            out, new_state = causal_rfa_step_(phi_q[:, :, t : t + 1], phi_k[:, :, t : t + 1], v[:, :, t : t + 1], lg, state)
-            assert state is None or new_state is state  # updated in place, no new allocation
-            state = new_state
-            outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, dim=2), ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("step", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
-def test_step_with_pending_reorder_equals_the_recurrence_on_reordered_state(step, gated, monkeypatch):
-    """causal_rfa_step_fused(..., state, order) == causal_rfa_recurrent(..., state[order]):
-    beam reorders with duplicated rows and a shrinking batch, interleaved with plain steps."""
-    use_decoding_step(step, monkeypatch)
+def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_states(kernel, gated):
+    """A chain of causal_layer_step calls on two state buffers used in turn (as a decoding state keeps them):
+    beam reorders with duplicated rows and a shrinking batch, interleaved with plain steps, equal
+    causal_rfa_recurrent on state[order]."""
+    from rfa_fairseq.ops import load_fused_extension
+
+    if kernel == "cpp" and load_fused_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    kernels = step_kernels(kernel, torch.device("cpu"), torch.float32)
     H, Fdim, d = 3, 10, 5
     g = torch.Generator().manual_seed(7)
     orders = [None, None, torch.tensor([1, 1, 0, 5, 3, 4]), None, torch.tensor([2, 0, 3, 3]),
               torch.tensor([3, 2, 1, 0]), torch.tensor([1, 0, 3, 3])]
-    rows, state, spare, ref_state = 6, None, None, None
+    rows, ref_state = 6, None
+    buffers = [torch.full((rows, H, Fdim, d + 1), float("nan")) for _ in range(2)]  # [last step's, spare]
     with torch.no_grad():
-        for order in orders:
+        for step, order in enumerate(orders):
             rows = rows if order is None else order.numel()
-            phi_q, phi_k = torch.rand(rows, H, 1, Fdim, generator=g), torch.rand(rows, H, 1, Fdim, generator=g)
-            v = torch.randn(rows, H, 1, d, generator=g)
-            log_gate = F.logsigmoid(torch.randn(rows, H, 1, generator=g)) if gated else None
-            ref_in = None if ref_state is None or order is None else ref_state[order]
-            ref_out, ref_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, ref_state if order is None else ref_in)
-            out, new_state = causal_rfa_step_fused(phi_q, phi_k, v, log_gate, state, order, out_state=spare)
-            if step == "torch" and order is None and state is not None:
-                assert new_state is state  # the torch path updates in place
-            elif state is not None:
-                assert new_state is not state  # never overwrites rows another row still reads
-                if spare is not None and spare.shape == new_state.shape:
-                    assert new_state is spare  # double buffering: the spare buffer is reused
-                spare = state
-            state = new_state
-            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
-
-
-def test_fused_step_rejects_an_out_of_range_order(monkeypatch):
-    use_decoding_step("fused", monkeypatch)
-    state = torch.zeros(2, 1, 4, 3)
-    phi = torch.rand(2, 1, 1, 4)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="out of range"):
-        causal_rfa_step_fused(phi, phi, torch.rand(2, 1, 1, 2), None, state, torch.tensor([0, 2]))
-
-
-@pytest.mark.parametrize("kernel", ["auto", "torch", "cpp"])
-@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
-def test_causal_entry_point_decodes_with_its_state_object(kernel, gated):
-    """causal_rfa(..., CausalRFAState) keeps the pending beam order and the spare buffer itself: steps,
-    reorders (duplicated rows, a shrinking batch) and a multi-position call equal the recurrence on state[order]."""
-    from rfa_fairseq.ops import CausalRFAState, causal_rfa, load_fused_extension
-
-    if kernel == "cpp" and load_fused_extension() is None:
-        pytest.skip("the fused decoding step cannot be built here (no C++ toolchain)")
-    H, Fdim, d = 2, 6, 3
-    g = torch.Generator().manual_seed(11)
-    decoding, ref_state, rows = CausalRFAState(), None, 4
-    plan = [(None, 1), (None, 1), (torch.tensor([1, 1, 0, 3]), 1), (torch.tensor([2, 0, 3]), 1), (None, 3),
-            (torch.tensor([1, 0]), 1), (None, 1)]
-    with torch.no_grad():
-        for order, length in plan:
-            if order is not None:
-                decoding.reorder_(order)
-                ref_state, rows = ref_state[order], order.numel()
-            phi_q, phi_k = torch.rand(rows, H, length, Fdim, generator=g), torch.rand(rows, H, length, Fdim, generator=g)
-            v = torch.randn(rows, H, length, d, generator=g)
-            log_gate = F.logsigmoid(torch.randn(rows, H, length, generator=g)) if gated else None
-            ref_out, ref_state = causal_rfa_recurrent(phi_q, phi_k, v, log_gate, ref_state)
-            out, returned = causal_rfa(phi_q, phi_k, v, log_gate, decoding, decode_kernel=kernel)
-            assert returned is decoding and decoding.order is None
-            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(decoding.state, ref_state, rtol=1e-5, atol=1e-6)
-    decoding.reorder_(torch.arange(rows))
-    assert decoding.order is None  # identity orders are dropped
+            phi_q, phi_k = torch.rand(rows, H, Fdim, generator=g), torch.rand(rows, H, Fdim, generator=g)
+            v = torch.randn(rows, H * d, generator=g)
+            gate = torch.randn(rows, H, generator=g) if gated else None
+            k, log_gate = gate_keys(phi_k.unsqueeze(2), gate.unsqueeze(-1) if gated else None, None)
+            start = ref_state if order is None or ref_state is None else ref_state[order]
+            ref_out, ref_state = causal_rfa_recurrent(phi_q.unsqueeze(2), k, v.view(rows, H, 1, d), log_gate, start)
+            out = torch.empty(rows, H * d)
+            kernels.causal_layer_step(phi_q.view(rows, -1), phi_k.view(rows, -1), v, gate, None,
+                                      None if step == 0 else buffers[0], order, buffers[1], out, DENOMINATOR_EPS)
+            buffers.reverse()
+            torch.testing.assert_close(out, ref_out.reshape(rows, H * d), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(buffers[0][:rows], ref_state, rtol=1e-5, atol=1e-6)

@@ -8,9 +8,10 @@ import pytest
 import torch
 from helpers import build_model, random_batch
 
+from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.modules.static_decoding import StaticDecodeState
-from rfa_fairseq.ops import CausalRFAState, causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_step_, noncausal_rfa
+from rfa_fairseq.modules.decoding import DecodeState
+from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, noncausal_rfa, step_kernels
 
 LONG = 8192
 DECODE_STEPS = 4096
@@ -36,7 +37,7 @@ def test_bf16_attention_on_8192_tokens(role, feature_map):
     torch.manual_seed(0)
     causal = role.startswith("causal")
     module = RFAAttention(32, 4, self_attention=role != "cross", encoder_decoder_attention=role == "cross",
-                          causal=causal, num_features=16, feature_map=feature_map, gate=True)
+                          causal=causal, rfa=RFAConfig(rfa_num_features=16, rfa_feature_map=feature_map, rfa_gate=True))
     if role == "causal":
         module.gate_proj = None
     reference, module = bf16_twin(module)
@@ -49,7 +50,7 @@ def test_bf16_attention_on_8192_tokens(role, feature_map):
     for m, dtype in ((reference, torch.float32), (module, torch.bfloat16)):
         inp = x.to(dtype).detach().clone().requires_grad_()
         if causal:
-            out, _ = m(inp, inp, inp, attn_mask=inp.new_zeros(()).expand(LONG, LONG))
+            out, _ = m(inp, inp, inp)
         elif role == "cross":
             src = source.to(dtype)
             out, _ = m(inp, src, src, key_padding_mask=padding)
@@ -78,8 +79,11 @@ def test_states_are_accumulated_in_fp32_for_bf16_inputs():
     assert state.dtype == torch.float32
     _, state = causal_rfa_recurrent(phi_q[:, :, :5], phi_k[:, :, :5], v[:, :, :5], log_gate[:, :, :5])
     assert state.dtype == torch.float32
-    _, state = causal_rfa_step_(phi_q[:, :, :1], phi_k[:, :, :1], v[:, :, :1], log_gate[:, :, :1])
-    assert state.dtype == torch.float32
+    state, out = torch.empty(2, 3, 8, 5), torch.empty(2, 3 * 4, dtype=torch.bfloat16)  # the step's fp32 state
+    step_kernels("auto", torch.device("cpu"), torch.bfloat16).causal_layer_step(
+        phi_q[:, :, 0].reshape(2, -1), phi_k[:, :, 0].reshape(2, -1), v[:, :, 0].reshape(2, -1), None, None, None, None,
+        state, out, 1e-3)
+    torch.testing.assert_close(state, causal_rfa_recurrent(phi_q[:, :, :1], phi_k[:, :, :1], v[:, :, :1])[1])
     _, state = noncausal_rfa(phi_q, phi_k, v)
     assert state.dtype == torch.float32
     # the ungated z = sum phi(k) over 300 keys: bf16 accumulation would be off by several units
@@ -104,21 +108,14 @@ def test_bf16_model_forward_backward_on_8192_tokens():
         assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}.grad has inf/NaN"
 
 
-def _buffer_tensors(buffer):
-    """(key, tensor) of an RFA layer's incremental buffer, the tensors of its CausalRFAState included."""
-    for key, value in buffer.items():
-        for tensor in value.tensors() if isinstance(value, CausalRFAState) else [value]:
-            yield key, tensor
-
-
 def _decoding_state_tensors(model, state):
-    """(key, tensor) of everything the decoder keeps between steps: the static step's state (fp32 models on
-    CPU decode with it) or every RFA layer's incremental buffer (the eager path, bf16 here)."""
-    if StaticDecodeState.KEY in state:
-        static = state[StaticDecodeState.KEY]["state"]
-        return [(f"static.causal{i}", t) for i, pair in enumerate(static.states) for t in pair]
-    saved = [mod.get_incremental_state(state, "rfa_state") for mod in model.rfa_modules()]
-    return [item for buffer in saved for item in _buffer_tensors(buffer)]
+    """(key, tensor) of the attention state the decoder keeps between steps: every causal layer's state
+    buffers and the cross-attention's per-sentence tensors (fp32 and bf16 models alike)."""
+    decoding = state[DecodeState.KEY]["state"]
+    return [(f"layer{i}.{role}.{name}", t) for i, layer in enumerate(decoding.layers)
+            for role, buffers in layer.items() for name, value in buffers.items()
+            for t in (value if isinstance(value, list) else [value]) if isinstance(t, torch.Tensor)
+            and name in ("states", "rfa_state", "key", "value")]
 
 
 @pytest.mark.slow
@@ -144,7 +141,7 @@ def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
                 if step in (15, DECODE_STEPS - 1):
                     last[(name, step)] = logits.float().log_softmax(-1)
             for key, tensor in _decoding_state_tensors(m, state):
-                if tensor.is_floating_point():
+                if ".self." in key:  # the causal states (K/V of softmax cross-attention are the model's dtype)
                     assert tensor.dtype == torch.float32, f"{name} {key} is {tensor.dtype}"
                     assert torch.isfinite(tensor).all(), f"{name} {key} has inf/NaN after {DECODE_STEPS} steps"
     for name in ("fp32", "bf16"):

@@ -17,7 +17,7 @@ Triton writes each cache entry (binaries, autotuning results) into a private tem
 renames it into place, taking no lock: the N processes never wait for each other, and one that is
 killed leaves at most a tmp.pid_* directory. Each phase is bounded by --phase-timeout-s.
 
-The calls: causal_rfa_fla forward and backward and causal_rfa_step_fla, gated and ungated,
+The calls: causal_rfa_fla forward and backward, gated and ungated,
 with and without an initial state, in fla's fp32 (what the model, the tests and the
 benchmarks use at these shapes).
 
@@ -63,7 +63,7 @@ def exercise(args) -> int:
     """Every call RFA makes at these shapes; returns how many failed."""
     import torch
 
-    from rfa_fairseq.ops import causal_rfa_fla, causal_rfa_step_fla
+    from rfa_fairseq.ops import causal_rfa_fla
 
     B, T, H, F_, d = 2, 200, args.heads, args.features, args.head_dim
     failures = 0
@@ -76,10 +76,6 @@ def exercise(args) -> int:
                 state = torch.rand(B, H, F_, d + 1, device="cuda", requires_grad=True) if with_state else None
                 out, final = causal_rfa_fla(q, k, v, log_gate, state)
                 (out.sum() + final.sum()).backward()
-                with torch.no_grad():
-                    step = [x[:, :, :1].detach() for x in (q, k, v)]
-                    causal_rfa_step_fla(*step, log_gate[:, :, :1].detach() if gated else None,
-                                        final.detach() if with_state else None)
                 torch.cuda.synchronize()
             except Exception as error:  # what fails here is compiled (or fails) later, where it is used
                 failures += 1

@@ -8,3 +8,16 @@
 
 Each also runs as `python -m rfa_fairseq.cli.<module>`.
 """
+import sys
+
+
+def run_console_script(prog: str, parser, run, errors, argv=None) -> int:
+    """A console script's main(): parse argv, run, and report `errors` (its user-facing exception types) as
+    `prog: error: ...` on stderr with exit status 1."""
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except errors as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

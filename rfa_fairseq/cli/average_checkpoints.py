@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from . import run_console_script
 from ..checkpoints import CheckpointLoadError, output_file_problem, safe_load, save_atomic
 
 
@@ -145,13 +146,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except AveragingError as exc:
-        print(f"rfa-average-checkpoints: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_console_script("rfa-average-checkpoints", build_parser(), run, AveragingError, argv)
 
 
 if __name__ == "__main__":

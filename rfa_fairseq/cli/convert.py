@@ -57,6 +57,7 @@ import sys
 
 import torch
 
+from . import run_console_script
 from ..checkpoints import (CheckpointLoadError, mark_rfa_checkpoint, output_file_problem, safe_load, save_atomic,
                            stored_model_config)
 from ..config import RFA_DEFAULTS, add_rfa_args, validate_rfa_args
@@ -245,8 +246,7 @@ def rfa_head_outputs(module, item):
     query, mask = item["query"], item["key_padding_mask"]
     try:
         if module.causal:
-            length = query.size(0)
-            module(query, query, query, key_padding_mask=mask, attn_mask=query.new_zeros(()).expand(length, length))
+            module(query, query, query, key_padding_mask=mask)
         else:
             module(query, item["key"], item["value"], key_padding_mask=mask)
     finally:
@@ -508,13 +508,10 @@ def convert(args, log=print):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
+    def run(args):
         convert(args, log=lambda message: print(message, file=sys.stderr))
-    except ConversionError as exc:
-        print(f"rfa-convert-transformer: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_console_script("rfa-convert-transformer", build_parser(), run, ConversionError, argv)
 
 
 if __name__ == "__main__":

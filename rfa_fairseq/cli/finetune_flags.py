@@ -5,16 +5,14 @@
     rfa_transformer                                            (line 1: the architecture)
     --rfa-feature-map hedgehog --rfa-num-features 64 ...       (line 2: the flags)
 
-Only options that shape the weights or what they compute are printed; the kernels (decode, sequence, static
-decoding) are a matter of speed and stay the command line's. Exit status 1 with a message naming the file when
+Only options that shape the weights or what they compute are printed (config.MODEL_DEFINING_RFA_OPTIONS); the
+speed-only ones (kernels, chunk size) stay the command line's. Exit status 1 with a message naming the file when
 it is missing, not a fairseq checkpoint, or not an RFA model (convert a softmax one first).
 """
 import sys
 
 from ..checkpoints import CheckpointLoadError, model_config, safe_load
-from ..config import RFA_DEFAULTS, flag
-
-RUNTIME_OPTIONS = ("rfa_decode_kernel", "rfa_sequence_kernel", "rfa_static_decode", "rfa_chunk_size")
+from ..config import MODEL_DEFINING_RFA_OPTIONS, RFA_DEFAULTS, flag
 
 
 class FinetuneSourceError(Exception):
@@ -38,10 +36,10 @@ def finetune_flags(path):
             f"{path} is a {arch} model, not rfa_transformer: convert it first with "
             f"rfa-convert-transformer --input {path} --output RFA.pt --calibration-data DATA_BIN")
     flags = []
-    for name, default in RFA_DEFAULTS.items():
-        if not name.startswith("rfa_") or name in RUNTIME_OPTIONS or options.get(name) is None:
+    for name in MODEL_DEFINING_RFA_OPTIONS:
+        if options.get(name) is None:
             continue
-        value = options[name]
+        value, default = options[name], RFA_DEFAULTS[name]
         if isinstance(default, bool):
             if value:
                 flags.append(flag(name))

@@ -264,6 +264,7 @@ def run(args):
 
 
 def main(argv=None):
+    # not cli.run_console_script: scripts/generate.sh runs this file outside the package (see the imports)
     args = build_parser().parse_args(argv)
     try:
         run(args)

@@ -1,12 +1,17 @@
 """The `rfa_transformer` model: fairseq's transformer with RFA attention, wired through hooks.
 
-Only `build_*` hooks are overridden; every forward pass is fairseq's own.
-Defaults follow the paper's MT setup: RFA in decoder self-attention and in
-encoder-decoder attention, softmax encoder self-attention unless --rfa-encoder-self-attn.
+Training and scoring run fairseq's own forward passes through the `build_*` hooks. Incremental decoding
+(fairseq-generate, fairseq-interactive, any SequenceGenerator) runs RFA's decoding step on every device and
+dtype: RFATransformerDecoder.forward -> RFATransformerDecoderLayer.step -> RFAAttention.step /
+SoftmaxCrossAttention.step -> the kernels picked once per batch (ops.step_kernels). docs/design.md draws it.
+Defaults follow the paper's MT setup: RFA in decoder self-attention and in encoder-decoder attention,
+softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
+import weakref
 
 import torch
+import torch.nn.functional as F
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -25,26 +30,12 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
-from ..config import add_rfa_args, apply_rfa_defaults, validate_rfa_args
-from ..modules import RFAAttention
-from ..modules.static_decoding import StaticDecodeState, Workspace
+from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
+from ..modules import RFAAttention, SoftmaxCrossAttention
+from ..modules.decoding import DecodeState, Workspace, follow_rows
+from ..ops import step_kernels
 
-
-def rfa_attention_options(cfg) -> dict:
-    """The RFAAttention keyword arguments of a model cfg: its rfa_* options, unpacked once per layer."""
-    return dict(
-        feature_map=str(cfg.rfa_feature_map),
-        num_features=cfg.rfa_num_features,
-        random_matrix=str(cfg.rfa_random_matrix),
-        fixed_random_matrix=bool(getattr(cfg, "rfa_fixed_random_matrix", False)),
-        sigma=str(cfg.rfa_sigma),
-        sigma_lr_multiplier=float(cfg.rfa_sigma_lr_multiplier),
-        temperature=float(cfg.rfa_temperature),
-        gate=bool(cfg.rfa_gate),
-        chunk_size=cfg.rfa_chunk_size,
-        decode_kernel=str(getattr(cfg, "rfa_decode_kernel", "auto")),
-        sequence_kernel=str(getattr(cfg, "rfa_sequence_kernel", "auto")),
-    )
+RFA_CONFIG = "rfa_config"  # the model's RFAConfig, in the cfg that build_model hands to fairseq's builders
 
 
 def _wrap_layer(layer, cfg):
@@ -57,46 +48,78 @@ def _wrap_layer(layer, cfg):
 
 class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
     def build_self_attention(self, embed_dim, cfg):
-        return RFAAttention(
-            embed_dim,
-            cfg.encoder.attention_heads,
-            dropout=cfg.attention_dropout,
-            self_attention=True,
-            q_noise=self.quant_noise,
-            qn_block_size=self.quant_noise_block_size,
-            **rfa_attention_options(cfg),
-        )
+        return RFAAttention(embed_dim, cfg.encoder.attention_heads, dropout=cfg.attention_dropout, self_attention=True,
+                            q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
+                            rfa=getattr(cfg, RFA_CONFIG))
 
 
 class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
+    """fairseq's decoder layer with RFA self-attention; it owns its part of the decoding step."""
+
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         if add_bias_kv or add_zero_attn:
             raise ValueError("RFA decoder self-attention does not support add_bias_kv / add_zero_attn")
-        return RFAAttention(
-            embed_dim,
-            cfg.decoder.attention_heads,
-            dropout=cfg.attention_dropout,
-            self_attention=True,
-            causal=True,
-            q_noise=self.quant_noise,
-            qn_block_size=self.quant_noise_block_size,
-            **rfa_attention_options(cfg),
-        )
+        return RFAAttention(embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, self_attention=True,
+                            causal=True, q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
+                            rfa=getattr(cfg, RFA_CONFIG))
 
     def build_encoder_attention(self, embed_dim, cfg):
         if cfg.rfa_softmax_cross_attn:
-            return super().build_encoder_attention(embed_dim, cfg)
-        return RFAAttention(
-            embed_dim,
-            cfg.decoder.attention_heads,
-            kdim=cfg.encoder.embed_dim,
-            vdim=cfg.encoder.embed_dim,
-            dropout=cfg.attention_dropout,
-            encoder_decoder_attention=True,
-            q_noise=self.quant_noise,
-            qn_block_size=self.quant_noise_block_size,
-            **rfa_attention_options(cfg),
-        )
+            return SoftmaxCrossAttention(embed_dim, cfg.decoder.attention_heads, kdim=cfg.encoder.embed_dim,
+                                         vdim=cfg.encoder.embed_dim, dropout=cfg.attention_dropout,
+                                         encoder_decoder_attention=True, q_noise=self.quant_noise,
+                                         qn_block_size=self.quant_noise_block_size,
+                                         xformers_att_config=cfg.encoder.xformers_att_config)
+        return RFAAttention(embed_dim, cfg.decoder.attention_heads, kdim=cfg.encoder.embed_dim,
+                            vdim=cfg.encoder.embed_dim, dropout=cfg.attention_dropout, encoder_decoder_attention=True,
+                            q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
+                            rfa=getattr(cfg, RFA_CONFIG))
+
+    # ------------------------------------------------------------ the decoding step
+
+    def prepare_step(self, state: DecodeState, index: int, key, key_padding_mask) -> None:
+        """A batch's first step: the attentions' buffers. key: (S, sentences, C) encoder output, or None."""
+        for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"):  # fairseq's --scale-* options
+            if getattr(self, name, None) is not None:
+                raise ValueError(f"RFA incremental decoding does not support decoder layers with {name} (--scale-*)")
+        buffers = state.layers[index]
+        self.self_attn.prepare_step(buffers["self"], state)
+        if self.encoder_attn is not None and key is not None:
+            self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask)
+
+    def step(self, x, state: DecodeState, index: int, key_pad, need_weights: bool):
+        """x (R, C) <- the layer's output, in place; -> the cross-attention weights (R, S) or None."""
+        buffers = state.layers[index]
+        y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, state), buffers["self"], state, key_pad)
+        self._residual(self.self_attn_layer_norm, y, x, state)
+        weights = None
+        if buffers["cross"]:
+            h = self._input(self.encoder_attn_layer_norm, x, state)
+            y, weights = self.encoder_attn.step(h, buffers["cross"], state, need_weights=need_weights)
+            self._residual(self.encoder_attn_layer_norm, y, x, state)
+        R, C = x.shape
+        hidden = torch.addmm(self.fc1.bias, self._input(self.final_layer_norm, x, state), self.fc1.weight.t(),
+                             out=state.buffer("ffn", R, self.fc1.out_features))
+        if self.activation_fn is F.relu:
+            hidden.relu_()
+        else:
+            hidden.copy_(self.activation_fn(hidden))
+        y = torch.addmm(self.fc2.bias, hidden, self.fc2.weight.t(), out=state.buffer("y", R, C))
+        self._residual(self.final_layer_norm, y, x, state)
+        return weights
+
+    def _input(self, norm, x, state: DecodeState):
+        """What a sublayer reads: x, or its layer norm (pre-norm) in a workspace buffer."""
+        if not self.normalize_before:
+            return x
+        return state.kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, state.buffer("h", *x.shape))
+
+    def _residual(self, norm, y, x, state: DecodeState) -> None:
+        """x <- x + y, then the layer norm when the layer normalizes after (post-norm)."""
+        if self.normalize_before:
+            x.add_(y)
+        else:
+            state.kernels.add_layer_norm(y, x, norm.weight, norm.bias, norm.eps, x)
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
@@ -114,11 +137,10 @@ class RFATransformerEncoder(TransformerEncoderBase):
         Which rows are copies of which is recorded at the first reorder (the expansion to beams)."""
         if not encoder_out["encoder_out"]:
             return super().reorder_encoder_out(encoder_out, new_order)
-        rows = encoder_out["encoder_out"][0].size(1)
         recorded = encoder_out.get(self.ROW_SOURCE)
-        source = recorded[0] if recorded else torch.arange(rows, device=new_order.device)
-        new_source = source.index_select(0, new_order)
-        if new_source.numel() == rows and torch.equal(new_source, source):
+        source = recorded[0] if recorded else torch.arange(encoder_out["encoder_out"][0].size(1), device=new_order.device)
+        new_source = follow_rows(source, new_order)
+        if new_source is None:
             return encoder_out
         reordered = super().reorder_encoder_out(encoder_out, new_order)
         reordered[self.ROW_SOURCE] = [new_source]
@@ -126,81 +148,139 @@ class RFATransformerEncoder(TransformerEncoderBase):
 
 
 class RFATransformerDecoder(TransformerDecoderBase):
-    """fairseq's decoder with RFA layers; incremental decoding without autograd runs the static step
-    (modules/static_decoding.py) unless --no-rfa-static-decode or the model needs what it lacks."""
+    """fairseq's decoder with RFA layers. Incremental decoding runs the decoding step: the batch's
+    DecodeState is built at its first step, and every step runs in place from its buffers."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.static_decode = bool(getattr(cfg, "rfa_static_decode", True))
-        self.static_unsupported = StaticDecodeState.supports(self)  # None, or why the eager path runs
-        self._static_workspace = None
+        self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
+        self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
+        self._workspace = None
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
 
+    def set_beam_size(self, beam_size: int) -> None:
+        super().set_beam_size(beam_size)
+        self.beam_size = int(beam_size)
+
+    def buffered_future_mask(self, tensor):
+        return None  # RFA's decoder self-attention is causal by construction: no T x T mask
+
     def forward(self, prev_output_tokens, encoder_out=None, incremental_state=None, features_only: bool = False,
                 full_context_alignment: bool = False, alignment_layer=None, alignment_heads=None, src_lengths=None,
                 return_all_hiddens: bool = False):
-        static = None
-        if incremental_state is not None and not (features_only or full_context_alignment or return_all_hiddens
-                                                  or alignment_heads is not None
-                                                  or alignment_layer not in (None, self.num_layers - 1)):
-            static = self._static_decode_state(prev_output_tokens, encoder_out, incremental_state)
-        if static is not None:
-            return static.step(prev_output_tokens, incremental_state)
-        return super().forward(prev_output_tokens, encoder_out=encoder_out, incremental_state=incremental_state,
-                               features_only=features_only, full_context_alignment=full_context_alignment,
-                               alignment_layer=alignment_layer, alignment_heads=alignment_heads,
-                               src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
+        if full_context_alignment:
+            raise ValueError("full_context_alignment: RFA's decoder self-attention is causal by construction")
+        if incremental_state is None:
+            return super().forward(prev_output_tokens, encoder_out=encoder_out, features_only=features_only,
+                                   alignment_layer=alignment_layer, alignment_heads=alignment_heads,
+                                   src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
+        unsupported = self._step_unsupported(features_only, alignment_layer, alignment_heads, return_all_hiddens)
+        if unsupported is not None:
+            raise ValueError(f"RFA incremental decoding does not support {unsupported}")
+        if self.training or torch.is_grad_enabled():
+            raise RuntimeError("RFA incremental decoding runs the decoding step, without autograd and in eval mode: "
+                               "call model.eval() and decode under torch.no_grad() (fairseq's generators do)")
+        entry = incremental_state.get(DecodeState.KEY)
+        if entry is None:
+            entry = incremental_state[DecodeState.KEY] = {"state": self._start(prev_output_tokens, encoder_out)}
+        return self._step(entry["state"], prev_output_tokens, incremental_state)
 
-    def _static_decode_state(self, prev_output_tokens, encoder_out, incremental_state):
-        """The batch's StaticDecodeState: the one it started with, a new one at its first step when the
-        static step applies, or None (the eager path: autograd, training, unsupported model, ...)."""
-        entry = incremental_state.get(StaticDecodeState.KEY)
-        if entry is not None:
-            if self.training or torch.is_grad_enabled():
-                raise RuntimeError("this incremental state was started by the static decoding step, which runs "
-                                   "without autograd in eval mode; decode under torch.no_grad(), or build the model "
-                                   "with --no-rfa-static-decode")
-            return entry["state"]
+    def _step_unsupported(self, features_only, alignment_layer, alignment_heads, return_all_hiddens):
+        """What of this call or model the decoding step cannot serve (None: everything)."""
+        for name, value in (("features_only", features_only), ("alignment_heads", alignment_heads is not None),
+                            ("return_all_hiddens", return_all_hiddens),
+                            ("alignment_layer other than the last", alignment_layer not in (None, self.num_layers - 1)),
+                            ("adaptive softmax", self.adaptive_softmax is not None),
+                            ("decoder input/output dimension projections",
+                             self.project_in_dim is not None or self.project_out_dim is not None),
+                            ("quant noise on the embeddings", self.quant_noise is not None)):
+            if value:
+                return name
+        return None
+
+    def _start(self, prev_output_tokens, encoder_out) -> DecodeState:
+        """A batch's first step: its kernels, its workspace, which rows read which sentence, the layers' buffers."""
         weight = self.embed_tokens.weight
-        # CPU fp32 for now; on CUDA the eager path (fla's step) runs until the static step is captured as graphs
-        if (not self.static_decode or self.training or torch.is_grad_enabled() or incremental_state
-                or self.static_unsupported is not None or weight.dtype != torch.float32 or weight.device.type != "cpu"):
-            return None  # incremental_state non-empty: eager decoding started it
-        state = StaticDecodeState(self, encoder_out, prev_output_tokens.size(0), weight.device, weight.dtype)
-        incremental_state[StaticDecodeState.KEY] = {"state": state}
+        rows = prev_output_tokens.size(0)
+        key = pad = None
+        if encoder_out is not None and len(encoder_out.get("encoder_out", [])) and self.layers[0].encoder_attn is not None:
+            key = encoder_out["encoder_out"][0]  # (S, rows, C)
+            pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
+        beam = self._beam_of(key, pad, rows)
+        workspace, self._workspace = self._workspace or Workspace(), None
+        state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
+                            len(self.layers), weight.device, weight.dtype)
+        weakref.finalize(state, self._return_workspace, workspace)  # the next batch reuses it
+        if key is not None:
+            key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
+        for i, layer in enumerate(self.layers):
+            layer.prepare_step(state, i, key, pad)
         return state
 
+    def _return_workspace(self, workspace: Workspace) -> None:
+        self._workspace = workspace
+
+    def _beam_of(self, enc, pad, rows: int) -> int:
+        """fairseq's beam search feeds each sentence `beam` times in a row; keep K/V once per sentence when
+        the rows say so (a mismatch, e.g. a caller that does not lay out beams, keeps one per row)."""
+        beam = self.beam_size
+        if enc is None or beam <= 1 or rows % beam:
+            return 1
+        grouped = enc.view(enc.size(0), -1, beam, enc.size(2))
+        if not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
+            return 1
+        if pad is not None:
+            pad_groups = pad.view(-1, beam, pad.size(1))
+            if not torch.equal(pad_groups, pad_groups[:, :1].expand_as(pad_groups)):
+                return 1
+        return beam
+
+    def _step(self, state: DecodeState, prev_output_tokens, incremental_state):
+        """One decoding step of every row: embeddings, the layers' steps, the logits into the workspace."""
+        R = prev_output_tokens.size(0)
+        if R != state.rows:
+            raise RuntimeError(f"RFA decoding: {R} rows for a state of {state.rows} (reorder missing?)")
+        C, kernels = self.embed_dim, state.kernels
+        tokens = prev_output_tokens[:, -1]
+        x = torch.index_select(self.embed_tokens.weight, 0, tokens, out=state.buffer("x", R, C))
+        if self.embed_scale != 1.0:
+            x.mul_(self.embed_scale)
+        if self.embed_positions is not None:
+            x.add_(self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1])
+        if self.layernorm_embedding is not None:
+            norm = self.layernorm_embedding
+            kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, x)
+        key_pad = torch.eq(tokens, self.padding_idx, out=state.buffer("key_pad", R, dtype=torch.bool))
+        attn = None  # fairseq returns the last layer's head-averaged cross-attention weights
+        for i, layer in enumerate(self.layers):
+            weights = layer.step(x, state, i, key_pad, need_weights=i == len(self.layers) - 1)
+            attn = weights if weights is not None else attn
+        state.order, state.first = None, False
+        if self.layer_norm is not None:
+            kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
+        out = self.output_projection
+        logits = state.buffer("logits", R, out.weight.size(0), returned=True)
+        if out.bias is not None:
+            torch.addmm(out.bias, x, out.weight.t(), out=logits)
+        else:
+            torch.mm(x, out.weight.t(), out=logits)
+        return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
+                                     DecodeState.KEY: state}
+
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
-        entry = incremental_state.get(StaticDecodeState.KEY)
+        entry = incremental_state.get(DecodeState.KEY)
         if entry is not None:
             entry["state"].reorder_(new_order)
-            return
-        super().reorder_incremental_state_scripting(incremental_state, new_order)
 
     def get_normalized_probs(self, net_output, log_probs, sample=None):
         extra = net_output[1] if len(net_output) > 1 else None
-        static = extra.get("rfa_static") if isinstance(extra, dict) else None
-        if static is not None and log_probs:
-            return static.log_probs(net_output[0])  # into the step's reused buffer
+        state = extra.get(DecodeState.KEY) if isinstance(extra, dict) else None
+        if state is not None and log_probs:
+            return state.log_probs(net_output[0])  # into the step's reused buffer
         return super().get_normalized_probs(net_output, log_probs, sample)
-
-    def take_static_workspace(self) -> Workspace:
-        """The buffers of the last finished batch (a new set when none is free)."""
-        workspace, self._static_workspace = self._static_workspace, None
-        return workspace if workspace is not None else Workspace()
-
-    def return_static_workspace(self, workspace: Workspace) -> None:
-        self._static_workspace = workspace
-
-    def buffered_future_mask(self, tensor):
-        # Causal RFA needs to know only *that* the pass is causal. A zero-stride
-        # (T, T) stand-in carries that without fairseq's T x T mask in memory;
-        # RFAAttention checks for it (and validates any materialized mask).
-        dim = tensor.size(0)
-        return tensor.new_zeros(()).expand(dim, dim)
 
 
 @register_model("rfa_transformer")
@@ -220,7 +300,13 @@ class RFATransformerModel(TransformerModel):
             args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
         rfa_base_architecture(args)
         validate_rfa_args(args)
-        model = super().build_model(args, task)
+        # the RFAConfig rides in args only while fairseq builds the model (its cfg copies it for the hooks):
+        # args are saved in checkpoints, which hold plain values only
+        setattr(args, RFA_CONFIG, RFAConfig.from_args(args))
+        try:
+            model = super().build_model(args, task)
+        finally:
+            delattr(args, RFA_CONFIG)
         model.set_random_feature_seed(getattr(args, "seed", 1))
         return model
 

@@ -6,37 +6,29 @@ Each map owns its parameters (a learned map its weight and bias, a random map it
 matrix w is the attention's (it is redrawn per training update and tied to the layer's seed) and is
 passed in. The formulas and their references are in ops/feature_maps.py and ops/naive.py.
 
-`linear_part()` exposes the affine first stage of the learned maps (p = W x + b per head) so that the
-static decoding step can fold it into the attention's input projection; `activate(p)` is the rest.
+Each map also supplies its part of the decoding step: `linear_part()` exposes the affine first stage of
+the learned maps (p = W x + b per head), which the step folds into the attention's input projection, and
+`step_activation` names the activation the step's kernel applies to p (ops.activate_learned, or its code in
+the C++ kernel); maps without one (random maps, elu) give the step their features (`step_features`).
 """
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..ops import (
-    LEARNED_FEATURE_MAPS,
-    activate_learned,
-    POSITIVE_FEATURE_MAPS,
-    RANDOM_FEATURE_MAPS,
-    feature_map,
-    learned_feature_map,
-    num_feature_dims,
-    scale_inputs,
-)
-
-SIGMA_MODES = ("learned", "fixed", "log")
+from ..config import RFAConfig
+from ..ops import RANDOM_FEATURE_MAPS, feature_map, learned_feature_map, num_feature_dims, scale_inputs
 
 
 class FeatureMap(nn.Module):
     kind: str = ""
     uses_random_matrix = False
+    step_activation: Optional[str] = None  # what the decoding step's kernel applies to linear_part()'s p
 
     def __init__(self, num_heads: int, num_features: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_features, self.head_dim = num_heads, num_features, head_dim
         self.output_dim = num_feature_dims(self.kind, num_features, head_dim)  # F
-        self.positive = self.kind in POSITIVE_FEATURE_MAPS  # features > 0: only an underflow guard needed
 
     def reset_parameters(self) -> None:
         """Initial values of the map's own parameters (none for most maps)."""
@@ -45,8 +37,11 @@ class FeatureMap(nn.Module):
         """(weight (H, D, d), bias (H, D)) of p = W x + b when phi(x) = activate(p), else None."""
         return None
 
-    def activate(self, p: Tensor) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} has no linear first stage")
+    def step_features(self, q: Tensor, k: Tensor, w: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """phi(q), phi(k) of one decoding step: (R, H * d) each -> (R, H * F) fp32 each."""
+        R = q.size(0)
+        heads = lambda t: t.reshape(R, self.num_heads, 1, self.head_dim)  # noqa: E731  (B, H, T = 1, d)
+        return self(heads(q), w, is_query=True).reshape(R, -1), self(heads(k), w, is_query=False).reshape(R, -1)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, D={self.num_features}, head_dim={self.head_dim}, F={self.output_dim}"
@@ -68,8 +63,9 @@ class LearnedLinearFeatureMap(FeatureMap):
     def linear_part(self):
         return self.weight, self.bias
 
-    def activate(self, p: Tensor) -> Tensor:
-        return activate_learned(p if p.dtype == torch.float64 else p.float(), self.kind)
+    @property
+    def step_activation(self) -> str:
+        return self.kind
 
 
 class HedgehogFeatureMap(LearnedLinearFeatureMap):
@@ -114,12 +110,10 @@ class RandomFeatureMap(FeatureMap):
 
     uses_random_matrix = True
 
-    def __init__(self, kind: str, num_heads: int, num_features: int, head_dim: int, sigma: str = "learned",
-                 sigma_lr_multiplier: float = 10.0, temperature: float = 1.0):
+    def __init__(self, kind: str, num_heads: int, num_features: int, head_dim: int, sigma: str,
+                 sigma_lr_multiplier: float, temperature: float):
         if kind not in RANDOM_FEATURE_MAPS:
             raise ValueError(f"unknown random feature map {kind!r}; expected one of {RANDOM_FEATURE_MAPS}")
-        if sigma not in SIGMA_MODES:
-            raise ValueError(f"sigma={sigma!r} is not one of {', '.join(SIGMA_MODES)}")
         self.kind = kind
         super().__init__(num_heads, num_features, head_dim)
         self.sigma_mode = sigma
@@ -153,18 +147,19 @@ class RandomFeatureMap(FeatureMap):
         return f"{super().extra_repr()}, sigma={self.sigma_mode}"
 
 
-LEARNED_MAP_CLASSES = {"hedgehog": HedgehogFeatureMap, "relu": ReLUFeatureMap, "elu": ELUFeatureMap}
+LEARNED_MAP_CLASSES = {"hedgehog": HedgehogFeatureMap, "relu": ReLUFeatureMap}
 
 
-def build_feature_map(kind: str, num_heads: int, num_features: int, head_dim: int, sigma: str = "learned",
-                      sigma_lr_multiplier: float = 10.0, temperature: float = 1.0, initialize: bool = True) -> FeatureMap:
-    """The feature map module named by --rfa-feature-map (learned maps ignore the sigma options).
+def build_feature_map(rfa: RFAConfig, num_heads: int, head_dim: int, initialize: bool = True) -> FeatureMap:
+    """The feature map module named by rfa.rfa_feature_map (learned maps ignore the sigma options).
     initialize=False leaves learned weights uninitialized for a caller that calls reset_parameters()."""
+    kind, num_features = str(rfa.rfa_feature_map), int(rfa.rfa_num_features)
     if kind == "elu":
         return ELUFeatureMap(num_heads, num_features, head_dim)
-    if kind in LEARNED_FEATURE_MAPS:
+    if kind in LEARNED_MAP_CLASSES:
         return LEARNED_MAP_CLASSES[kind](num_heads, num_features, head_dim, initialize=initialize)
-    return RandomFeatureMap(kind, num_heads, num_features, head_dim, sigma, sigma_lr_multiplier, temperature)
+    return RandomFeatureMap(kind, num_heads, num_features, head_dim, str(rfa.rfa_sigma),
+                            float(rfa.rfa_sigma_lr_multiplier), float(rfa.rfa_temperature))
 
 
 # checkpoints written before the maps were modules kept their parameters on the attention module

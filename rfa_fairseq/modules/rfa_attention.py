@@ -1,39 +1,26 @@
 """RFA attention with fairseq's MultiheadAttention call signature.
 
 Inputs are T x B x C like fairseq's. Three roles, chosen at construction:
-  causal self-attention (decoder): chunked causal RFA in training, a constant-size
-      recurrent state (S and z, one (B, H, F, d + 1) tensor) in incremental decoding;
-  encoder-decoder attention: S = phi(K)^T [V, 1] computed once per source sentence and
-      cached in the incremental state;
+  causal self-attention (decoder): chunked causal RFA over whole sequences, causal by construction
+      (no attention mask needed);
+  encoder-decoder attention: S = phi(K)^T [V, 1] per source sentence;
   non-causal self-attention (encoder, with --rfa-encoder-self-attn).
 Projection names (q_proj, k_proj, v_proj, out_proj) match fairseq's MultiheadAttention,
 so softmax transformer weights load into RFA layers unchanged.
+
+Incremental decoding does not go through forward: the decoder layer calls the attention's part of the
+decoding step, `prepare_step` at a batch's first step and `step` at every step (modules/decoding.py).
 """
 import math
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor, nn
 
-from ..ops import (
-    DECODE_KERNELS,
-    SEQUENCE_KERNELS,
-    CausalRFAState,
-    causal_rfa,
-    denominator_eps,
-    draw_random_matrix,
-    gate_keys,
-    is_identity_order,
-    noncausal_rfa,
-    noncausal_rfa_state,
-    random_matrix_seed,
-)
+from ..config import RFAConfig
+from ..ops import causal_rfa, denominator_eps, draw_random_matrix, gate_keys, noncausal_rfa, noncausal_rfa_state, random_matrix_seed
 from .feature_maps import LEGACY_PARAMETER_NAMES, build_feature_map
-
-# fairseq's incremental_state; our buffer holds tensors and, under "causal", a CausalRFAState
-IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
 # b_g starts at 2: g = sigmoid(2) = 0.88, a memory of ~8 tokens, so a fresh gated
 # model starts close to (but more local than) plain causal RFA.
@@ -42,7 +29,6 @@ GATE_BIAS_INIT = 2.0
 EVAL_UPDATE = -1
 
 
-@with_incremental_state
 class RFAAttention(nn.Module):
     def __init__(
         self,
@@ -57,21 +43,10 @@ class RFAAttention(nn.Module):
         causal: bool = False,
         q_noise: float = 0.0,
         qn_block_size: int = 8,
-        *,
-        feature_map: str = "hedgehog",
-        num_features: int = 16,
-        random_matrix: str = "orthogonal",
-        fixed_random_matrix: bool = False,
-        sigma: str = "learned",
-        sigma_lr_multiplier: float = 10.0,
-        temperature: float = 1.0,
-        gate: bool = True,
-        chunk_size: int = 64,
-        decode_kernel: str = "auto",
-        sequence_kernel: str = "auto",
+        rfa: Optional[RFAConfig] = None,
     ):
-        """The RFA options are those of `RFAConfig` (config.py) without the rfa_ prefix, with the
-        same defaults; `gate` only applies to causal self-attention.
+        """rfa: the model's RFA options (RFAConfig's defaults when None); the gate only applies to causal
+        self-attention.
 
         dropout (fairseq's --attention-dropout): RFA never forms the normalized attention weights
         that softmax attention drops, so each key's value is dropped instead (per head and key,
@@ -96,25 +71,19 @@ class RFAAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
         self.dropout = float(dropout)
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"--rfa-decode-kernel={decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}")
-        self.decode_kernel = str(decode_kernel)
-        if sequence_kernel not in SEQUENCE_KERNELS:
-            raise ValueError(f"--rfa-sequence-kernel={sequence_kernel!r} is not one of {', '.join(SEQUENCE_KERNELS)}")
-        self.sequence_kernel = str(sequence_kernel)
-
-        self.feature_map = str(feature_map)
+        rfa = rfa if rfa is not None else RFAConfig()
+        self.sequence_kernel = str(rfa.rfa_sequence_kernel)
+        self.feature_map = str(rfa.rfa_feature_map)
         self.eps = denominator_eps(self.feature_map)
-        self.num_features = int(num_features)
-        self.random_matrix_kind = str(random_matrix)
-        self.fixed_random_matrix = bool(fixed_random_matrix)
-        self.chunk_size = int(chunk_size)
-        self.gated = bool(gate) and causal
+        self.num_features = int(rfa.rfa_num_features)
+        self.random_matrix_kind = str(rfa.rfa_random_matrix)
+        self.fixed_random_matrix = bool(rfa.rfa_fixed_random_matrix)
+        self.chunk_size = int(rfa.rfa_chunk_size)
+        self.gated = bool(rfa.rfa_gate) and causal
 
         # phi first: its parameters keep the place the attention's own sigma / feature weights had in
         # parameters() (resumed optimizer states are matched by position); initialized in reset_parameters
-        self.phi = build_feature_map(self.feature_map, num_heads, self.num_features, self.head_dim, sigma=str(sigma),
-                                     sigma_lr_multiplier=sigma_lr_multiplier, temperature=temperature, initialize=False)
+        self.phi = build_feature_map(rfa, num_heads, self.head_dim, initialize=False)
         self.learned_map = not self.phi.uses_random_matrix
         self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.v_proj = quant_noise(nn.Linear(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
@@ -128,7 +97,6 @@ class RFAAttention(nn.Module):
         self.seed = 0
         self.module_index = 0
         self.num_updates = 0
-        self.beam_size = 1  # set by fairseq's SequenceGenerator through set_beam_size
         self._train_matrix: Optional[Tensor] = None
         self._train_matrix_update: Optional[int] = None
         self.reset_parameters()
@@ -206,15 +174,13 @@ class RFAAttention(nn.Module):
         T, B, _ = x.shape
         return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def _phi(self, x: Tensor, w: Optional[Tensor], is_query: bool) -> Tensor:
+    def features(self, x: Tensor, w: Optional[Tensor], is_query: bool) -> Tensor:
         """(T, B, C) projected inputs -> (B, H, T, F) fp32 features."""
         return self.phi(self._heads(x), w, is_query)
 
     def _check_causal_mask(self, attn_mask: Tensor, length: int) -> None:
-        # our decoder passes a zero-stride stand-in (no T x T memory); a materialized
-        # mask from elsewhere must be fairseq's future mask, the only one RFA can honor
-        if attn_mask.dim() == 2 and attn_mask.shape == (length, length) and attn_mask.stride() == (0, 0):
-            return
+        # the module is causal by construction and needs no mask; one passed anyway must be fairseq's
+        # future mask, the only one RFA can honor
         expected = torch.triu(torch.ones(length, length, dtype=torch.bool, device=attn_mask.device), 1)
         if attn_mask.shape != (length, length) or not torch.equal(attn_mask.isinf() | (attn_mask < -1e3), expected):
             raise ValueError("RFA causal self-attention supports only the causal future mask as attn_mask")
@@ -234,144 +200,134 @@ class RFAAttention(nn.Module):
         key: Optional[Tensor],
         value: Optional[Tensor],
         key_padding_mask: Optional[Tensor] = None,
-        incremental_state: IncrementalState = None,
+        incremental_state=None,
         need_weights: bool = True,
         static_kv: bool = False,
         attn_mask: Optional[Tensor] = None,
         before_softmax: bool = False,
         need_head_weights: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        """query: (T, B, C); key, value: (S, B, C) -> ((T, B, C), None).
+        """query: (T, B, C); key, value: (S, B, C) -> ((T, B, C), None) over whole sequences.
 
         RFA never forms attention weights, so the second output is always None.
         """
         if before_softmax:
             raise ValueError("RFA has no attention logits (before_softmax=True is unsupported)")
+        if incremental_state is not None:
+            raise ValueError("RFAAttention decodes incrementally through its decoder layer's step "
+                             "(prepare_step, step: RFATransformerDecoder), not through forward")
         tgt_len, bsz, _ = query.shape
         w = self.random_matrix()  # (H, D, d) or None
-        phi_q = self._phi(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
-        if self.encoder_decoder_attention:
-            out = self._cross_attention(phi_q, key, value, key_padding_mask, incremental_state, static_kv, w)
-        elif self.causal and (incremental_state is not None or attn_mask is not None):
-            out = self._causal_self_attention(phi_q, query, key_padding_mask, incremental_state, attn_mask, w)
+        phi_q = self.features(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
+        if self.causal:
+            if attn_mask is not None:
+                self._check_causal_mask(attn_mask, tgt_len)
+            out = self._causal_self_attention(phi_q, query, key_padding_mask, w)
         else:
-            # encoder self-attention, or decoder self-attention with full context
-            out = self._self_attention(phi_q, key, value, key_padding_mask, attn_mask, w)
+            if attn_mask is not None:
+                raise ValueError("non-causal RFA attention does not support attn_mask")
+            phi_k, _ = gate_keys(self.features(self.k_proj(key), w, is_query=False), None, key_padding_mask)
+            out, _ = noncausal_rfa(phi_q, phi_k, self._values(self.v_proj(value)), eps=self.eps)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim).to(query.dtype)  # (T, B, C)
         return self.out_proj(out), None
 
-    def _causal_self_attention(self, phi_q, query, key_padding_mask, incremental_state, attn_mask, w) -> Tensor:
-        """Decoder self-attention: chunked over whole sequences, a CausalRFAState while decoding. -> (B, H, T, d)"""
-        if attn_mask is not None:
-            self._check_causal_mask(attn_mask, query.size(0))
-        phi_k = self._phi(self.k_proj(query), w, is_query=False)  # (B, H, T, F)
+    def _get_input_buffer(self, incremental_state) -> None:
+        return None  # fairseq's decoder layer asks for it; the decoding step's state is the decoder's (DecodeState)
+
+    def _causal_self_attention(self, phi_q, query, key_padding_mask, w) -> Tensor:
+        """Decoder self-attention over whole sequences, chunked. -> (B, H, T, d)"""
+        phi_k = self.features(self.k_proj(query), w, is_query=False)  # (B, H, T, F)
         v = self._values(self.v_proj(query))  # (B, H, T, d)
         gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
         phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
-        if incremental_state is None:
-            out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps,
-                                sequence_kernel=self.sequence_kernel)
-            return out
-        saved = self._get_input_buffer(incremental_state)
-        decoding = saved.get("causal")
-        out, saved["causal"] = causal_rfa(phi_q, phi_k, v, log_gate, decoding if decoding is not None else CausalRFAState(),
-                                          eps=self.eps, decode_kernel=self.decode_kernel)
-        self._set_input_buffer(incremental_state, saved)
+        out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps,
+                            sequence_kernel=self.sequence_kernel)
         return out
 
-    def _cross_attention(self, phi_q, key, value, key_padding_mask, incremental_state, static_kv, w) -> Tensor:
-        """Encoder-decoder attention: S = phi(K)^T [V, 1], cached per source sentence while decoding. -> (B, H, T, d)"""
-        if incremental_state is not None and static_kv:
-            saved = self._get_input_buffer(incremental_state)
-            out = self._cross_attention_step(phi_q, key, value, key_padding_mask, w, saved)
-            self._set_input_buffer(incremental_state, saved)
-            return out
-        phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
-        out, _ = noncausal_rfa(phi_q, phi_k, self._values(self.v_proj(value)), eps=self.eps)
-        return out
+    # ------------------------------------------------------------ the decoding step
 
-    def _self_attention(self, phi_q, key, value, key_padding_mask, attn_mask, w) -> Tensor:
-        """Non-causal self-attention (encoder, or a decoder pass without a mask). -> (B, H, T, d)"""
-        if attn_mask is not None:
-            raise ValueError("non-causal RFA self-attention does not support attn_mask")
-        phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, key_padding_mask)
-        out, _ = noncausal_rfa(phi_q, phi_k, self._values(self.v_proj(value)), eps=self.eps)
-        return out
+    def prepare_step(self, buffers: dict, state, key: Optional[Tensor] = None,
+                     key_padding_mask: Optional[Tensor] = None) -> None:
+        """A batch's first step: what every step reads, into `buffers`.
+        Causal: the fused input projection and two fp32 state buffers (rows, H, F, d + 1) used in turn.
+        Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence (state.per_sentence)."""
+        if not self.causal:
+            phi_k = self.features(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
+            if key_padding_mask is not None:
+                phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+            buffers["rfa_state"] = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))
+            return
+        H, d, C = self.num_heads, self.head_dim, self.embed_dim
+        wq, bq = self.q_proj.weight, _bias(self.q_proj, C)
+        wk, bk = self.k_proj.weight, _bias(self.k_proj, C)
+        linear = self.phi.linear_part()
+        if linear is not None:
+            # p = W_phi (W_q x + b_q) + b_phi per head: fold W_phi into the input projection
+            wq, bq = _fold(*linear, wq, bq, H, d)
+            wk, bk = _fold(*linear, wk, bk, H, d)
+        pieces = [(wq, bq), (wk, bk), (self.v_proj.weight, _bias(self.v_proj, C))]
+        if self.gate_proj is not None:
+            pieces.append((self.gate_proj.weight, self.gate_proj.bias))
+        buffers["weight_t"] = torch.cat([w for w, _ in pieces], dim=0).t().contiguous()  # (C, N): x @ weight_t
+        buffers["bias"] = torch.cat([b for _, b in pieces]).contiguous()
+        buffers["q_width"] = wq.size(0)  # H * D (learned linear map) or C
+        buffers["states"] = [state.buffer(f"causal{self.module_index}.state{j}", state.rows, H, self.phi.output_dim, d + 1,
+                                          dtype=torch.float32) for j in range(2)]
 
-    # ------------------------------------------------------------ incremental state
+    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None,
+             need_weights: bool = False) -> Tuple[Tensor, None]:
+        """One step of the (R, C) normalized inputs h (key_pad: (R,) padded decoder inputs, causal only)
+        -> the (R, C) output projection (a workspace buffer), and no weights: RFA forms none."""
+        R, C = h.size(0), self.embed_dim
+        attn = self._causal_step(h, buffers, state, key_pad) if self.causal else self._cross_step(h, buffers, state)
+        return torch.addmm(_bias(self.out_proj, C), attn, self.out_proj.weight.t(), out=state.buffer("y", R, C)), None
 
-    def _cross_attention_step(self, phi_q, key, value, key_padding_mask, w, saved) -> Tensor:
-        """Cross-attention while decoding: S = phi(K)^T [V, 1] once per source sentence.
+    def _causal_step(self, h: Tensor, buffers: dict, state, key_pad: Tensor) -> Tensor:
+        R, C, H = h.size(0), self.embed_dim, self.num_heads
+        bias, width = buffers["bias"], buffers["q_width"]
+        proj = torch.addmm(bias, h, buffers["weight_t"], out=state.buffer("proj", R, bias.numel()))
+        q, k = proj[:, :width], proj[:, width: 2 * width]
+        activation = self.phi.step_activation  # None: the step takes features, computed here
+        if activation is None:
+            q, k = self.phi.step_features(q, k, self.random_matrix())
+        v = proj[:, 2 * width: 2 * width + C]
+        gate = proj[:, 2 * width + C: 2 * width + C + H] if self.gate_proj is not None else None
+        states = buffers["states"]  # [the last step's, the spare]; rows only shrink, so the first step's fit
+        state_in, order = (None, None) if state.first else (states[0], state.order)
+        attn = state.buffer("attn", R, C)
+        state.kernels.causal_layer_step(q, k, v, gate, key_pad, state_in, order, states[1], attn, self.eps, activation)
+        states.reverse()
+        return attn
 
-        Beam search feeds every source sentence `beam_size` times (identical rows), so
-        the state is kept once per sentence, (B_src, H, F, d + 1), with `cross_rows`
-        mapping each decoder row to its sentence; queries of a sentence's beams share
-        one batched matmul and beam reorders cost nothing.
-        """
-        if "cross_state" not in saved:
-            bsz = key.size(1)
-            beam = self.beam_size if self.beam_size > 1 and bsz % self.beam_size == 0 else 1
-            key, value = key[:, ::beam], value[:, ::beam]
-            mask = key_padding_mask[::beam] if key_padding_mask is not None else None
-            phi_k, _ = gate_keys(self._phi(self.k_proj(key), w, is_query=False), None, mask)
-            saved["cross_state"] = noncausal_rfa_state(phi_k, self._heads(self.v_proj(value)))
-            saved["cross_rows"] = torch.arange(bsz // beam, device=phi_q.device).repeat_interleave(beam)
-        state, rows = saved["cross_state"], saved["cross_rows"]
-        B, H, T, F_ = phi_q.shape
-        n_src = state.size(0)
-        # on CUDA, rows always have this layout (see _beams_grouped); checking would wait for the GPU
-        if B % n_src == 0 and (rows.is_cuda or torch.equal(rows, torch.arange(n_src, device=rows.device).repeat_interleave(B // n_src))):
-            beam = B // n_src
-            q = phi_q.view(n_src, beam, H, T, F_).transpose(1, 2).reshape(n_src, H, beam * T, F_)
-            out, _ = noncausal_rfa(q, None, None, state=state, eps=self.eps)  # (B_src, H, beam * T, d)
-            return out.view(n_src, H, beam, T, -1).transpose(1, 2).reshape(B, H, T, -1)
-        out, _ = noncausal_rfa(phi_q, None, None, state=state.index_select(0, rows), eps=self.eps)
-        return out
-
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
-        """Beam search: select rows of the cached states; new_order may also shrink the batch.
-
-        The causal state keeps the order for its next step (CausalRFAState.reorder_: no pass
-        over the state here); the cross state only moves when whole sentences leave the batch.
-        """
-        buffer = self._get_input_buffer(incremental_state)
-        if not buffer:
-            return incremental_state
-        if buffer.get("causal") is not None:
-            buffer["causal"].reorder_(new_order)
-        if "cross_rows" in buffer:
-            rows = buffer["cross_rows"].index_select(0, new_order)
-            beam = self.beam_size if self.beam_size > 1 and rows.numel() % self.beam_size == 0 else 1
-            groups = rows.view(-1, beam)
-            if _beams_grouped(groups):
-                sentences = groups[:, 0]
-                if not is_identity_order(sentences, buffer["cross_state"].size(0)):
-                    buffer["cross_state"] = buffer["cross_state"].index_select(0, sentences)
-                rows = torch.arange(sentences.numel(), device=rows.device).repeat_interleave(beam)
-            buffer["cross_rows"] = rows
-        return self._set_input_buffer(incremental_state, buffer)
-
-    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
-        result = self.get_incremental_state(incremental_state, "rfa_state")
-        return result if result is not None else {}
-
-    def _set_input_buffer(self, incremental_state: IncrementalState, buffer: Dict[str, Optional[Tensor]]):
-        return self.set_incremental_state(incremental_state, "rfa_state", buffer)
-
-    def set_beam_size(self, beam_size: int) -> None:
-        self.beam_size = int(beam_size)
+    def _cross_step(self, h: Tensor, buffers: dict, state) -> Tensor:
+        R, C, H = h.size(0), self.embed_dim, self.num_heads
+        q = torch.addmm(_bias(self.q_proj, C), h, self.q_proj.weight.t(), out=state.buffer("q", R, C))
+        sentence_states = buffers["rfa_state"]  # (n, H, F, d + 1)
+        phi_q = self.features(q.unsqueeze(0), self.random_matrix(), is_query=True)  # (R, H, 1, F)
+        n, beam = sentence_states.size(0), state.beam
+        grouped = phi_q.view(n, beam, H, 1, -1).transpose(1, 2).reshape(n, H, beam, -1)
+        out, _ = noncausal_rfa(grouped, None, None, state=sentence_states, eps=self.eps)  # (n, H, beam, d)
+        attn = state.buffer("attn", R, C)
+        attn.view(n, beam, H, -1).copy_(out.transpose(1, 2))
+        return attn
 
     def extra_repr(self) -> str:
         role = "causal" if self.causal else ("cross" if self.encoder_decoder_attention else "self")
         return (
             f"role={role}, heads={self.num_heads}, head_dim={self.head_dim}, feature_map={self.feature_map}, "
             f"D={self.num_features}, matrix={self.random_matrix_kind}, sigma={self.sigma_mode}, gated={self.gated}, "
-            f"decode_kernel={self.decode_kernel}, sequence_kernel={self.sequence_kernel}, dropout={self.dropout}, module_index={self.module_index}"
+            f"sequence_kernel={self.sequence_kernel}, dropout={self.dropout}, module_index={self.module_index}"
         )
 
 
-def _beams_grouped(groups: Tensor) -> bool:
-    """Each row of `groups` (one sentence's beams) reads one source sentence. Trusted on CUDA,
-    where checking would wait for the GPU at every step: fairseq's beam search keeps a
-    sentence's beams together (its MultiheadAttention relies on that too)."""
-    return groups.is_cuda or bool((groups == groups[:, :1]).all())
+def _bias(linear, size) -> Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(size)
+
+
+def _fold(w_phi: Tensor, b_phi: Tensor, w: Tensor, b: Tensor, H: int, d: int) -> Tuple[Tensor, Tensor]:
+    """(W_phi (W x + b) + b_phi) per head as one affine map: (H * D, C) weight, (H * D,) bias."""
+    C = w.size(1)
+    w_heads = w.view(H, d, C)
+    folded_w = torch.bmm(w_phi.to(w.dtype), w_heads).reshape(-1, C)  # (H * D, C)
+    folded_b = (torch.bmm(w_phi.to(w.dtype), b.view(H, d, 1)).squeeze(-1) + b_phi).reshape(-1)
+    return folded_w, folded_b

@@ -1,4 +1,7 @@
 """Pure tensor functions of RFA: no fairseq imports here."""
+from .decode_step import DECODE_KERNELS, step_kernels  # noqa: F401
+from .dispatch import SEQUENCE_KERNELS, causal_rfa  # noqa: F401
+from .extension import load_fused_extension, require_fused_extension  # noqa: F401
 from .feature_maps import (  # noqa: F401
     AFFINE_FEATURE_MAPS,
     FEATURE_MAPS,
@@ -14,18 +17,7 @@ from .feature_maps import (  # noqa: F401
     random_matrix_seed,
     scale_inputs,
 )
-from .dispatch import (  # noqa: F401
-    SEQUENCE_KERNELS,
-    CausalRFAState,
-    add_layer_norm,
-    causal_layer_step,
-    causal_rfa,
-    causal_rfa_decode_step,
-    is_identity_order,
-    softmax_cross_step,
-)
-from .fla_backend import causal_rfa_fla, causal_rfa_step_fla, fla_available, fla_import_error  # noqa: F401
-from .fused_step import DECODE_KERNELS, causal_rfa_step_fused, load_fused_extension  # noqa: F401
+from .fla_backend import causal_rfa_fla, fla_available, fla_import_error  # noqa: F401
 from .naive import (  # noqa: F401
     causal_rfa_recurrent,
     causal_rfa_reference,
@@ -39,7 +31,6 @@ from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,
     POSITIVE_EPS,
     causal_rfa_chunked,
-    causal_rfa_step_,
     denominator_eps,
     gate_keys,
     noncausal_rfa,

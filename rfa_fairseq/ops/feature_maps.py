@@ -128,7 +128,7 @@ def learned_feature_map(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], kin
     return activate_learned(proj, kind)
 
 
-# learned maps whose phi is activate(W x + b): the static decoding step folds W, b into its projection
+# learned maps whose phi is activate(W x + b): the decoding step folds W, b into its projection
 AFFINE_FEATURE_MAPS = ("hedgehog", "relu")
 
 

@@ -11,8 +11,6 @@ g = log_gate (None when ungated: nothing decays) and scale = 1. fla's S is our s
 
     causal_rfa_fla       whole sequences (training, scoring): chunk_simple_gla, fla's own
                          backward; same contract as causal_rfa_chunked
-    causal_rfa_step_fla  one decoding step: fused_recurrent_simple_gla; same contract as
-                         causal_rfa_step_fused (a pending beam order is applied first)
 
 Dtypes: everything goes to fla in fp32. fla keeps the per-chunk states of its forward in
 the input dtype and returns o (numerator and denominator here) in the input dtype, so
@@ -30,7 +28,8 @@ synchronisation of training passes, not of decoding steps).
 
 fla is imported on the first CUDA call (importing it needs triton and a GPU driver).
 `sequence_kernel="torch"` (--rfa-sequence-kernel torch) keeps whole-sequence passes on the torch path
-and `decode_kernel="torch"` (--rfa-decode-kernel torch) the decoding step (comparisons, debugging).
+(comparisons, debugging). Incremental decoding runs the decoding step's torch kernels on CUDA
+(decode_step.py), not fla.
 """
 import functools
 import warnings
@@ -39,19 +38,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .rfa import DENOMINATOR_EPS, _normalize, _with_ones
+from .rfa import DENOMINATOR_EPS, normalize, with_ones
 
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # fp64 stays on the torch path
 
 
 @functools.lru_cache(maxsize=None)
 def _fla_ops():
-    """(chunk_simple_gla, fused_recurrent_simple_gla), or the import error as a string."""
+    """fla's chunk_simple_gla, or the import error as a string."""
     try:
-        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        from fla.ops.simple_gla import chunk_simple_gla
     except Exception as error:  # not installed, no triton, no driver, ...
         return f"{type(error).__name__}: {error}"
-    return chunk_simple_gla, fused_recurrent_simple_gla
+    return chunk_simple_gla
 
 
 def fla_import_error() -> Optional[str]:
@@ -74,7 +73,7 @@ def fla_available(tensor: Tensor) -> bool:
 def _warn_once(error: str) -> None:
     warnings.warn(
         f"rfa_fairseq: flash-linear-attention is not usable ({error}); causal RFA on CUDA runs the torch path "
-        f"(same results, slower). Install it with `pip install rfa-fairseq[cuda]`, or pass --rfa-sequence-kernel torch --rfa-decode-kernel torch to silence this."
+        f"(same results, slower). Install it with `pip install rfa-fairseq[cuda]`, or pass --rfa-sequence-kernel torch to silence this."
     )
 
 
@@ -82,7 +81,7 @@ def _fla_inputs(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Optional[Tens
     """(B, H, T, .) -> fla's (B, T, H, .) in fp32; v gets its ones column, log_gate -> (B, T, H)."""
     q = phi_q.float().transpose(1, 2)  # (B, T, H, F)
     k = phi_k.float().transpose(1, 2)  # (B, T, H, F)
-    va = _with_ones(v.float()).transpose(1, 2)  # (B, T, H, d + 1)
+    va = with_ones(v.float()).transpose(1, 2)  # (B, T, H, d + 1)
     g = log_gate.float().transpose(1, 2) if log_gate is not None else None  # (B, T, H)
     return q, k, va, g
 
@@ -104,7 +103,7 @@ def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int =
     chunk_size belongs to the torch path (causal_rfa_chunked); fla uses its own chunks of 64.
     Any T works: fla masks the last, partial chunk. eps: the denominator guard (rfa.py).
     """
-    chunk_simple_gla, _ = _require_fla()
+    chunk_simple_gla = _require_fla()
     B, H, T, _ = phi_q.shape
     packed = [x.reshape((1, B * T) + x.shape[2:]) if x is not None else None for x in _fla_inputs(phi_q, phi_k, v, log_gate)]
     q, k, va, g = packed  # (1, B * T, H, F) twice, (1, B * T, H, d + 1), (1, B * T, H)
@@ -115,36 +114,7 @@ def causal_rfa_fla(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int =
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
     )
     out = out.view(B, T, H, -1).transpose(1, 2)  # (B, H, T, d + 1)
-    return _normalize(out, eps), final_state  # (B, H, T, d), (B, H, F, d + 1)
-
-
-def causal_rfa_step_fla(phi_q, phi_k, v, log_gate=None, state=None, order=None, out_state=None,
-                        eps: float = DENOMINATOR_EPS):
-    """One decoding step on CUDA, with a pending beam reorder: state[order] enters the step.
-
-    phi_q, phi_k: (B, H, 1, F)   v: (B, H, 1, d)   log_gate: (B, H, 1)
-    state: (B0, H, F, d + 1) or None   order: (B,) int64 rows of state, or None (identity)
-    -> out (B, H, 1, d) fp32, new_state (B, H, F, d + 1) fp32, never `state` itself
-
-    The reorder is a gather on the device (into `out_state`, a spare buffer, when it has
-    the right shape); nothing here waits for the GPU, so steps queue up without host
-    synchronisation.
-    """
-    _, fused_recurrent_simple_gla = _require_fla()
-    if phi_q.size(2) != 1:
-        raise ValueError(f"causal_rfa_step_fla takes one position, got {phi_q.size(2)}")
-    if state is None and order is not None:
-        raise ValueError("a reorder needs a state to reorder")
-    if order is not None:
-        rows = (order.numel(),) + state.shape[1:]
-        if out_state is not None and out_state is not state and out_state.shape == rows and out_state.dtype == state.dtype:
-            state = torch.index_select(state, 0, order, out=out_state)
-        else:
-            state = state.index_select(0, order)
-    q, k, va, g = _fla_inputs(phi_q, phi_k, v, log_gate)
-    initial = state.float() if state is not None else None
-    out, new_state = fused_recurrent_simple_gla(q, k, va, g=g, scale=1.0, initial_state=initial, output_final_state=True)
-    return _normalize(out.transpose(1, 2), eps), new_state  # (B, H, 1, d), (B, H, F, d + 1)
+    return normalize(out, eps), final_state  # (B, H, T, d), (B, H, F, d + 1)
 
 
 def _require_fla():

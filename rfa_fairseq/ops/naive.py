@@ -1,5 +1,6 @@
 """Plain reference implementations: the formulas as written, slow and simple; the fast ops
-(rfa.py, fused_step.py, fla_backend.py) and feature maps (feature_maps.py) are tested against them.
+(rfa.py, decode_step.py, fla_backend.py) and feature maps (feature_maps.py) are tested against them.
+Only torch is imported here: a reference shares no code with what it checks.
 
 As in flash-linear-attention (ops/*/naive.py beside the chunked and fused kernels), the
 attention references share the fast ops' signature
@@ -14,7 +15,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .rfa import DENOMINATOR_EPS, _normalize, _with_ones, accumulation_dtype
+DENOMINATOR_EPS = 1e-3  # rfa.py's default guard
+
+
+def _fp32(x: Tensor) -> Tensor:
+    """fp64 stays fp64 (tight tests); anything else is accumulated in fp32."""
+    return x.double() if x.dtype == torch.float64 else x.float()
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    """[v, 1]: (..., d) -> (..., d + 1), the ones column accumulating the denominator."""
+    v = _fp32(v)
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def _ratio(out_aug: Tensor, eps: float) -> Tensor:
+    """(..., d + 1) numerators and denominator -> (..., d) guarded ratio."""
+    return out_aug[..., :-1] / torch.clamp(out_aug[..., -1:], min=eps)
 
 # ---------------------------------------------------------------- feature maps
 
@@ -91,7 +108,7 @@ def _causal_decay(q: Tensor, log_gate: Optional[Tensor]) -> Tensor:
 
 def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """O(T^2) masked form: out_t = sum_{i<=t} (prod_{i<j<=t} g_j) phi(q_t).phi(k_i) [v_i, 1]."""
-    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+    q, k, va = _fp32(phi_q), _fp32(phi_k), _with_ones(v)
     decay = _causal_decay(q, log_gate)  # (T, T) or (B, H, T, T)
     if log_gate is None:
         decay_from_start = q.new_ones(q.shape[:-1])  # (B, H, T)
@@ -107,12 +124,12 @@ def causal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float 
     if state is not None:
         out = out + (q * decay_from_start.unsqueeze(-1)) @ state
         new_state = new_state + torch.exp(total)[..., None, None] * state
-    return _normalize(out, eps), new_state
+    return _ratio(out, eps), new_state
 
 
 def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
-    """The literal recurrence, one step at a time (also the decoding path, T = 1)."""
-    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+    """The literal recurrence, one step at a time (the decoding step's reference)."""
+    q, k, va = _fp32(phi_q), _fp32(phi_k), _with_ones(v)
     B, H, T, F_ = q.shape
     if state is None:
         state = q.new_zeros(B, H, F_, va.size(-1))
@@ -123,7 +140,7 @@ def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None, eps: float 
             state = torch.exp(log_gate[:, :, t].to(q.dtype))[..., None, None] * state
         state = state + update
         outs.append((q[:, :, t].unsqueeze(-2) @ state).squeeze(-2))
-    return _normalize(torch.stack(outs, dim=2), eps), state
+    return _ratio(torch.stack(outs, dim=2), eps), state
 
 
 # ---------------------------------------------------------------- non-causal
@@ -132,9 +149,9 @@ def causal_rfa_recurrent(phi_q, phi_k, v, log_gate=None, state=None, eps: float 
 def noncausal_rfa_reference(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
     """Explicit (Tq x Tk) kernel matrix; state is ignored (it is derived from phi_k, v)."""
     va = _with_ones(v)
-    q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
+    q, k = _fp32(phi_q), _fp32(phi_k)
     out = (q @ k.transpose(-1, -2)) @ va
-    return _normalize(out, eps), k.transpose(-1, -2) @ va
+    return _ratio(out, eps), k.transpose(-1, -2) @ va
 
 
 # ---------------------------------------------------------------- attention weights
@@ -149,7 +166,7 @@ def rfa_attention_weights(phi_q, phi_k, log_gate=None, causal: bool = True, eps:
     """
     if log_gate is not None and not causal:
         raise ValueError("the gate exists only in causal RFA")
-    q, k = accumulation_dtype(phi_q), accumulation_dtype(phi_k)
+    q, k = _fp32(phi_q), _fp32(phi_k)
     scores = q @ k.transpose(-1, -2)  # (B, H, Tq, Tk)
     if causal:
         scores = scores * _causal_decay(q, log_gate)

@@ -1,6 +1,6 @@
 """RFA given feature maps: causal (decoder self-attention) and non-causal (cross / encoder).
 
-Every function has the signature
+The attention functions here share the signature
 
     f(phi_q, phi_k, v, log_gate=None, state=None) -> (out, state)
 
@@ -29,7 +29,7 @@ clip healthy values. They use POSITIVE_EPS, which only guards an underflow to 0;
 `denominator_eps(feature_map)` picks the guard.
 
 The plain references (`*_reference`, the literal recurrence `causal_rfa_recurrent`) are in
-naive.py; the fast ops here are tested against them.
+naive.py; the fast ops here are tested against them. One decoding step is decode_step.py's.
 """
 import math
 from typing import Optional, Tuple
@@ -54,13 +54,13 @@ def accumulation_dtype(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _with_ones(v: Tensor) -> Tensor:
+def with_ones(v: Tensor) -> Tensor:
     """(B, H, T, d) -> (B, H, T, d + 1) fp32; the ones column accumulates z."""
     v = accumulation_dtype(v)
     return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
 
 
-def _normalize(out_aug: Tensor, eps: float) -> Tensor:
+def normalize(out_aug: Tensor, eps: float) -> Tensor:
     """Numerator / guarded denominator.   (..., d + 1) -> (..., d)."""
     return out_aug[..., :-1] / out_aug[..., -1:].clamp_min(eps)
 
@@ -86,28 +86,6 @@ def gate_keys(
     return phi_k, log_gate
 
 
-def causal_rfa_step_(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
-    """One decoding step (T = 1) that updates `state` in place: no autograd, no new state.
-
-    Same result as `causal_rfa_recurrent` (naive.py, its reference); one batched outer-product
-    update and one batched matmul for all heads.
-    """
-    B, H, T, F_ = phi_q.shape
-    if T != 1:
-        raise ValueError(f"causal_rfa_step_ takes one position, got {T}")
-    va = _with_ones(v)  # (B, H, 1, d + 1)
-    d1 = va.size(-1)
-    if state is None:
-        state = va.new_zeros(B, H, F_, d1)
-    flat = state.view(B * H, F_, d1)
-    if log_gate is not None:
-        flat.mul_(torch.exp(log_gate.to(state.dtype)).view(B * H, 1, 1))
-    k = phi_k.to(state.dtype).reshape(B * H, F_, 1)
-    flat.baddbmm_(k, va.view(B * H, 1, d1))
-    out = torch.bmm(phi_q.to(state.dtype).reshape(B * H, 1, F_), flat)  # (B * H, 1, d + 1)
-    return _normalize(out.view(B, H, 1, d1), eps), state
-
-
 # ---------------------------------------------------------------- causal, chunked
 
 
@@ -121,7 +99,7 @@ def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: i
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), _with_ones(v)
+    q, k, va = accumulation_dtype(phi_q), accumulation_dtype(phi_k), with_ones(v)
     B, H, T, F_ = q.shape
     d1 = va.size(-1)
     C = min(chunk_size, T)
@@ -158,7 +136,7 @@ def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: i
     final_state = torch.exp(total[..., -1])[..., None, None] * prefix[:, :, -1] + chunk_states[:, :, -1]
 
     out = out.view(B, H, N * C, d1)[:, :, :T]
-    return _normalize(out, eps), final_state
+    return normalize(out, eps), final_state
 
 
 # ---------------------------------------------------------------- non-causal
@@ -166,7 +144,7 @@ def causal_rfa_chunked(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: i
 
 def noncausal_rfa_state(phi_k: Tensor, v: Tensor) -> Tensor:
     """S = phi(K)^T [V, 1].   (B, H, Tk, F), (B, H, Tk, d) -> (B, H, F, d + 1)."""
-    return accumulation_dtype(phi_k).transpose(-1, -2) @ _with_ones(v)
+    return accumulation_dtype(phi_k).transpose(-1, -2) @ with_ones(v)
 
 
 def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOMINATOR_EPS):
@@ -179,4 +157,4 @@ def noncausal_rfa(phi_q, phi_k, v, log_gate=None, state=None, eps: float = DENOM
         raise ValueError("gating is only defined for causal RFA")
     if state is None:
         state = noncausal_rfa_state(phi_k, v)
-    return _normalize(accumulation_dtype(phi_q) @ state.to(accumulation_dtype(phi_q).dtype), eps), state
+    return normalize(accumulation_dtype(phi_q) @ state.to(accumulation_dtype(phi_q).dtype), eps), state

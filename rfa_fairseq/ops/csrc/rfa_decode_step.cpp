@@ -1,112 +1,291 @@
-// One causal RFA decoding step on CPU, fused: beam reorder + (gated) state update + read-out
-// in a single pass over the state (one read, one write). The unfused torch path
-// (index_select, mul_, baddbmm_, bmm) passes over it four to five times, and at MT batch
-// sizes this state traffic is a large part of a decoding step.
+// Kernels of the decoding step on CPU in fp32 (rfa_fairseq/ops/decode_step.py picks them, bindings.cpp
+// binds them): every buffer is allocated by the caller once per batch and written in place, so a decoding
+// step allocates nothing.
 //
-// For every row b and head h (rows and heads in parallel on torch's thread pool):
-//   src          = order[b]                 (b when order is empty: no reorder)
-//   S'[b, h]     = g[b, h] * S[src, h] + phi_k[b, h] (x) [v[b, h], 1]      (g = 1 when ungated)
-//   acc          = phi_q[b, h] . S'[b, h]                                   (d + 1 values)
-//   out[b, h]    = acc[:d] / max(acc[d], eps)
-// The Python wrapper (fused_step.py) decides when this applies (CPU, fp32, no autograd) and passes
-// contiguous inputs; row counts are checked here. Reference: ops/rfa.py
-// causal_rfa_recurrent applied to S[order].
+//   causal_layer_step   one decoder self-attention step of a causal RFA layer, all heads, from phi(q),
+//                       phi(k) (or a learned map's pre-activations W x + b, activated here: hedgehog,
+//                       relu), v and the gate logits: the feature map, the gate, the beam reorder, the
+//                       state update and the read-out in one pass over the state, written in (rows, heads x d)
+//   softmax_cross_step  softmax cross-attention of one step over K, V kept once per source sentence
+//                       (a sentence's beams share them), with the head-averaged weights on request
+//   add_layer_norm      out = LayerNorm(x + residual) (residual optional), one pass per row
+//
+// References (tests/test_decoding.py compares against them): ops/naive.py's causal_rfa_recurrent,
+// ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention, torch.nn.functional.layer_norm.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "rfa_kernels.h"
 
 namespace {
 
-// One (row, head): S' = g * S + k (x) [v, 1] over F rows of D1 = d + 1 columns, acc = q . S'.
-// Pointers never alias (new_state is always a different buffer), so the inner loop vectorizes;
-// RFA_SIMD_CLONES adds an AVX2/FMA build chosen at load time on CPUs that have it.
+RFA_SIMD_CLONES
+float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S'
 RFA_SIMD_CLONES
 void update_and_read_out(const float* __restrict__ s_in, float* __restrict__ s_out, const float* __restrict__ q,
-                         const float* __restrict__ k, const float* __restrict__ v_aug, float g, int64_t F,
-                         int64_t D1, float* __restrict__ acc) {
+                         const float* __restrict__ k, const float* __restrict__ v_aug, float g, float k_scale,
+                         int64_t F, int64_t D1, float* __restrict__ acc) {
   for (int64_t j = 0; j < D1; ++j) acc[j] = 0.0f;
   for (int64_t f = 0; f < F; ++f) {
-    const float kf = k[f], qf = q[f];
-    const float* __restrict__ row_in = s_in + f * D1;
+    const float kf = k[f] * k_scale, qf = q[f];
     float* __restrict__ row_out = s_out + f * D1;
-    for (int64_t j = 0; j < D1; ++j) {
-      const float s = g * row_in[j] + kf * v_aug[j];
-      row_out[j] = s;
-      acc[j] += qf * s;
+    if (s_in != nullptr) {
+      const float* __restrict__ row_in = s_in + f * D1;
+      for (int64_t j = 0; j < D1; ++j) {
+        const float s = g * row_in[j] + kf * v_aug[j];
+        row_out[j] = s;
+        acc[j] += qf * s;
+      }
+    } else {
+      for (int64_t j = 0; j < D1; ++j) {
+        const float s = kf * v_aug[j];
+        row_out[j] = s;
+        acc[j] += qf * s;
+      }
     }
   }
+}
+
+// y += a * x
+RFA_SIMD_CLONES
+void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// out = LayerNorm(x + residual) of one row, through y (C floats); two passes for the variance, as torch
+RFA_SIMD_CLONES
+void layer_norm_row(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ gamma,
+                    const float* __restrict__ beta, int64_t C, float eps, float* __restrict__ y, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < C; ++c) {
+    y[c] = residual != nullptr ? x[c] + residual[c] : x[c];
+    sum += y[c];
+  }
+  const float mean = sum / static_cast<float>(C);
+  float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t c = 0; c < C; ++c) {
+    const float centered = y[c] - mean;
+    sq += centered * centered;
+  }
+  const float rstd = 1.0f / std::sqrt(sq / static_cast<float>(C) + eps);
+  for (int64_t c = 0; c < C; ++c) out[c] = (y[c] - mean) * rstd * gamma[c] + beta[c];
+}
+
+// phi = [softmax(p), softmax(-p)] of one head's D pre-activations (F = 2D), max-shifted as torch.softmax
+RFA_SIMD_CLONES
+void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
+  float hi = p[0], lo = p[0];
+#pragma omp simd reduction(max : hi) reduction(min : lo)
+  for (int64_t i = 1; i < D; ++i) {
+    hi = std::max(hi, p[i]);
+    lo = std::min(lo, p[i]);
+  }
+  float sum_pos = 0.0f, sum_neg = 0.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    phi[i] = std::exp(p[i] - hi);
+    phi[D + i] = std::exp(lo - p[i]);  // softmax(-p): -p - max(-p) = lo - p
+    sum_pos += phi[i];
+    sum_neg += phi[D + i];
+  }
+  const float inv_pos = 1.0f / sum_pos, inv_neg = 1.0f / sum_neg;
+  for (int64_t i = 0; i < D; ++i) {
+    phi[i] *= inv_pos;
+    phi[D + i] *= inv_neg;
+  }
+}
+
+// the features of one head: a pointer to them (kFeatures) or to `buf`, where the activation wrote them
+const float* features(const float* row, int64_t activation, int64_t F, float* buf) {
+  if (activation == kHedgehog) {
+    hedgehog(row, F / 2, buf);
+    return buf;
+  }
+  if (activation == kReLU) {  // relu(p) / sqrt(D), D = F
+    const float scale = 1.0f / std::sqrt(static_cast<float>(F));
+    for (int64_t i = 0; i < F; ++i) buf[i] = std::max(row[i], 0.0f) * scale;
+    return buf;
+  }
+  return row;
+}
+
+void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols && t.stride(1) == 1 &&
+                  t.scalar_type() == torch::kFloat32,
+              "rfa static step: ", name, " must be a (rows, ", cols, ") fp32 matrix with unit column stride");
 }
 
 }  // namespace
 
-torch::Tensor decode_step(const torch::Tensor& state,      // (B0, H, F, d + 1) fp32, contiguous
-                          const torch::Tensor& order,      // (B,) int64, or empty: row b reads row b
-                          const torch::Tensor& phi_q,      // (B, H, F) fp32
-                          const torch::Tensor& phi_k,      // (B, H, F) fp32, gate and padding folded in
-                          const torch::Tensor& v,          // (B, H, d) fp32
-                          const torch::Tensor& decay,      // (B, H) fp32 = exp(log_gate), or empty
-                          torch::Tensor& new_state,        // (B, H, F, d + 1) fp32, never `state` itself
-                          double eps) {
-  const int64_t B0 = state.size(0), H = phi_q.size(1), F = phi_q.size(2), B = phi_q.size(0);
-  const int64_t D1 = state.size(3), D = D1 - 1;
-  TORCH_CHECK(new_state.data_ptr<float>() != state.data_ptr<float>(), "rfa decode_step: new_state must not be state");
+void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
+                       const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
+                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
+                       int64_t activation) {
+  const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
+  TORCH_CHECK(activation == kFeatures || activation == kHedgehog || activation == kReLU,
+              "rfa static step: unknown feature-map activation ", activation);
+  TORCH_CHECK(activation != kHedgehog || F % 2 == 0, "rfa static step: the hedgehog map has an even number of features");
+  const int64_t P = activation == kHedgehog ? F / 2 : F;  // values per head in phi_q / phi_k rows
+  check_rows(phi_q, R, H * P, "phi_q");
+  check_rows(phi_k, R, H * P, "phi_k");
+  check_rows(v, R, H * d, "v");
+  check_rows(out, R, H * d, "out");
+  TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && state_out.scalar_type() == torch::kFloat32,
+              "rfa static step: state_out must be a contiguous fp32 (rows, heads, F, head_dim + 1) buffer");
+  const bool first = state_in.numel() == 0;
   const bool reorder = order.numel() > 0;
-  const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
-  if (reorder) {
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(ord[b] >= 0 && ord[b] < B0, "rfa decode_step: order[", b, "] = ", ord[b],
-                  " is out of range for a state of ", B0, " rows");
+  TORCH_CHECK(!(first && reorder), "rfa static step: a reorder needs a state");
+  if (!first) {
+    TORCH_CHECK(state_in.is_contiguous() && state_in.sizes().slice(1) == state_out.sizes().slice(1) &&
+                    state_in.scalar_type() == torch::kFloat32,
+                "rfa static step: state_in and state_out differ in layout");
+    TORCH_CHECK(state_in.data_ptr<float>() != state_out.data_ptr<float>(), "rfa static step: state_out must not be state_in");
+    const int64_t R0 = state_in.size(0);
+    if (reorder) {
+      TORCH_CHECK(order.numel() == R && order.scalar_type() == torch::kInt64, "rfa static step: order must be (rows,) int64");
+      const int64_t* ord = order.data_ptr<int64_t>();
+      for (int64_t r = 0; r < R; ++r)
+        TORCH_CHECK(ord[r] >= 0 && ord[r] < R0, "rfa static step: order[", r, "] = ", ord[r], " is out of range for ",
+                    R0, " rows");
+    } else {
+      TORCH_CHECK(R0 >= R, "rfa static step: state has ", R0, " rows for ", R);
     }
-  } else {
-    TORCH_CHECK(B0 == B, "rfa decode_step: state has ", B0, " rows for a batch of ", B);
   }
-  auto out = torch::empty({B, H, D}, phi_q.options());
-  const float* s_in_all = state.data_ptr<float>();
-  float* s_out_all = new_state.data_ptr<float>();
-  const float* q_all = phi_q.data_ptr<float>();
-  const float* k_all = phi_k.data_ptr<float>();
-  const float* v_all = v.data_ptr<float>();
-  const float* g_all = decay.numel() > 0 ? decay.data_ptr<float>() : nullptr;
-  float* o_all = out.data_ptr<float>();
+  const bool gated = gate_logits.numel() > 0;
+  if (gated) check_rows(gate_logits, R, H, "gate_logits");
+  const bool padded = key_pad.numel() > 0;
+  if (padded) TORCH_CHECK(key_pad.numel() == R && key_pad.scalar_type() == torch::kBool, "rfa static step: bad key_pad");
+
+  const float* pq = phi_q.data_ptr<float>();
+  const float* pk = phi_k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* gp = gated ? gate_logits.data_ptr<float>() : nullptr;
+  const bool* padp = padded ? key_pad.data_ptr<bool>() : nullptr;
+  const float* s_in = first ? nullptr : state_in.data_ptr<float>();
+  const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
+  float* s_out = state_out.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldq = phi_q.stride(0), ldk = phi_k.stride(0), ldv = v.stride(0), ldo = out.stride(0);
+  const int64_t ldg = gated ? gate_logits.stride(0) : 0;
   const float eps_f = static_cast<float>(eps);
 
-  // rows x heads on torch's OpenMP pool (the extension is compiled with -fopenmp and resolves
-  // libgomp.so.1 to the copy torch already loaded)
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D1), v_aug(D1);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const int64_t src = reorder ? ord[b] : b;
-      std::copy(v_all + bh * D, v_all + bh * D + D, v_aug.begin());
-      v_aug[D] = 1.0f;  // the ones column accumulates z
-      update_and_read_out(s_in_all + (src * H + h) * F * D1, s_out_all + bh * F * D1, q_all + bh * F,
-                          k_all + bh * F, v_aug.data(), g_all ? g_all[bh] : 1.0f, F, D1, acc.data());
-      const float den = std::max(acc[D], eps_f);
-      float* o = o_all + bh * D;
-      for (int64_t j = 0; j < D; ++j) o[j] = acc[j] / den;
+  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / H, h = rh % H;
+      float decay = 1.0f, k_scale = 1.0f;
+      if (padded && padp[r]) {  // a padded key adds nothing and decays nothing
+        k_scale = 0.0f;
+      } else if (gated) {
+        const float logit = gp[r * ldg + h];
+        decay = 1.0f / (1.0f + std::exp(-logit));    // g = sigmoid(logit)
+        k_scale = 1.0f / (1.0f + std::exp(logit));   // the new term's 1 - g
+      }
+      std::copy(vp + r * ldv + h * d, vp + r * ldv + h * d + d, v_aug.begin());
+      v_aug[d] = 1.0f;  // the ones column accumulates z
+      const int64_t src = reorder ? ord[r] : r;
+      const float* q = features(pq + r * ldq + h * P, activation, F, q_buf.data());
+      const float* k = features(pk + r * ldk + h * P, activation, F, k_buf.data());
+      update_and_read_out(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(),
+                          decay, k_scale, F, D1, acc.data());
+      const float den = std::max(acc[d], eps_f);
+      float* o = op + r * ldo + h * d;
+      for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
     }
   });
-  return out;
 }
 
-// Both builds (setup.py ahead of time, torch's JIT load) pass -DRFA_BUILD_HASH=<hash of the sources,
-// flags and torch version> as a bare token; rfa_fairseq/ops/extension.py refuses a prebuilt module
-// whose build_hash is not that of the current sources (stale).
-#ifndef RFA_BUILD_HASH
-#error "RFA_BUILD_HASH is not defined: build through setup.py or rfa_fairseq/ops/extension.py"
-#endif
-#define RFA_STRINGIFY_(x) #x
-#define RFA_STRINGIFY(x) RFA_STRINGIFY_(x)
+void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                        const torch::Tensor& key_bias, int64_t beam, double scaling, torch::Tensor& out,
+                        torch::Tensor& weights) {
+  const int64_t R = q.size(0), N = key.size(0), H = key.size(1), S = key.size(2), d = key.size(3), C = H * d;
+  check_rows(q, R, C, "q");
+  check_rows(out, R, C, "out");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && value.sizes() == key.sizes(),
+              "rfa static step: key and value must be contiguous (sentences, heads, source, head_dim)");
+  TORCH_CHECK(beam >= 1 && R <= N * beam, "rfa static step: ", R, " rows for ", N, " sentences x beam ", beam);
+  const bool biased = key_bias.numel() > 0;
+  if (biased) TORCH_CHECK(key_bias.is_contiguous() && key_bias.numel() >= N * S, "rfa static step: bad key_bias");
+  const bool want_weights = weights.numel() > 0;
+  if (want_weights) check_rows(weights, R, S, "weights");
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_step", &decode_step, "fused causal RFA decoding step (reorder + update + read-out)");
-  // the static decoding step's kernels (rfa_static_step.cpp)
-  m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: feature map, gate, reorder, update, read-out");
-  m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
-  m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
-  m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const float* bp = biased ? key_bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  float* wp = want_weights ? weights.data_ptr<float>() : nullptr;
+  const int64_t ldq = q.stride(0), ldo = out.stride(0), ldw = want_weights ? weights.stride(0) : 0;
+  const float scale = static_cast<float>(scaling), inv_heads = 1.0f / static_cast<float>(H);
+
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(d), p(S);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = r / beam;
+      float* w_row = want_weights ? wp + r * ldw : nullptr;
+      if (w_row != nullptr) std::fill(w_row, w_row + S, 0.0f);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = qp + r * ldq + h * d;
+        for (int64_t i = 0; i < d; ++i) qs[i] = qh[i] * scale;  // fairseq scales q before q . k
+        const float* kh = kp + (n * H + h) * S * d;
+        const float* vh = vp + (n * H + h) * S * d;
+        float hi = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < S; ++s) {
+          p[s] = dot(qs.data(), kh + s * d, d) + (biased ? bp[n * S + s] : 0.0f);
+          hi = std::max(hi, p[s]);
+        }
+        float sum = 0.0f;
+        for (int64_t s = 0; s < S; ++s) {
+          p[s] = std::exp(p[s] - hi);
+          sum += p[s];
+        }
+        const float inv = 1.0f / sum;
+        float* o = op + r * ldo + h * d;
+        std::fill(o, o + d, 0.0f);
+        for (int64_t s = 0; s < S; ++s) {
+          const float ps = p[s] * inv;
+          axpy(ps, vh + s * d, o, d);
+          if (w_row != nullptr) w_row[s] += ps * inv_heads;
+        }
+      }
+    }
+  });
+}
+
+void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
+                    const torch::Tensor& beta, double eps, torch::Tensor& out) {
+  const int64_t R = x.size(0), C = x.size(1);
+  check_rows(x, R, C, "x");
+  check_rows(out, R, C, "out");
+  const bool add = residual.numel() > 0;
+  if (add) check_rows(residual, R, C, "residual");
+  TORCH_CHECK(gamma.is_contiguous() && beta.is_contiguous() && gamma.numel() == C && beta.numel() == C,
+              "rfa static step: layer norm weight and bias must have ", C, " values");
+  const float* xp = x.data_ptr<float>();
+  const float* rp = add ? residual.data_ptr<float>() : nullptr;
+  const float* gp = gamma.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldr = add ? residual.stride(0) : 0, ldo = out.stride(0);
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(C);
+    for (int64_t r = begin; r < end; ++r) {
+      // the whole row is read before `out` is written: out may be x or residual
+      layer_norm_row(xp + r * ldx, add ? rp + r * ldr : nullptr, gp, bp, C, eps_f, y.data(), op + r * ldo);
+    }
+  });
 }

@@ -1,4 +1,4 @@
-// Declarations of the kernels bound in rfa_decode_step.cpp's module (one extension, several sources).
+// Declarations of the decoding step's kernels (rfa_decode_step.cpp), bound in bindings.cpp: one module.
 #pragma once
 #include <torch/extension.h>
 
@@ -6,6 +6,11 @@
 // Not target_clones("arch=haswell"): GCC's resolver for an arch= clone compares the CPU *model*, so any
 // CPU but a Haswell (newer Intel, every AMD) would run the SSE2 default.
 #define RFA_SIMD_CLONES __attribute__((target_clones("avx2,fma", "default")))
+
+// What turns causal_layer_step's phi_q / phi_k rows into features: the features themselves, or a learned
+// map's pre-activations W x + b and its activation. The one table of these codes: bindings.cpp hands it to
+// Python by name (the module's `activations`).
+enum Activation : int64_t { kFeatures = 0, kHedgehog = 1, kReLU = 2 };
 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,

@@ -1,5 +1,6 @@
-"""The static decoding step (rfa_fairseq/modules/static_decoding.py) against fairseq's eager path, its
-kernels against the torch implementations and the plain references, and fairseq-generate with both."""
+"""The decoding step (RFATransformerDecoder -> layers -> attentions -> ops.step_kernels) against the full
+forward pass, its C++ kernels against the torch kernels and the plain references, on CPU in fp32 and bf16,
+and fairseq-generate with both kernel sets."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,18 +12,18 @@ from helpers import build_model, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
-from rfa_fairseq.modules.static_decoding import StaticDecodeState
-from rfa_fairseq.ops import activate_learned, causal_rfa_recurrent, gate_keys, load_fused_extension
-from rfa_fairseq.ops.dispatch import add_layer_norm, causal_layer_step, softmax_cross_step
+from rfa_fairseq.modules.decoding import DecodeState
+from rfa_fairseq.ops import AFFINE_FEATURE_MAPS, activate_learned, causal_rfa_recurrent, gate_keys, load_fused_extension
+from rfa_fairseq.ops import step_kernels
 
-EAGER = ["--no-rfa-static-decode"]
+TORCH_KERNELS = ["--rfa-decode-kernel", "torch"]
 
 
 @pytest.fixture(params=["cpp", "torch"])
-def kernel(request):
+def kernels(request):
     if request.param == "cpp" and load_fused_extension() is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain; see the warning above)")
-    return request.param
+    return step_kernels(request.param, torch.device("cpu"), torch.float32)
 
 
 # ---------------------------------------------------------------- kernels
@@ -31,8 +32,8 @@ def kernel(request):
 @pytest.mark.parametrize("case", ["first_step", "identity", "reorder_and_shrink", "padded_key"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
 @pytest.mark.parametrize("activation", [None, "hedgehog", "relu"], ids=["features", "hedgehog", "relu"])
-@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
-def test_causal_layer_step_equals_the_recurrence(kernel, case, gated, activation):
+@torch.no_grad()
+def test_causal_layer_step_equals_the_recurrence(kernels, case, gated, activation):
     """feature map + gate + reorder + update + read-out in one step == activate_learned, gate_keys and the
     literal recurrence on state[order]."""
     g = torch.Generator().manual_seed(1)
@@ -54,8 +55,8 @@ def test_causal_layer_step_equals_the_recurrence(kernel, case, gated, activation
 
     out = torch.full((R, H * d), float("nan"))
     state_out = torch.full((R0 + 2, H, F_, d + 1), float("nan"))  # more rows than needed: rows only shrink
-    causal_layer_step(given_q.reshape(R, -1), given_k.reshape(R, -1), v, gate, pad, state, order, state_out, out,
-                      eps=1e-6, decode_kernel=kernel, activation=activation)
+    kernels.causal_layer_step(given_q.reshape(R, -1), given_k.reshape(R, -1), v, gate, pad, state, order, state_out,
+                              out, 1e-6, activation)
 
     k, log_gate = gate_keys(phi_k.unsqueeze(2), gate.unsqueeze(-1) if gated else None,
                             pad.unsqueeze(-1) if pad is not None else None)
@@ -66,26 +67,29 @@ def test_causal_layer_step_equals_the_recurrence(kernel, case, gated, activation
     assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
 
 
-def test_causal_layer_step_refuses_an_unknown_activation():
-    with pytest.raises(ValueError, match="activation='elu' is not one of"):
-        causal_layer_step(torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, None, None,
-                          torch.empty(2, 1, 2, 3), torch.empty(2, 2), activation="elu")
+def test_the_cpp_activation_table_names_the_learned_maps_activations():
+    """The C++ module's activation codes (its one table) cover exactly the maps whose step takes p = W x + b."""
+    ext = load_fused_extension()
+    if ext is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    assert set(ext.activations) == {"features", *AFFINE_FEATURE_MAPS} and len(set(ext.activations.values())) == 3
 
 
-@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
+@torch.no_grad()
 def test_causal_layer_step_refuses_an_order_out_of_range():
     if load_fused_extension() is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
     state, out = torch.zeros(2, 1, 2, 3), torch.empty(2, 2)
     with pytest.raises(RuntimeError, match="order\\[1\\] = 7 is out of range for 2 rows"):
-        causal_layer_step(torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, state, torch.tensor([0, 7]),
-                          torch.empty(2, 1, 2, 3), out, decode_kernel="cpp")
+        step_kernels("cpp", torch.device("cpu"), torch.float32).causal_layer_step(
+            torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, state, torch.tensor([0, 7]),
+            torch.empty(2, 1, 2, 3), out, 1e-3)
 
 
 @pytest.mark.parametrize("beam", [1, 3])
 @pytest.mark.parametrize("with_weights", [False, True])
-@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
-def test_softmax_cross_step_equals_softmax_attention(kernel, beam, with_weights):
+@torch.no_grad()
+def test_softmax_cross_step_equals_softmax_attention(kernels, beam, with_weights):
     g = torch.Generator().manual_seed(2)
     N, H, S, d = 3, 2, 7, 4
     R = N * beam - (beam - 1)  # the last sentence keeps one beam: rows need not fill every group
@@ -95,7 +99,7 @@ def test_softmax_cross_step_equals_softmax_attention(kernel, beam, with_weights)
     pad[1, :3] = True  # left padding of sentence 1
     bias = torch.zeros(N, S).masked_fill(pad, float("-inf"))
     out, weights = torch.empty(R, H * d), (torch.empty(R, S) if with_weights else None)
-    softmax_cross_step(q, key, value, bias, beam, d ** -0.5, out, weights, decode_kernel=kernel)
+    kernels.softmax_cross_step(q, key, value, bias, beam, d ** -0.5, out, weights)
     for r in range(R):
         n = r // beam
         scores = torch.einsum("hd,hsd->hs", q[r].view(H, d) * d ** -0.5, key[n]).masked_fill(pad[n], float("-inf"))
@@ -107,8 +111,8 @@ def test_softmax_cross_step_equals_softmax_attention(kernel, beam, with_weights)
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("out_is", ["new", "x", "residual"])
-@torch.no_grad()  # the C++ kernels run without autograd (with it: the torch path)
-def test_add_layer_norm_equals_torch(kernel, residual, out_is):
+@torch.no_grad()
+def test_add_layer_norm_equals_torch(kernels, residual, out_is):
     if out_is == "residual" and not residual:
         pytest.skip("no residual to write into")
     g = torch.Generator().manual_seed(3)
@@ -116,7 +120,7 @@ def test_add_layer_norm_equals_torch(kernel, residual, out_is):
     weight, bias = torch.randn(12, generator=g), torch.randn(12, generator=g)
     want = F.layer_norm(x + res if residual else x, (12,), weight, bias, 1e-5)
     out = {"new": torch.empty(5, 12), "x": x, "residual": res}[out_is]
-    add_layer_norm(x, res if residual else None, weight, bias, 1e-5, out, decode_kernel=kernel)
+    kernels.add_layer_norm(x, res if residual else None, weight, bias, 1e-5, out)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
@@ -145,49 +149,72 @@ def _flags(feature_map, gate, cross, norm, *more):
 
 
 def _twins(flags, seed=1):
-    """The same weights decoding statically (the default) and eagerly (--no-rfa-static-decode)."""
-    static, d = build_model(flags, seed=seed)
-    eager, _ = build_model(flags + EAGER, seed=seed, dictionary=d)
-    eager.load_state_dict(static.state_dict())
-    return static.eval(), eager.eval(), d
+    """The same weights decoding with the default kernels (C++ on CPU in fp32) and with the torch kernels."""
+    model, d = build_model(flags, seed=seed)
+    torch_kernels, _ = build_model(flags + TORCH_KERNELS, seed=seed, dictionary=d)
+    torch_kernels.load_state_dict(model.state_dict())
+    return model.eval(), torch_kernels.eval(), d
 
 
 @pytest.mark.parametrize("feature_map,gate,cross,norm", MODEL_VARIANTS)
-def test_static_step_equals_eager_decoding_and_the_full_forward(feature_map, gate, cross, norm):
-    static, eager, d = _twins(_flags(feature_map, gate, cross, norm))
+def test_decoding_step_equals_the_full_forward_with_either_kernels(feature_map, gate, cross, norm):
+    model, torch_kernels, d = _twins(_flags(feature_map, gate, cross, norm))
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=10)
     padded = prev.clone()
     padded[1, 4] = d.pad()  # a padded decoder input: a key that adds nothing and decays nothing
     with torch.no_grad():
-        full, _ = static(src, src_lengths, prev)
+        full, _ = model(src, src_lengths, prev)
         outs = {}
-        for name, model in (("static", static), ("eager", eager)):
-            encoder_out = model.encoder(src, src_lengths=src_lengths)
+        for name, m in (("default", model), ("torch", torch_kernels)):
+            encoder_out = m.encoder(src, src_lengths=src_lengths)
             for tokens in (prev, padded):
-                state = {}
-                outs[(name, tokens is padded)] = _decode_incrementally(model, encoder_out, tokens, state)
-                assert (StaticDecodeState.KEY in state) == (name == "static")
+                outs[(name, tokens is padded)] = _decode_incrementally(m, encoder_out, tokens, {})
     # fp32 with other summation orders (one fused input projection, the C++ kernels); the random maps'
     # small denominators amplify those roundings, hence 1e-4 rather than 1e-5
     for padded_input in (False, True):
-        torch.testing.assert_close(outs[("static", padded_input)], outs[("eager", padded_input)], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(outs[("default", padded_input)], outs[("torch", padded_input)], rtol=1e-4, atol=1e-4)
     # (a padded input shifts fairseq's positions in a full pass, not in incremental decoding: no padding here)
-    torch.testing.assert_close(outs[("static", False)], full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[("default", False)], full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[("torch", False)], full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("feature_map,gate,cross,norm", MODEL_VARIANTS)
+def test_bf16_decoding_step_is_as_close_to_fp32_as_the_bf16_full_forward(feature_map, gate, cross, norm):
+    """bf16 weights: the same step (torch kernels, fp32 states); its log-probabilities are about as far from the
+    fp32 full forward's as fairseq's bf16 full forward pass is (bf16 rounds to 8 mantissa bits, in another
+    order in the step; sincos's noisy denominators amplify that in both)."""
+    model, d = build_model(_flags(feature_map, gate, cross, norm))
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=10)
+    log_probs = lambda logits: torch.log_softmax(logits.float(), dim=-1)  # noqa: E731
+    with torch.no_grad():
+        want = log_probs(model(src, src_lengths, prev)[0])
+        model.to(torch.bfloat16)
+        full = log_probs(model(src, src_lengths, prev)[0])
+        state = {}
+        incremental = log_probs(_decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state))
+    assert state[DecodeState.KEY]["state"].kernels.name == "torch"
+    full_error, step_error = (full - want).abs().max().item(), (incremental - want).abs().max().item()
+    print(f"max |log p - fp32 full|: bf16 full forward {full_error:.3f}, bf16 decoding step {step_error:.3f}")
+    assert step_error <= 4 * full_error + 0.02
 
 
 @pytest.mark.parametrize("cross", ["softmax", "rfa"])
-def test_static_step_reorders_equal_decoding_the_reordered_batch(cross):
-    static, _, d = _twins(_flags("hedgehog", True, cross, "post"))
+def test_step_reorders_equal_decoding_the_reordered_batch(cross):
+    model, _ = build_model(_flags("hedgehog", True, cross, "post"))
+    model.eval()
+    d = model.decoder.dictionary
     batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
     orders = [torch.tensor(order) for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0])]
-    assert_beam_reorder_equals_decoding_the_reordered_batch(static, batch, orders, tolerance=1e-5)
+    assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
 
 
 @pytest.mark.parametrize("cross", ["softmax", "rfa"])
-def test_static_state_keeps_cross_attention_once_per_sentence_and_compacts_finished_ones(cross):
+def test_state_keeps_cross_attention_once_per_sentence_and_compacts_finished_ones(cross):
     """fairseq's beam layout: K/V (or the RFA state) once per sentence; within-beam reorders move nothing,
     a finished sentence leaves; every step equals decoding the surviving rows from scratch."""
-    static, _, d = _twins(_flags("hedgehog", True, cross, "post"))
+    model, d = build_model(_flags("hedgehog", True, cross, "post"))
+    model.eval()
     beam = 3
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
     expand = torch.arange(3).repeat_interleave(beam)  # how SequenceGenerator lays out beams
@@ -196,21 +223,21 @@ def test_static_state_keeps_cross_attention_once_per_sentence_and_compacts_finis
     k = 3
     orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
     with torch.no_grad():
-        static.decoder.set_beam_size(beam)
-        encoder_out = static.encoder(src, src_lengths=src_lengths)
+        model.decoder.set_beam_size(beam)
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
         state, rows = {}, torch.arange(9)
-        _decode_incrementally(static, encoder_out, prev[:, :k], state)
-        decoding = state[StaticDecodeState.KEY]["state"]
+        _decode_incrementally(model, encoder_out, prev[:, :k], state)
+        decoding = state[DecodeState.KEY]["state"]
         assert (decoding.beam, decoding.sentences) == (beam, 3)
         for step, order in enumerate(orders):
-            static.decoder.reorder_incremental_state_scripting(state, order)
-            encoder_out = static.encoder.reorder_encoder_out(encoder_out, order)
+            model.decoder.reorder_incremental_state_scripting(state, order)
+            encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
             rows = rows[order]
-            continued = _decode_incrementally(static, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
-            static.decoder.set_beam_size(1)
-            fresh = static.encoder(src[rows], src_lengths=src_lengths[rows])
-            scratch = _decode_incrementally(static, fresh, prev[rows, : k + step + 1], {})[:, -1:]
-            static.decoder.set_beam_size(beam)
+            continued = _decode_incrementally(model, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
+            model.decoder.set_beam_size(1)
+            fresh = model.encoder(src[rows], src_lengths=src_lengths[rows])
+            scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
+            model.decoder.set_beam_size(beam)
             torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
         assert (decoding.beam, decoding.sentences) == (beam, 2)  # compacted, still once per sentence
 
@@ -222,14 +249,15 @@ def test_static_state_keeps_cross_attention_once_per_sentence_and_compacts_finis
     (4, {"prefix": 2}),  # --prefix-size 2
 ])
 @pytest.mark.parametrize("feature_map,cross", [("hedgehog", "softmax"), ("sincos", "rfa")])
-def test_beam_search_finds_the_same_hypotheses_with_the_static_step(beam, options, feature_map, cross):
-    """fairseq's beam search (sentences finishing at different steps, so the batch shrinks): the same
-    tokens, the same scores, and the same attention (alignment) as the eager path."""
-    static, eager, d = _twins(_flags(feature_map, True, cross, "post"), seed=4)
-    eos_row = torch.randn(static.decoder.output_projection.weight.size(1), generator=torch.Generator().manual_seed(0))
+def test_beam_search_scores_equal_the_full_forward_with_either_kernels(beam, options, feature_map, cross):
+    """fairseq's beam search (sentences finishing at different steps, so the batch shrinks): every hypothesis'
+    per-token scores and softmax cross-attention weights (the alignment) equal a teacher-forced full forward
+    pass, and the C++ and torch kernels find the same hypotheses."""
+    model, torch_kernels, d = _twins(_flags(feature_map, True, cross, "post"), seed=4)
+    eos_row = torch.randn(model.decoder.output_projection.weight.size(1), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # an end-of-sentence logit that varies with the state: hypotheses of many lengths
-        for model in (static, eager):
-            model.decoder.output_projection.weight[d.eos()] = eos_row
+        for m in (model, torch_kernels):
+            m.decoder.output_projection.weight[d.eos()] = eos_row
     src, src_lengths, prev = random_batch(d, bsz=6, src_len=7, tgt_len=4, seed=9)
     sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
     options = dict(options)
@@ -237,20 +265,27 @@ def test_beam_search_finds_the_same_hypotheses_with_the_static_step(beam, option
     length_limited = "max_len_b" in options
     kwargs = dict(beam_size=beam, max_len_b=options.pop("max_len_b", 12), normalize_scores=False, **options)
     results = {}
-    for name, model in (("static", static), ("eager", eager)):
-        gen = SequenceGenerator([model], d, **kwargs)
+    for name, m in (("default", model), ("torch", torch_kernels)):
+        gen = SequenceGenerator([m], d, **kwargs)
         with torch.no_grad():
-            results[name] = gen.generate([model], sample, prefix_tokens=prev[:, 1:1 + prefix] if prefix else None)
+            results[name] = gen.generate([m], sample, prefix_tokens=prev[:, 1:1 + prefix] if prefix else None)
     lengths = set()
-    for sent_static, sent_eager in zip(results["static"], results["eager"]):
-        assert [h["tokens"].tolist() for h in sent_static] == [h["tokens"].tolist() for h in sent_eager]
-        for a, b in zip(sent_static, sent_eager):
-            lengths.add(len(a["tokens"]))
-            torch.testing.assert_close(a["positional_scores"], b["positional_scores"], rtol=1e-4, atol=1e-4)
-            if cross == "softmax":
-                torch.testing.assert_close(a["attention"], b["attention"], rtol=1e-4, atol=1e-5)
+    model.decoder.set_beam_size(1)  # the rescoring batch is one sentence
+    for i, (sent, sent_torch) in enumerate(zip(results["default"], results["torch"])):
+        assert [h["tokens"].tolist() for h in sent] == [h["tokens"].tolist() for h in sent_torch]
+        for hyp in sent:
+            tokens = hyp["tokens"]
+            lengths.add(len(tokens))
+            prev_tokens = torch.cat([tokens.new_tensor([d.eos()]), tokens[:-1]]).unsqueeze(0)
+            with torch.no_grad():
+                logits, extra = model(src[i: i + 1], src_lengths[i: i + 1], prev_tokens)
+            lprobs = torch.log_softmax(logits.float(), dim=-1)[0].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(hyp["positional_scores"], lprobs, rtol=1e-4, atol=1e-4)
+            if cross == "softmax":  # (S, T): the last layer's head-averaged weights
+                want = extra["attn"][0][0].transpose(0, 1)
+                torch.testing.assert_close(hyp["attention"], want, rtol=1e-4, atol=1e-5)
             else:
-                assert a["attention"].numel() == b["attention"].numel() == 0  # RFA cross-attention has no weights
+                assert hyp["attention"].numel() == 0  # RFA cross-attention has no weights
     assert len(lengths) > 1 or length_limited, "the test needs sentences finishing at different steps"
 
 
@@ -277,19 +312,19 @@ def test_encoder_reorder_skips_only_reorders_that_change_nothing():
         ours = ours_next
 
 
-def test_static_step_reuses_its_buffers_and_never_overwrites_what_the_caller_keeps():
-    static, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
+def test_step_reuses_its_buffers_and_never_overwrites_what_the_caller_keeps():
+    model, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=6, tgt_len=6)
     with torch.no_grad():
-        encoder_out = static.encoder(src, src_lengths=src_lengths)
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
         pointers = []
         for _ in range(2):  # two batches: the second one reuses the first one's workspace
             state, kept = {}, []
             for t in range(prev.size(1)):
-                logits, _ = static.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+                logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
                 if t < 2:
                     kept.append((logits, logits.clone()))  # the caller keeps these: never overwritten
-            workspace = state[StaticDecodeState.KEY]["state"].workspace
+            workspace = state[DecodeState.KEY]["state"].workspace
             pointers.append({name: buf.data_ptr() for name, buf in workspace.buffers.items() if "logits" not in name})
             for held, copy in kept:
                 assert torch.equal(held, copy)
@@ -297,46 +332,38 @@ def test_static_step_reuses_its_buffers_and_never_overwrites_what_the_caller_kee
     assert pointers[0] == pointers[1] and len(pointers[0]) > 5
 
 
-def test_the_eager_path_runs_where_the_static_step_does_not_apply():
-    static, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
+def test_fp32_and_bf16_decode_through_the_same_state_and_what_the_step_cannot_serve_is_named():
+    model, d = build_model(_flags("hedgehog", True, "softmax", "post"))
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=3)
-    encoder_out = static.encoder(src, src_lengths=src_lengths)
-    state = {}
-    static.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)  # autograd on: eager
-    assert StaticDecodeState.KEY not in state and state
-    with torch.no_grad():
-        static.decoder(prev[:, :2], encoder_out=encoder_out, incremental_state=state)  # continues eagerly
-        assert StaticDecodeState.KEY not in state
+    encoder_out = model.encoder(src, src_lengths=src_lengths)
+    with pytest.raises(RuntimeError, match="without autograd and in eval mode"):
+        model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state={})
+    kinds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model.eval().to(dtype)
         state = {}
-        static.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state=state)
-    assert StaticDecodeState.KEY in state
-    with pytest.raises(RuntimeError, match="started by the static decoding step, which runs without autograd"):
-        static.decoder(prev[:, :2], encoder_out=encoder_out, incremental_state=state)
-    bf16, _ = build_model(_flags("hedgehog", True, "softmax", "post"))
-    bf16.eval().to(torch.bfloat16)
-    with torch.no_grad():
-        state = {}
-        bf16.decoder(prev[:, :1], encoder_out=bf16.encoder(src, src_lengths=src_lengths), incremental_state=state)
-    assert StaticDecodeState.KEY not in state  # fp32 only: bf16 decodes eagerly
-    # what the static step does not implement is named, and the eager path runs
+        with torch.no_grad():
+            model.decoder(prev[:, :1], encoder_out=model.encoder(src, src_lengths=src_lengths), incremental_state=state)
+        kinds[dtype] = {key: {type(v).__name__ for v in entry.values()} for key, entry in state.items()}
+    assert kinds[torch.float32] == kinds[torch.bfloat16] == {DecodeState.KEY: {"DecodeState"}}
+    model.float()
+    with torch.no_grad(), pytest.raises(ValueError, match="does not support alignment_layer other than the last"):
+        model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state={}, alignment_layer=0)
     adaptive, _ = build_model(_flags("hedgehog", True, "softmax", "post", "--adaptive-softmax-cutoff", "20"))
-    assert adaptive.decoder.static_unsupported == "adaptive softmax"
     adaptive.eval()
-    with torch.no_grad():
-        state = {}
-        adaptive.decoder(prev[:, :1], encoder_out=adaptive.encoder(src, src_lengths=src_lengths), incremental_state=state)
-    assert StaticDecodeState.KEY not in state
+    with torch.no_grad(), pytest.raises(ValueError, match="RFA incremental decoding does not support adaptive softmax"):
+        adaptive.decoder(prev[:, :1], encoder_out=adaptive.encoder(src, src_lengths=src_lengths), incremental_state={})
 
 
-def test_static_state_size_is_fixed_by_the_first_step():
-    static, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
+def test_state_size_is_fixed_by_the_first_step():
+    model, _, d = _twins(_flags("hedgehog", True, "softmax", "post"))
     src, src_lengths, _ = random_batch(d, bsz=2, src_len=6)
     tokens = torch.randint(d.nspecial, len(d), (2, 60))
     state, sizes = {}, {}
     with torch.no_grad():
-        encoder_out = static.encoder(src, src_lengths=src_lengths)
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
         for t in range(60):
-            static.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            model.decoder(tokens[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
             if t + 1 in (2, 60):
                 sizes[t + 1] = sum(x.numel() for x in _state_tensors(state))
     assert sizes[2] == sizes[60] > 0
@@ -367,15 +394,15 @@ GENERATE_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_lay
 
 
 @pytest.mark.slow
-def test_fairseq_generate_gives_the_same_output_with_and_without_the_static_step(tmp_path_factory):
+def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kernels(tmp_path_factory):
     data = synthetic_data(tmp_path_factory)
-    save_dir = tmp_path_factory.mktemp("static_generate")
+    save_dir = tmp_path_factory.mktemp("decode_kernels_generate")
     run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *GENERATE_MODEL,
         "--rfa-num-features", "8", "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", "10", "--max-tokens", "2000", "--num-workers", "0", "--seed", "3", "--max-update", "15",
         "--no-epoch-checkpoints", "--save-dir", save_dir, "--cpu")
     outputs = {}
-    for name, extra in (("static", []), ("eager", ["--model-overrides", "{'rfa_static_decode': False}"])):
+    for name, extra in (("cpp", []), ("torch", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"])):
         for beam in ("1", "5"):
             proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", save_dir / "checkpoint_last.pt",
                        "--gen-subset", "test", "--beam", beam, "--batch-size", "16", "--max-len-b", "25",
@@ -384,9 +411,9 @@ def test_fairseq_generate_gives_the_same_output_with_and_without_the_static_step
             assert sum(line.startswith("H-") for line in lines) == 40
             outputs[(name, beam)] = lines
     for beam in ("1", "5"):
-        static, eager = outputs[("static", beam)], outputs[("eager", beam)]
-        assert len(static) == len(eager)
-        for a, b in zip(static, eager):
+        cpp, torch_kernels = outputs[("cpp", beam)], outputs[("torch", beam)]
+        assert len(cpp) == len(torch_kernels)
+        for a, b in zip(cpp, torch_kernels):
             fields_a, fields_b = a.split("\t"), b.split("\t")
             if a.startswith("H-"):  # id, score, hypothesis: the same text, the score up to fp32 rounding
                 assert (fields_a[0], fields_a[2]) == (fields_b[0], fields_b[2])

@@ -1,0 +1,138 @@
+"""A batch's incremental decoding state: buffers allocated at its first step, and which rows read which
+source sentence.
+
+Every tensor of an RFA decoding step keeps its shape for the whole batch: the causal state never grows and
+the cross-attention reads a source K/V (or an RFA state) fixed per sentence. So the decoder layers, their
+causal attention and their cross-attention each fill their buffers at the first step (`prepare_step`) and
+every later step (`step`) runs in place from them:
+
+- per causal layer, two fp32 state buffers (rows, H, F, d + 1) used in turn: a step reads one (through the
+  pending beam order, so a reorder costs no pass of its own) and writes the other;
+- per cross-attention layer, K and V (or the RFA state) once per source sentence, shared by its beams;
+  when sentences finish, the kept ones are compacted (rows shrink, nothing grows);
+- activations, logits and log-probabilities in a workspace that outlives the batch (the decoder keeps it
+  for the next one), so steady-state decoding allocates no large tensor.
+
+`follow_rows` is the one account of which rows are copies of which: the state's sentences and the
+encoder's reorder_encoder_out both follow beam search's reorders with it.
+"""
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class Workspace:
+    """Named flat buffers, grown on demand and reused between steps and batches."""
+
+    def __init__(self):
+        self.buffers: Dict[str, Tensor] = {}
+
+    def take(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             returned: bool = False) -> Tensor:
+        """A (shape) view of buffer `name`. returned=True for what a step hands to its caller (logits,
+        log-probabilities): two buffers are used in turn (beam search still holds the last step's
+        log-probabilities while it asks for the next), and one that a caller still views is never
+        overwritten: a new buffer replaces it."""
+        numel = math.prod(shape)
+        names = (name + ".0", name + ".1") if returned else (name,)
+        target = names[0]  # where a new buffer goes when none can be used
+        for key in names:
+            buf = self.buffers.get(key)
+            if returned and buf is not None and _viewed_elsewhere(buf):
+                continue
+            if buf is not None and buf.numel() >= numel and buf.dtype == dtype and buf.device == device:
+                return buf[:numel].view(shape)
+            target = key
+            break
+        buf = self.buffers[target] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def tensors(self) -> List[Tensor]:
+        return list(self.buffers.values())
+
+
+def _viewed_elsewhere(buf: Tensor) -> bool:
+    """Whether any tensor besides `buf` shares its storage (a view handed out and still alive). Without
+    the storage's use count (a torch internal), every handed-out buffer counts as still viewed."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return True
+    return use_count(buf.untyped_storage()._cdata) > 2  # buf itself + the storage object made for the call
+
+
+def follow_rows(source: Tensor, new_order: Tensor) -> Optional[Tensor]:
+    """Beam search's reorder of a row -> source map (source[i]: what row i is a copy of): source[new_order],
+    or None when it changes nothing (every row keeps a copy of the same source: within-beam reorders)."""
+    moved = source.index_select(0, new_order)
+    return None if moved.numel() == source.numel() and torch.equal(moved, source) else moved
+
+
+class DecodeState:
+    """One batch's decoding state; lives in fairseq's incremental_state under KEY.
+
+    rows: the batch's rows (beam search: sentences x beam). beam, sentences: rows n * beam .. n * beam + beam - 1
+    read source sentence n (beam 1 once a reorder breaks that layout). order: the pending beam order,
+    applied by the next step. layers[i]: layer i's buffers by module ("self", "cross"), filled at the first
+    step; per-sentence ones (cross-attention K/V) are compacted when sentences leave.
+    """
+
+    KEY = "rfa_decoding"
+
+    def __init__(self, kernels, workspace: Workspace, rows: int, beam: int, num_layers: int, device, dtype):
+        self.kernels, self.workspace = kernels, workspace
+        self.rows, self.beam, self.sentences = rows, beam, rows // beam
+        self.device, self.dtype = device, dtype
+        self.order: Optional[Tensor] = None
+        self.first = True
+        self.sentence_of_row = torch.arange(self.sentences, device=device).repeat_interleave(beam)
+        self.layers: List[Dict[str, dict]] = [{"self": {}, "cross": {}} for _ in range(num_layers)]
+
+    def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
+        return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
+
+    def reorder_(self, new_order: Tensor) -> None:
+        """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).
+        The causal states apply it in the next step; K/V move only when sentences leave."""
+        new_order = new_order.to(self.device)
+        self.order = new_order if self.order is None else self.order.index_select(0, new_order)
+        unchanged_rows, self.rows = self.rows == new_order.numel(), new_order.numel()
+        if new_order.is_cuda:
+            # checking the rows would wait for the GPU: trust fairseq's beam search, whose beams of a sentence
+            # stay together and whose sentences only leave (the batch shrinks)
+            if unchanged_rows:
+                return
+            kept = self.sentence_of_row.index_select(0, new_order).view(-1, self.beam)[:, 0]
+        else:
+            sentence = follow_rows(self.sentence_of_row, new_order)
+            if sentence is None:
+                return
+            groups = sentence.view(-1, self.beam) if self.beam > 1 and self.rows % self.beam == 0 else None
+            if groups is not None and bool((groups == groups[:, :1]).all()):
+                kept = groups[:, 0]
+            else:  # rows of one sentence went apart: keep K/V once per row from now on
+                kept, self.beam = sentence, 1
+        for layer in self.layers:
+            cross = layer["cross"]
+            for name, value in cross.items():
+                if isinstance(value, Tensor):
+                    cross[name] = value.index_select(0, kept)
+        self.sentences = kept.numel()
+        self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
+
+    def attention_tensors(self) -> List[Tensor]:
+        """The attention state proper: every causal layer's state buffers (the batch's rows) and the
+        cross-attention's per-sentence tensors."""
+        causal = [t[: self.rows] for layer in self.layers for t in layer["self"]["states"]]
+        return causal + [t for layer in self.layers for t in layer["cross"].values() if isinstance(t, Tensor)]
+
+    def tensors(self) -> List[Tensor]:
+        """Every tensor the batch keeps between steps: K/V and the workspace (the causal states are in it)."""
+        cross = [t for layer in self.layers for t in layer["cross"].values() if isinstance(t, Tensor)]
+        return cross + self.workspace.tensors()
+
+    def log_probs(self, logits: Tensor) -> Tensor:
+        """log_softmax of this step's logits into the workspace (fairseq's get_normalized_probs), fp32."""
+        out = self.buffer("log_probs", *logits.shape, dtype=torch.float32, returned=True)
+        return torch.log_softmax(logits.float(), dim=-1, out=out)

@@ -1,0 +1,41 @@
+"""fairseq's softmax encoder-decoder attention with its part of RFA's decoding step (the default
+--rfa-softmax-cross-attn). Same parameters as fairseq's MultiheadAttention: its checkpoints load unchanged.
+
+The source's K and V are fixed while the output grows, so the step keeps them once per source sentence,
+(sentences, H, S, d), shared by the sentence's beams (ops' softmax_cross_step reads sentence r // beam for
+row r), and returns the head-averaged weights that fairseq reports as the alignment on request.
+"""
+from typing import Optional, Tuple
+
+import torch
+from fairseq.modules import MultiheadAttention
+from torch import Tensor
+
+
+class SoftmaxCrossAttention(MultiheadAttention):
+    def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor]) -> None:
+        """A batch's first step: K, V of key (S, sentences, C) and the padding as an additive (sentences, S) bias."""
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
+        S, n, _ = key.shape
+        H, d = self.num_heads, self.head_dim
+        buffers["key"] = self.k_proj(key).view(S, n, H, d).permute(1, 2, 0, 3).contiguous()
+        buffers["value"] = self.v_proj(key).view(S, n, H, d).permute(1, 2, 0, 3).contiguous()
+        bias = None
+        if key_padding_mask is not None and bool(key_padding_mask.any()):
+            bias = torch.zeros(key_padding_mask.shape, dtype=key.dtype, device=key.device)
+            bias.masked_fill_(key_padding_mask, float("-inf"))
+        buffers["key_bias"] = bias
+
+    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None,
+             need_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """(R, C) normalized inputs -> the (R, C) output projection and the (R, S) head-averaged weights
+        (need_weights) or None; both in workspace buffers."""
+        R, C = h.shape
+        q = torch.addmm(self.q_proj.bias, h, self.q_proj.weight.t(), out=state.buffer("q", R, C))
+        attn = state.buffer("attn", R, C)
+        weights = state.buffer("cross_weights", R, buffers["key"].size(2)) if need_weights else None
+        state.kernels.softmax_cross_step(q, buffers["key"], buffers["value"], buffers["key_bias"], state.beam,
+                                         self.scaling, attn, weights)
+        y = torch.addmm(self.out_proj.bias, attn, self.out_proj.weight.t(), out=state.buffer("y", R, C))
+        return y, weights

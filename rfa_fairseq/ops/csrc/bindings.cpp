@@ -1,0 +1,26 @@
+// The one C++ module: the decoding step's kernels (rfa_decode_step.cpp) and the activation codes.
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <map>
+#include <string>
+
+#include "rfa_kernels.h"
+
+// Both builds (setup.py ahead of time, torch's JIT load) pass -DRFA_BUILD_HASH=<hash of the sources,
+// flags and torch version> as a bare token; rfa_fairseq/ops/extension.py refuses a prebuilt module
+// whose build_hash is not that of the current sources (stale).
+#ifndef RFA_BUILD_HASH
+#error "RFA_BUILD_HASH is not defined: build through setup.py or rfa_fairseq/ops/extension.py"
+#endif
+#define RFA_STRINGIFY_(x) #x
+#define RFA_STRINGIFY(x) RFA_STRINGIFY_(x)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: feature map, gate, reorder, update, read-out");
+  m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
+  m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
+  // causal_layer_step's `activation` codes by feature-map activation (None in Python: "features")
+  m.attr("activations") = std::map<std::string, int64_t>{{"features", kFeatures}, {"hedgehog", kHedgehog}, {"relu", kReLU}};
+  m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);
+}

@@ -1,0 +1,138 @@
+"""The kernels of one decoding step, chosen once per batch: `step_kernels(decode_kernel, device, dtype)`.
+
+    kernels.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps, activation)
+        phi_q, phi_k: (R, H * F), or with activation = "hedgehog" / "relu" the map's pre-activations
+                      p = W x + b (R, H * D), turned into features in the step (feature_maps.activate_learned)
+        v: (R, H * d)   gate_logits: (R, H) or None   key_pad: (R,) bool or None
+        state_in: (R0, H, F, d + 1) fp32 or None (first step)   order: (R,) rows of state_in, or None (row r reads row r)
+        state_out: (>= R, H, F, d + 1) fp32, not state_in   out: (R, H * d)
+        S' = g * state_in[order] + (1 - g) phi_k (x) [v, 1];  out = (phi_q . S')[:d] / max((phi_q . S')[d], eps)
+        (g = sigmoid(gate logit); g = 1 and no new term for a padded key; no gate: g = 1, 1 - g -> 1)
+    kernels.softmax_cross_step(q, key, value, key_bias, beam, scaling, out, weights)
+        q: (R, H * d) rows n * beam .. n * beam + beam - 1 read sentence n   key, value: (N, H, S, d)
+        key_bias: (N, S) (0 or -inf) or None   out: (R, H * d)   weights: (R, S) head-averaged, or None
+    kernels.add_layer_norm(x, residual, weight, bias, eps, out): out = LayerNorm(x + residual) (residual may be
+        None); out may be x or residual
+
+Two sets: the C++ kernels (csrc/, one module loaded by extension.py) on the CPU in fp32, and the torch
+implementations below on every device and dtype (states and accumulations in fp32), which are what the C++
+kernels are tested against beside ops/naive.py's recurrence. Every kernel writes into buffers its caller
+allocated once and none reads a value back to the host, so a step can be queued (or captured) as a whole.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .extension import load_fused_extension, require_fused_extension
+from .feature_maps import activate_learned
+
+DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
+
+
+def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype):
+    """The kernels of a batch's decoding steps for --rfa-decode-kernel (validated by RFAConfig) and the
+    model's device and dtype: auto = C++ on the CPU in fp32 when the module loads, torch otherwise;
+    cpp = C++, an error where it cannot run; torch = torch."""
+    if decode_kernel == "torch":
+        return TORCH_KERNELS
+    native = torch.device(device).type == "cpu" and dtype == torch.float32
+    if decode_kernel == "cpp":
+        if not native:
+            raise ValueError(f"--rfa-decode-kernel cpp: the C++ decoding step runs on the CPU in fp32, not on "
+                             f"{torch.device(device).type} in {dtype}; use auto or torch")
+        return CppKernels(require_fused_extension())
+    ext = load_fused_extension() if native else None
+    return CppKernels(ext) if ext is not None else TORCH_KERNELS
+
+
+class TorchKernels:
+    """The step's kernels in torch: any device and dtype."""
+
+    name = "torch"
+
+    @staticmethod
+    def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
+                          key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
+                          state_out: Tensor, out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
+        _, H, F_, D1 = state_out.shape
+        R = v.size(0)
+        d = D1 - 1
+        if activation is not None:
+            phi_q = activate_learned(phi_q.reshape(R, H, -1).float(), activation)
+            phi_k = activate_learned(phi_k.reshape(R, H, -1).float(), activation)
+        new = state_out[:R]
+        k = phi_k.reshape(R, H, F_).float()
+        if gate_logits is not None:
+            logits = gate_logits.float()
+            decay = torch.sigmoid(logits)  # (R, H)
+            k = k * torch.sigmoid(-logits).unsqueeze(-1)
+        else:
+            decay = None
+        if key_pad is not None:
+            k = k.masked_fill(key_pad.view(R, 1, 1), 0.0)
+            if decay is not None:
+                decay = decay.masked_fill(key_pad.view(R, 1), 1.0)
+        v_aug = torch.cat([v.reshape(R, H, d).float(), v.new_ones(R, H, 1, dtype=torch.float32)], dim=-1)  # (R, H, d + 1)
+        torch.mul(k.unsqueeze(-1), v_aug.unsqueeze(-2), out=new)  # the new term
+        if state_in is not None:
+            previous = state_in.index_select(0, order) if order is not None else state_in[:R]
+            new.add_(previous if decay is None else previous * decay[..., None, None])
+        acc = torch.matmul(phi_q.reshape(R, H, 1, F_).float(), new).squeeze(-2)  # (R, H, d + 1)
+        out.view(R, H, d).copy_(acc[..., :d] / acc[..., d:].clamp_min(eps))
+        return out
+
+    @staticmethod
+    def softmax_cross_step(q: Tensor, key: Tensor, value: Tensor, key_bias: Optional[Tensor], beam: int,
+                           scaling: float, out: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        N, H, S, d = key.shape
+        R = q.size(0)
+        rows = torch.arange(R, device=q.device) // beam  # the sentence each row reads
+        qh = (q * scaling).view(R, H, 1, d)
+        scores = torch.matmul(qh, key[rows].transpose(-1, -2)).squeeze(-2).float()  # (R, H, S)
+        if key_bias is not None:
+            scores = scores + key_bias[rows].unsqueeze(1)
+        probs = torch.softmax(scores, dim=-1)
+        out.view(R, H, d).copy_(torch.matmul(probs.to(value.dtype).unsqueeze(-2), value[rows]).squeeze(-2))
+        if weights is not None:
+            weights.copy_(probs.mean(dim=1))
+        return out
+
+    @staticmethod
+    def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float,
+                       out: Tensor) -> Tensor:
+        y = x if residual is None else x + residual
+        out.copy_(F.layer_norm(y, (y.size(-1),), weight, bias, eps))
+        return out
+
+
+TORCH_KERNELS = TorchKernels()
+_NONE = torch.empty(0)  # the C++ kernels' "absent" argument
+
+
+class CppKernels:
+    """The step's kernels in C++ (csrc/rfa_decode_step.cpp): CPU, fp32."""
+
+    name = "cpp"
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def causal_layer_step(self, phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
+                          activation=None):
+        self.ext.causal_layer_step(phi_q, phi_k, v, _or_none(gate_logits), _or_none(key_pad), _or_none(state_in),
+                                   _or_none(order), state_out, out, eps, self.ext.activations[activation or "features"])
+        return out
+
+    def softmax_cross_step(self, q, key, value, key_bias, beam, scaling, out, weights=None):
+        self.ext.softmax_cross_step(q, key, value, _or_none(key_bias), beam, scaling, out, _or_none(weights))
+        return out
+
+    def add_layer_norm(self, x, residual, weight, bias, eps, out):
+        self.ext.add_layer_norm(x, _or_none(residual), weight, bias, eps, out)
+        return out
+
+
+def _or_none(t: Optional[Tensor]) -> Tensor:
+    return _NONE if t is None else t
