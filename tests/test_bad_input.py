@@ -264,7 +264,7 @@ def test_truncated_bin_is_named_by_check_data(bin_copy, capsys):
     assert last_line(err).endswith(f"the first in {bin_path} (all listed above)")
 
 
-def test_output_that_is_a_directory_is_refused_before_any_work(tmp_path, capsys):
+def test_output_that_is_a_directory_is_refused(tmp_path, capsys):
     from rfa_fairseq.cli import average_checkpoints, convert
 
     missing = tmp_path / "missing.pt"  # never read: the output is checked first
@@ -274,6 +274,12 @@ def test_output_that_is_a_directory_is_refused_before_any_work(tmp_path, capsys)
     assert average_checkpoints.main(["--inputs", str(missing), "--output", str(tmp_path)]) == 1
     assert last_line(capsys.readouterr().err) == (f"rfa-average-checkpoints: error: --output {tmp_path} is a directory; "
                                                   f"give a file name, e.g. --output {tmp_path}/checkpoint.pt")
+    from rfa_fairseq.cli import scoring
+
+    hyp = write(tmp_path / "hyp.txt", "a b\n")
+    assert scoring.main(["--hyp", str(hyp), "--save-hyp", str(tmp_path), "--extract-only"]) == 1
+    assert last_line(capsys.readouterr().err) == (f"rfa-score: error: --save-hyp {tmp_path} is a directory; give a "
+                                                  f"file name, e.g. --save-hyp {tmp_path}/out.txt")
 
 
 def test_unreasonable_number_of_features_is_refused_with_its_cost():

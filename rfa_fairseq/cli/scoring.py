@@ -189,7 +189,9 @@ def summary(scores):
     return "\n".join(lines)
 
 
-def write_atomic(path, text):
+def write_atomic(path, text, flag):
+    if os.path.isdir(path):
+        raise ScoringError(f"{flag} {path} is a directory; give a file name, e.g. {flag} {os.path.join(path, 'out.txt')}")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp_path = f"{path}.tmp{os.getpid()}"
@@ -236,7 +238,7 @@ def run(args):
         hyps = read_lines(args.hyp, "hypothesis")
         hyp_source = args.hyp
     if args.save_hyp:
-        write_atomic(args.save_hyp, "".join(line + "\n" for line in hyps))
+        write_atomic(args.save_hyp, "".join(line + "\n" for line in hyps), "--save-hyp")
         print(f"wrote {len(hyps)} hypotheses to {args.save_hyp}", file=sys.stderr)
     if args.extract_only:
         if not args.save_hyp:
@@ -259,7 +261,7 @@ def run(args):
     scores["references"] = list(args.ref)
     print(summary(scores))
     if args.json:
-        write_atomic(args.json, json.dumps(scores, indent=2, ensure_ascii=False) + "\n")
+        write_atomic(args.json, json.dumps(scores, indent=2, ensure_ascii=False) + "\n", "--json")
     return scores
 
 
