@@ -16,7 +16,7 @@ from fairseq import checkpoint_utils
 from fairseq.models import ARCH_MODEL_REGISTRY
 from rfa_fairseq.checkpoints import safe_load
 from rfa_fairseq.cli.convert import main as convert_main
-from rfa_fairseq.cli.convert import teacher_forced_agreement
+from rfa_fairseq.conversion import teacher_forced_agreement
 from rfa_fairseq.config import RFA_DEFAULTS
 
 CONVERT = os.path.join(REPO, "scripts", "convert_transformer_to_rfa.py")

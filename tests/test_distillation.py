@@ -1,9 +1,9 @@
-"""Attention distillation (rfa_fairseq/distillation.py): the attention matrix RFA applies, and fitting a
+"""Attention distillation (rfa_fairseq/conversion/distillation.py): the attention matrix RFA applies, and fitting a
 learned feature map and the gate to a softmax layer's attention."""
 import pytest
 import torch
 
-from rfa_fairseq.distillation import (
+from rfa_fairseq.conversion.distillation import (
     DISTILL_LOSSES,
     attention_fidelity,
     distill_attention,

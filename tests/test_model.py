@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, random_batch, use_decoding_step
 
-from rfa_fairseq.cli.convert import RFA_PARAMETER_SUFFIXES
+from rfa_fairseq.conversion import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
 from rfa_fairseq.modules.decoding import DecodeState

@@ -8,7 +8,7 @@ Losses, per query token of a real (non-pad) sentence position, averaged over hea
 A_rfa is the matrix RFA applies without forming it (ops.naive.rfa_attention_weights): feature-map
 kernel, gate decay and the guarded denominator included, so what is fitted is what decodes.
 
-Every item is one batch captured from the teacher (cli/convert.py: capture_attention_inputs):
+Every item is one batch captured from the teacher (conversion/calibration.py: capture_attention_inputs):
   query (T, B, C), key / value (S, B, C), key_padding_mask (B, S) or None, query_valid (B, T).
 """
 import math
@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 import torch
 from torch import Tensor
 
-from .ops import gate_keys, rfa_attention_weights
+from ..ops import gate_keys, rfa_attention_weights
 
 DISTILL_LOSSES = ("ce", "mse")
 
@@ -97,7 +97,7 @@ def attention_fidelity(module, items: Sequence[dict]) -> Dict[str, float]:
 
 def distillable_parameters(module) -> List[torch.nn.Parameter]:
     """The learned parts of an RFA module that a softmax layer lacks: a learned feature map and the gate."""
-    # a random map's sigma is fitted in closed form instead (cli/convert.py: --sigma-init)
+    # a random map's sigma is fitted in closed form instead (conversion/calibration.py: calibrate_sigma)
     params = [] if module.phi.uses_random_matrix else list(module.phi.parameters())
     if module.gate_proj is not None and module.causal:
         params += list(module.gate_proj.parameters())
@@ -151,3 +151,24 @@ def distill_attention(modules: Dict[str, torch.nn.Module], train_items: Dict[str
         for p, flag in frozen.items():
             p.requires_grad_(flag)
     return history
+
+
+def distill_layers(modules: Dict[str, torch.nn.Module], captured: Dict[str, list], steps: int, lr: float,
+                   loss: str = "ce", log=print, progress=None) -> dict:
+    """distill_attention on the captured batches of each layer with the last tenth held out; logs and
+    returns the per-layer fidelity on the held-out batches before and after."""
+    held = {name: items[-max(1, len(items) // 10):] for name, items in captured.items() if name in modules}
+    train = {name: items[: len(items) - len(held[name])] or items for name, items in captured.items() if name in modules}
+    before = {name: attention_fidelity(m, held[name]) for name, m in modules.items()}
+    device = next(next(iter(modules.values())).parameters()).device
+    log(f"distilling {len(modules)} attention layers ({loss} loss, {steps} steps, lr {lr}, "
+        f"{sum(len(v) for v in train.values()) // len(train)} batches of training sentences per layer, {device})")
+    history = distill_attention(modules, train, steps, lr, loss, progress)
+    report = {}
+    for name, module in modules.items():
+        after = attention_fidelity(module, held[name])
+        report[name] = {"before": before[name], "after": after}
+        log(f"{name}: held-out attention-output cosine {before[name]['output_cosine']:.3f} -> "
+            f"{after['output_cosine']:.3f}, top-1 agreement {before[name]['top1_agreement']:.3f} -> "
+            f"{after['top1_agreement']:.3f}")
+    return {"loss": loss, "steps": steps, "lr": lr, "first_loss": history[0], "last_loss": history[-1], "layers": report}
