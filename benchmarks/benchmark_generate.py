@@ -11,6 +11,14 @@ speed ratio to softmax measured in the same repeat loop. `rfa_torch` is the RFA 
 torch kernels (--rfa-decode-kernel torch) instead of the C++ ones: its row also says how many hypotheses
 are identical to the C++ kernels' and the BLEU difference (the C++ kernels' correctness on real data).
 
+`ct2_softmax` and `ct2_softmax_int8` are the same softmax checkpoint converted by CTranslate2's
+ct2-fairseq-converter (float32 and int8 weights; converted once, beside the checkpoint) and translated by
+CTranslate2 (benchmarks/ctranslate2_generate.py: same beam, length penalty, batch size and threads), the
+engine the field uses for fast CPU inference; every row's speed_vs_ct2 is its speed over ct2_softmax's in
+the same repeat loop, and a CTranslate2 row's identical_to_softmax says how many of its hypotheses are
+fairseq's softmax hypotheses (how faithful the conversion is). The CTranslate2 rows need the `ctranslate2`
+package (the bench extra); without it they are left out with a message.
+
     python benchmarks/benchmark_generate.py --prep outputs/multi30k                # CPU, batch 32 and 128, 1 and 2 threads
     python benchmarks/benchmark_generate.py --prep outputs/multi30k --device cuda  # on a GPU
 
@@ -20,6 +28,7 @@ Files: benchmarks/results/generate_multi30k_<device>.csv and .png.
 import argparse
 import csv
 import datetime
+import importlib.util
 import os
 import re
 import shlex
@@ -40,7 +49,12 @@ MODELS = {
     "rfa_d32": ("hedgehog_gate_softmax_cross_d32", []),
     "rfa_d64": ("hedgehog_gate_softmax_cross", []),
 }
-DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch"]
+# CTranslate2 model name -> (quality-study variant it converts, ct2-fairseq-converter --quantization)
+CT2_MODELS = {
+    "ct2_softmax": ("softmax", "float32"),
+    "ct2_softmax_int8": ("softmax", "int8"),
+}
+DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch", *CT2_MODELS]
 # fairseq-generate's summary; its seconds have one decimal, its sentences/s two: the time is taken from the rate
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
 KEY = ("device", "threads", "batch_size", "model")
@@ -52,7 +66,7 @@ def log(message):
 
 def checkpoint_of(args, model) -> str:
     """The study's checkpoint for `model`, trained (scripts/quality_study.py) when missing."""
-    variant = args.variant_override.get(model, MODELS[model][0])
+    variant = args.variant_override.get(model, variant_of(model))
     work = os.path.join(args.study_dir, f"{variant}_u{args.max_update}_s{args.seed}")
     path = os.path.join(work, "checkpoint_best.pt")
     if not os.path.exists(path):
@@ -66,6 +80,29 @@ def checkpoint_of(args, model) -> str:
     return path
 
 
+def variant_of(model) -> str:
+    return CT2_MODELS[model][0] if model in CT2_MODELS else MODELS[model][0]
+
+
+def ct2_model_of(args, model) -> str:
+    """The CTranslate2 conversion of the model's checkpoint (ct2-fairseq-converter), made once beside it."""
+    checkpoint = args.checkpoints[model]
+    quantization = CT2_MODELS[model][1]
+    out = os.path.join(os.path.dirname(checkpoint), f"ctranslate2_{quantization}")
+    if os.path.exists(os.path.join(out, "model.bin")):
+        return out
+    converter = os.path.join(os.path.dirname(sys.executable), "ct2-fairseq-converter")
+    cmd = [converter, "--model_path", checkpoint, "--data_dir", os.path.join(args.prep, "data-bin"),
+           "--source_lang", "en", "--target_lang", "de", "--user_dir", PLUGIN_DIR, "--quantization", quantization,
+           "--output_dir", out + ".tmp", "--force"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark_generate: {' '.join(map(shlex.quote, cmd))} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    os.replace(out + ".tmp", out)  # a conversion cut short is never taken for a finished one
+    log(f"converted {checkpoint} for CTranslate2 ({quantization}): {out}")
+    return out
+
+
 def updates_of(path) -> int:
     """Training updates behind a checkpoint (its CSV column: a study run that was cut short shows)."""
     from rfa_fairseq.checkpoints import safe_load
@@ -75,15 +112,23 @@ def updates_of(path) -> int:
 
 
 def generate(args, model, batch_size, threads, hyp_path):
-    """One fairseq-generate run; returns (sentences, tokens, seconds, peak MB, hypotheses by id)."""
+    """One fairseq-generate (or CTranslate2) run; returns (sentences, tokens, seconds, peak MB, hypotheses by id)."""
     checkpoint = args.checkpoints[model]
-    cmd = [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), os.path.join(args.prep, "data-bin"),
-           "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
-           "--max-len-a", "1", "--max-len-b", "50", "--batch-size", str(batch_size), "--required-batch-size-multiple", "1",
-           "--post-process", "sentencepiece", "--num-workers", "0", *MODELS[model][1]]
-    if args.device == "cpu":
-        cmd.append("--cpu")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if model in CT2_MODELS:
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctranslate2_generate.py"),
+               "--model", args.ct2_models[model], "--source", os.path.join(args.prep, "test.spm.en"),
+               "--output", hyp_path + ".txt", "--threads", str(threads), "--batch-size", str(batch_size),
+               "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), os.path.join(args.prep, "data-bin"),
+               "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
+               "--max-len-a", "1", "--max-len-b", "50", "--batch-size", str(batch_size),
+               "--required-batch-size-multiple", "1", "--post-process", "sentencepiece", "--num-workers", "0",
+               *MODELS[model][1]]
+        if args.device == "cpu":
+            cmd.append("--cpu")
+    # CT2_VERBOSE: CTranslate2 logs the GEMM backend it picked for this CPU (the CSV's gemm_backend)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CT2_VERBOSE="1")
     with open(hyp_path + ".log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
@@ -99,12 +144,28 @@ def generate(args, model, batch_size, threads, hyp_path):
     if not found:
         sys.exit(f"benchmark_generate: no 'Translated ...' line in {hyp_path}.log")
     hyps = {}
+    if model in CT2_MODELS:
+        with open(hyp_path + ".txt", encoding="utf-8") as f:
+            hyps = dict(enumerate(f.read().splitlines()))
     for line in text.splitlines():
         if line.startswith("D-"):  # detokenized hypothesis
             key, _, hyp = line.split("\t", 2)
             hyps[int(key[2:])] = hyp
     sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
-    return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps
+    return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps, gemm_backend(model, text)
+
+
+def gemm_backend(model, log_text) -> str:
+    """The CPU GEMM library behind the run's linear layers: CTranslate2 says which in its verbose log; torch's
+    CPU linear layers call the BLAS it was built with (MKL in the pinned wheel)."""
+    if model in CT2_MODELS:
+        kind = "GEMM_S8" if CT2_MODELS[model][1].startswith("int8") else "SGEMM"
+        found = re.search(rf"{kind} backend: (.+)", log_text)
+        return f"ctranslate2 {found.group(1).strip()}" if found else "ctranslate2 (backend not logged)"
+    import torch
+
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return f"torch {blas.group(1) if blas else 'default BLAS'}"
 
 
 def bleu(hyps, refs) -> float:
@@ -118,7 +179,7 @@ def plot(rows, png_path):
     if plt is None:
         return
     points = sorted({(int(r["threads"]), int(r["batch_size"])) for r in rows})
-    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    models = [m for m in [*MODELS, *CT2_MODELS] if any(r["model"] == m for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(points)), 4.5))
     width = 0.8 / max(1, len(models))
     for j, model in enumerate(models):
@@ -131,7 +192,7 @@ def plot(rows, png_path):
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(points))])
     ax.set_xticklabels([f"batch {b}\n{t} thread{'s' if t > 1 else ''}" for t, b in points])
-    ax.set_ylabel("sentences / s (fairseq-generate, beam 4)")
+    ax.set_ylabel("sentences / s (beam 4)")
     ax.set_title(f"Multi30k test_2016_flickr, {rows[0]['machine']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -156,7 +217,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
                    help="output of data-prep/prepare-multi30k.sh (data-bin/, test.raw.de)")
-    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS),
+    p.add_argument("--models", nargs="+", default=None, choices=[*MODELS, *CT2_MODELS],
                    help=f"default: {' '.join(DEFAULT_MODELS)}")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 128])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -173,10 +234,20 @@ def main(argv=None):
     p.add_argument("--csv", default=None)
     p.add_argument("--redo", action="store_true", help="measure finished rows again")
     args = p.parse_args(argv)
+    if args.models is None:
+        args.models = list(DEFAULT_MODELS)
+        if importlib.util.find_spec("ctranslate2") is None:
+            args.models = [m for m in args.models if m not in CT2_MODELS]
+            log("ctranslate2 is not installed (pip install ctranslate2, or the project's bench extra): "
+                "its rows are left out")
+    elif any(m in CT2_MODELS for m in args.models) and importlib.util.find_spec("ctranslate2") is None:
+        p.error("--models names a CTranslate2 model, but ctranslate2 is not installed (pip install ctranslate2)")
+    if args.device != "cpu" and any(m in CT2_MODELS for m in args.models):
+        p.error("the CTranslate2 rows are measured on the CPU only (leave them out of --models with --device cuda)")
     args.variant_override = {}
     for item in args.variant:
         model, _, variant = item.partition("=")
-        if model not in MODELS or not variant:
+        if model not in MODELS or model in CT2_MODELS or not variant:
             p.error(f"--variant {item!r}: expected MODEL=VARIANT with MODEL one of {', '.join(MODELS)}")
         args.variant_override[model] = variant
         if model == "rfa":
@@ -193,6 +264,7 @@ def main(argv=None):
     args.csv = args.csv or os.path.join(REPO, "benchmarks", "results", f"generate_multi30k_{tag}.csv")
     args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
     args.updates = {model: updates_of(path) for model, path in args.checkpoints.items()}
+    args.ct2_models = {model: ct2_model_of(args, model) for model in args.models if model in CT2_MODELS}
     for model, updates in args.updates.items():
         if updates < args.max_update:
             log(f"warning: {args.checkpoints[model]} has {updates} of {args.max_update} updates (its training stopped "
@@ -219,17 +291,24 @@ def main(argv=None):
                             best[model] = result
                         log(f"threads {threads} batch {batch} {model} repeat {repeat + 1}: {result[2]:.1f} s")
                 for model in point:
-                    sentences, tokens, seconds, peak, hyps = best[model]
+                    sentences, tokens, seconds, peak, hyps, backend = best[model]
                     row = {
                         "device": tag, "threads": threads, "batch_size": batch, "model": model,
-                        "variant": args.variant_override.get(model, MODELS[model][0]), "checkpoint_updates": args.updates[model],
+                        "engine": "ctranslate2 " + CT2_MODELS[model][1] if model in CT2_MODELS else "fairseq",
+                        "variant": args.variant_override.get(model, variant_of(model)), "checkpoint_updates": args.updates[model],
                         "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
                         "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
                         "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
-                        "machine": description, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+                        "machine": description, "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                     }
                     if "softmax" in best:
                         row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"
+                    if "ct2_softmax" in best:
+                        row["speed_vs_ct2"] = f"{best['ct2_softmax'][2] / seconds:.3f}"
+                    if model in CT2_MODELS and "softmax" in best:
+                        fairseq_hyps = best["softmax"][4]
+                        same = sum(fairseq_hyps.get(i) == hyps.get(i) for i in range(len(refs)))
+                        row["identical_to_softmax"] = f"{same / len(refs):.4f}"
                     if model == "rfa_torch" and "rfa" in best:
                         cpp = best["rfa"][4]
                         same = sum(cpp.get(i) == hyps.get(i) for i in range(len(refs)))
@@ -243,8 +322,9 @@ def main(argv=None):
     if rows:
         plot(rows, os.path.splitext(args.csv)[0] + ".png")
         for r in rows:
-            print(f"{r['threads']} thr  batch {r['batch_size']:>4}  {r['model']:10s} {float(r['sentences_per_s']):7.1f} sent/s  "
-                  f"x{r.get('speed_vs_softmax') or '-':>6} vs softmax  BLEU {r['bleu']}  peak {r['peak_rss_mb']} MB"
+            print(f"{r['threads']} thr  batch {r['batch_size']:>4}  {r['model']:16s} {float(r['sentences_per_s']):7.1f} sent/s  "
+                  f"x{r.get('speed_vs_softmax') or '-':>6} vs softmax  x{r.get('speed_vs_ct2') or '-':>6} vs ct2  "
+                  f"BLEU {r['bleu']}  peak {r['peak_rss_mb']} MB"
                   + (f"  identical {r['identical_to_rfa']}" if r.get("identical_to_rfa") else ""))
     return 0
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Translate SentencePiece-encoded source lines with a CTranslate2 model the way benchmark_generate.py runs
+fairseq-generate (beam 4, length penalty 1, max length source + 50, one batch of --batch-size sentences at a
+time, sorted by length), and print a summary line in fairseq-generate's format so both engines are read alike:
+
+    Translated N sentences (T tokens) in S s (R sentences/s, ...)
+
+The time is the translation call only (the model is loaded before the clock starts), as fairseq-generate's
+own timer measures generation only. Hypotheses go to --output, detokenized as fairseq's
+`--post-process sentencepiece` does, one line per source line, in order.
+
+    python benchmarks/ctranslate2_generate.py --model ct2_dir --source test.spm.en --output hyps.txt \
+        --threads 2 --batch-size 32
+"""
+import argparse
+import sys
+import time
+
+SPM_SPACE = "\u2581"
+
+
+def detokenize(pieces) -> str:
+    """fairseq's --post-process sentencepiece."""
+    return "".join(pieces).replace(SPM_SPACE, " ").strip()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a CTranslate2 model directory (ct2-fairseq-converter --output_dir)")
+    p.add_argument("--source", required=True, help="source sentences, SentencePiece pieces separated by spaces")
+    p.add_argument("--output", required=True, help="where the detokenized hypotheses go")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (one translation at a time)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--lenpen", type=float, default=1.0)
+    p.add_argument("--max-len-b", type=int, default=50, help="hypotheses end by source length (with </s>) + this")
+    args = p.parse_args(argv)
+
+    import ctranslate2
+
+    with open(args.source, encoding="utf-8") as f:
+        sources = [line.split() for line in f.read().splitlines()]
+    translator = ctranslate2.Translator(args.model, device="cpu", inter_threads=1, intra_threads=args.threads)
+    # fairseq stops each sentence at its own source length + max-len-b; one bound per call here, so the
+    # longest sentence's: it only matters for hypotheses that never end
+    max_length = max(len(s) for s in sources) + 1 + args.max_len_b
+    start = time.perf_counter()
+    results = translator.translate_batch(
+        sources, beam_size=args.beam, length_penalty=args.lenpen, max_batch_size=args.batch_size,
+        batch_type="examples", max_decoding_length=max_length, return_scores=False,
+    )
+    seconds = time.perf_counter() - start
+    hypotheses = [r.hypotheses[0] for r in results]
+    tokens = sum(len(h) + 1 for h in hypotheses)  # + </s>, as fairseq-generate counts
+    with open(args.output, "w", encoding="utf-8") as out:
+        out.writelines(detokenize(h) + "\n" for h in hypotheses)
+    print(f"Translated {len(sources):,} sentences ({tokens:,} tokens) in {seconds:.1f}s "
+          f"({len(sources) / seconds:.2f} sentences/s, {tokens / seconds:.2f} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
