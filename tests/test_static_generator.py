@@ -170,6 +170,16 @@ def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_f
             expected_log = ("static beam search generator" if name == "static"
                             else f"not the static beam search: {FORCE_SEQUENCE_GENERATOR_ENV}=1")
             assert expected_log in proc.stdout + proc.stderr
-            outputs[name] = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "D-")]
-            assert sum(line.startswith("H-") for line in outputs[name]) == 40
-        assert outputs["static"] == outputs["fairseq"], options
+            outputs[name] = [line.split("\t") for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "D-")]
+            assert sum(fields[0].startswith("H-") for fields in outputs[name]) == 40
+        assert len(outputs["static"]) == len(outputs["fairseq"])
+        for static, fairseq in zip(outputs["static"], outputs["fairseq"]):
+            # the same lines, scores up to fp32 rounding: fairseq's batch shrinks as sentences finish, and
+            # a matrix product over fewer rows may round differently
+            if static[0].startswith("P-"):  # positional scores, printed with 4 decimals
+                diffs = [abs(float(a) - float(b)) for a, b in zip(static[1].split(), fairseq[1].split())]
+                assert static[0] == fairseq[0] and len(static[1].split()) == len(fairseq[1].split())
+                assert max(diffs) <= 1.5e-4, (static, fairseq)
+            else:  # H-/D-: id, score, hypothesis
+                assert (static[0], static[2]) == (fairseq[0], fairseq[2]), options
+                assert abs(float(static[1]) - float(fairseq[1])) <= 1e-4, (static, fairseq)
