@@ -140,10 +140,14 @@ class StaticBeamSearchGenerator(nn.Module):
         if self.normalize_scores:
             scores /= (step + 1) ** self.len_penalty
         sentences: List[int] = torch.div(rows, self.beam_size, rounding_mode="trunc").tolist()
-        for i, n in enumerate(sentences):
+        # one view per hypothesis from one call each (indexing hypothesis by hypothesis costs more)
+        hypotheses = zip(sentences, tokens.unbind(0), scores.unbind(0), positional.unbind(0))
+        for n, hypo_tokens, score, hypo_positional in hypotheses:
             if len(finalized[n]) < self.beam_size:
-                finalized[n].append({"tokens": tokens[i], "score": scores[i], "attention": torch.empty(0),
-                                     "alignment": torch.empty(0), "positional_scores": positional[i]})
+                # no attention weights or alignment: fairseq's empty tensors, one shared (--print-alignment
+                # falls back to SequenceGenerator)
+                finalized[n].append({"tokens": hypo_tokens, "score": score, "attention": search.empty,
+                                     "alignment": search.empty, "positional_scores": hypo_positional})
         for n in set(sentences):  # SequenceGenerator.is_finished
             if len(finalized[n]) == self.beam_size or step == max_len:
                 finished[n] = True
@@ -164,6 +168,7 @@ class _SearchBuffers:
         self.row_offsets = (torch.arange(N, device=device) * K).unsqueeze(1)  # (N, 1): first row of a sentence
         self.cand_offsets = torch.arange(self.cand_size, device=device)  # (2K,)
         self.cands_to_ignore = torch.zeros(N, K, dtype=torch.bool, device=device)
+        self.empty = torch.empty(0)  # a finalized hypothesis' attention and alignment
 
     def candidates(self, lprobs: Tensor, step: int):
         """search.BeamSearch.step: the top 2K (cumulative score, token, row) per sentence. lprobs (R, V)."""
