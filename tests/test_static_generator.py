@@ -131,7 +131,7 @@ def test_other_options_fall_back_with_a_log_line(model_and_batch, options, reaso
     with caplog.at_level(logging.INFO, logger="rfa_fairseq.generation"):
         generator = _build([model], d, **options)
     assert not isinstance(generator, StaticBeamSearchGenerator)
-    assert f"fairseq's SequenceGenerator, not the static beam search: {reason}" in caplog.text
+    assert f"fairseq's generator, not the static beam search: {reason}" in caplog.text
 
 
 def test_an_ensemble_falls_back_with_a_log_line(model_and_batch, caplog):

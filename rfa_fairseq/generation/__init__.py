@@ -63,7 +63,7 @@ def wrap_build_generator(original):
             from ..models.rfa_transformer import RFATransformerModel
 
             if any(isinstance(m, RFATransformerModel) for m in models):
-                logger.info(f"rfa_fairseq: fairseq's SequenceGenerator, not the static beam search: {reason}")
+                logger.info(f"rfa_fairseq: fairseq's generator, not the static beam search: {reason}")
             return original(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         logger.info("rfa_fairseq: static beam search generator")

@@ -46,6 +46,7 @@ class StaticBeamSearchGenerator(nn.Module):
     @torch.no_grad()
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
                  constraints: Optional[Tensor] = None, bos_token: Optional[int] = None) -> List[List[Dict[str, Tensor]]]:
+        """SequenceGenerator.generate's signature and result (`models` is ignored: the model is fixed)."""
         if constraints is not None:
             raise NotImplementedError("the static beam search takes no constraints (build_generator falls back)")
         src_tokens = sample["net_input"]["src_tokens"]
