@@ -60,6 +60,7 @@ class StaticBeamSearchGenerator(nn.Module):
         encoder_out = self.model.encoder.reorder_encoder_out(encoder_out, rows_of_sentences)
         search = _SearchBuffers(N, K, V, max_len, self.pad, self.eos if bos_token is None else bos_token, device)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
+        sentence_ids = list(range(N))  # the batch's sentence at each place of the search (places only halve)
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
         incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
         reorder: Optional[Tensor] = None
@@ -76,20 +77,35 @@ class StaticBeamSearchGenerator(nn.Module):
             elif step < self.min_len:
                 lprobs[:, self.eos] = -math.inf  # minimum length (not with prefix tokens)
             if self.repeat_ngram_blocker is not None:
-                lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, N, K, step)
+                lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, search.N, K, step)
 
             cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, step)  # (N, 2K) each
             eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
             eos_mask[:, :K] &= ~search.cands_to_ignore
             eos_mask &= ~finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
-            if bool(eos_mask[:, :K].any()):
+            finalized_some = bool(eos_mask[:, :K].any())
+            if finalized_some:
                 self._finalize(step, eos_mask[:, :K], cand_rows[:, :K], cand_scores[:, :K], search, finalized,
-                               finished, max_len)
+                               sentence_ids, finished, max_len)
                 if bool(finished.all()):
                     break
             if step >= max_len:
                 break
+            kept_rows = None
+            if finalized_some and 2 * int((~finished).sum()) <= search.N:
+                # half the places finished: halve the batch. Finished sentences otherwise cost every later
+                # step all their rows (fairseq-generate 35 % slower on Multi30k at 128 sentences, where one
+                # long sentence keeps the batch going); halving keeps the shapes to log2(N) + 1 sizes
+                kept = (~finished).nonzero().squeeze(1)  # (N',)
+                eos_mask, cand_scores, cand_tokens, cand_rows, kept_rows = search.keep_sentences(
+                    kept, eos_mask, cand_scores, cand_tokens, cand_rows)
+                finished = finished.index_select(0, kept)
+                sentence_ids = [sentence_ids[n] for n in kept.tolist()]
+                if prefix_tokens is not None:
+                    prefix_tokens = prefix_tokens.index_select(0, kept)
             reorder = search.advance(eos_mask, cand_scores, cand_tokens, cand_rows, step)
+            if kept_rows is not None:  # the decoder's rows are still the old places'
+                reorder = kept_rows.index_select(0, reorder)
 
         for n, hypos in enumerate(finalized):  # best first, as SequenceGenerator sorts them
             scores = torch.tensor([float(h["score"].item()) for h in hypos])
@@ -127,10 +143,10 @@ class StaticBeamSearchGenerator(nn.Module):
                 beams[ends] = beams[ends][:, :1, :]
 
     def _finalize(self, step: int, eos_mask: Tensor, eos_rows: Tensor, eos_scores: Tensor,
-                  search: "_SearchBuffers", finalized, finished: Tensor, max_len: int) -> None:
+                  search: "_SearchBuffers", finalized, sentence_ids: List[int], finished: Tensor, max_len: int) -> None:
         """SequenceGenerator.finalize_hypos: the hypotheses ending in EOS among each sentence's top K
         candidates join `finalized` (at most K per sentence), with per-position and normalized scores.
-        eos_mask, eos_rows, eos_scores: (N, K)."""
+        eos_mask, eos_rows, eos_scores: (N, K); place n holds the batch's sentence sentence_ids[n]."""
         rows = eos_rows.masked_select(eos_mask)  # (E,), sentence-major as SequenceGenerator's
         scores = eos_scores.masked_select(eos_mask)  # (E,)
         tokens = search.tokens.index_select(0, rows)[:, 1: step + 2]  # (E, step + 1), without the BOS
@@ -140,18 +156,19 @@ class StaticBeamSearchGenerator(nn.Module):
         positional[:, 1:] = positional[:, 1:] - positional[:, :-1]  # cumulative -> per position
         if self.normalize_scores:
             scores /= (step + 1) ** self.len_penalty
-        sentences: List[int] = torch.div(rows, self.beam_size, rounding_mode="trunc").tolist()
+        places: List[int] = torch.div(rows, self.beam_size, rounding_mode="trunc").tolist()
         # one view per hypothesis from one call each (indexing hypothesis by hypothesis costs more)
-        hypotheses = zip(sentences, tokens.unbind(0), scores.unbind(0), positional.unbind(0))
-        for n, hypo_tokens, score, hypo_positional in hypotheses:
+        hypotheses = zip(places, tokens.unbind(0), scores.unbind(0), positional.unbind(0))
+        for place, hypo_tokens, score, hypo_positional in hypotheses:
+            n = sentence_ids[place]
             if len(finalized[n]) < self.beam_size:
                 # no attention weights or alignment: fairseq's empty tensors, one shared (--print-alignment
                 # falls back to SequenceGenerator)
                 finalized[n].append({"tokens": hypo_tokens, "score": score, "attention": search.empty,
                                      "alignment": search.empty, "positional_scores": hypo_positional})
-        for n in set(sentences):  # SequenceGenerator.is_finished
-            if len(finalized[n]) == self.beam_size or step == max_len:
-                finished[n] = True
+        for place in set(places):  # SequenceGenerator.is_finished
+            if len(finalized[sentence_ids[place]]) == self.beam_size or step == max_len:
+                finished[place] = True
 
 
 class _SearchBuffers:
@@ -182,6 +199,22 @@ class _SearchBuffers:
         cand_scores, flat = torch.topk(totals, k=min(self.cand_size, totals.size(1) - 1))  # -1: never pad
         cand_beams = torch.div(flat, V, rounding_mode="trunc")
         return cand_scores, flat.fmod(V), cand_beams + self.row_offsets
+
+    def keep_sentences(self, kept: Tensor, eos_mask: Tensor, cand_scores: Tensor, cand_tokens: Tensor,
+                       cand_rows: Tensor):
+        """Keep only the places `kept` (N',): the buffers shrink, and this step's candidates follow.
+        -> the candidates of the kept places, and the old rows of the new rows (N' * K,)."""
+        K = self.K
+        old_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
+        cand_beams = (cand_rows - self.row_offsets).index_select(0, kept)
+        self.N = kept.numel()
+        self.tokens, self.scores = self.tokens.index_select(0, old_rows), self.scores.index_select(0, old_rows)
+        self.spare_tokens, self.spare_scores = torch.empty_like(self.tokens), torch.empty_like(self.scores)
+        self.cumulative = self.cumulative.new_empty(self.N, K, self.V)
+        self.row_offsets = self.row_offsets[: self.N]
+        self.cands_to_ignore = self.cands_to_ignore.index_select(0, kept)
+        return (eos_mask.index_select(0, kept), cand_scores.index_select(0, kept), cand_tokens.index_select(0, kept),
+                cand_beams + self.row_offsets, old_rows)
 
     def advance(self, eos_mask: Tensor, cand_scores: Tensor, cand_tokens: Tensor, cand_rows: Tensor, step: int) -> Tensor:
         """Continue each sentence with its K best candidates that do not end in EOS (SequenceGenerator's
