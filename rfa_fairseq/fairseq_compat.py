@@ -45,8 +45,8 @@ idempotent (the plugin may be imported more than once, e.g. by a test and by --u
    it a run that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT. Details below.
 7. `fairseq.tasks.FairseqTask.build_generator` (fairseq-generate, fairseq-interactive, --eval-bleu):
    a single rfa_transformer with plain beam-search options gets the plugin's static beam search
-   (`generation.StaticBeamSearchGenerator`: same hypotheses and scores, buffers allocated once per batch,
-   no shrinking batch); anything else gets fairseq's generator and one log line naming the reason
+   (`generation.StaticBeamSearchGenerator`: same hypotheses and scores, buffers that keep their shape,
+   a batch that only halves); anything else gets fairseq's generator and one log line naming the reason
    (`generation.fallback_reason`).
 
 Not applied at import: `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch` only in
