@@ -14,7 +14,7 @@ from fairseq.tasks import FairseqTask
 from helpers import build_model, random_batch
 from tiny_models import tiny_model_flags
 
-from rfa_fairseq.generation import FORCE_SEQUENCE_GENERATOR_ENV, StaticBeamSearchGenerator
+from rfa_fairseq.generation import FORCE_SEQUENCE_GENERATOR_ENV, StaticBeamSearchGenerator, static_beam_search
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,24 @@ def test_static_generator_equals_sequence_generator_with_prefix_tokens(model_and
     for sentence, hypos in enumerate(got):
         if sentence not in (0, 1):
             assert hypos[0]["tokens"][:prefix_size].tolist() == prefix[sentence].tolist()
+
+
+@pytest.mark.parametrize("beam", [4, 5])  # (at beam 1 too few sentences of this batch end early)
+def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch, beam, monkeypatch):
+    """The batch halves (and the decoder's rows follow) when half its sentences have finished; the
+    hypotheses stay SequenceGenerator's."""
+    model, d, sample, _ = model_and_batch
+    sizes = []
+    keep_sentences = static_beam_search._SearchBuffers.keep_sentences
+
+    def recorded(self, kept, *candidates):
+        sizes.append((self.N, kept.numel()))
+        return keep_sentences(self, kept, *candidates)
+
+    monkeypatch.setattr(static_beam_search._SearchBuffers, "keep_sentences", recorded)
+    want, got = _generate_both(model, d, sample, beam_size=beam)
+    assert_same_hypotheses(want, got)
+    assert sizes and sizes[0][0] == 8 and all(2 * kept <= places for places, kept in sizes), sizes
 
 
 def test_static_generator_returns_sequence_generators_entries(model_and_batch):
