@@ -70,8 +70,8 @@ class StaticBeamSearchGenerator(nn.Module):
 
         for step in range(max_len + 1):  # one extra step for EOS
             if reorder is not None:
-                # rows only move within their sentence's beams, and the decoder reads the encoder output
-                # at its first step only: the encoder output needs no reorder
+                # rows move within their sentence's beams or leave with it, and the decoder reads the
+                # encoder output at its first step only: the encoder output needs no reorder
                 self.model.decoder.reorder_incremental_state_scripting(incremental_state, reorder)
             lprobs = self._log_probs(search.tokens[:, : step + 1], encoder_out, incremental_state)  # (R, V)
             self._mask_log_probs(lprobs, step, max_len)
