@@ -43,6 +43,11 @@ idempotent (the plugin may be imported more than once, e.g. by a test and by --u
 6. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
    replaces `fairseq.data.iterators.BackgroundConsumer`; `stop_data_threads` runs at exit). Without
    it a run that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT. Details below.
+7. `fairseq.tasks.FairseqTask.build_generator` (fairseq-generate, fairseq-interactive, --eval-bleu):
+   a single rfa_transformer with plain beam-search options gets the plugin's static beam search
+   (`generation.StaticBeamSearchGenerator`: same hypotheses and scores, buffers that keep their shape,
+   a batch that only halves); anything else gets fairseq's generator and one log line naming the reason
+   (`generation.fallback_reason`).
 
 Not applied at import: `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch` only in
 its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
@@ -255,7 +260,7 @@ def _wrap_train_epoch(original):
 
 
 def install_checkpoint_hooks() -> None:
-    """Install the wrappers 2-5 (see the module docstring); a no-op where they are installed."""
+    """Install the wrappers 2-5 and 7 (see the module docstring); a no-op where they are installed."""
     hooks = [
         (checkpoint_utils, "load_checkpoint_to_cpu", _wrap_load_checkpoint_to_cpu),
         (checkpoint_utils, "torch_persistent_save", _wrap_torch_persistent_save),
@@ -266,7 +271,12 @@ def install_checkpoint_hooks() -> None:
     from fairseq_cli import interactive as interactive_cli
     from fairseq_cli import train as train_cli
 
+    from fairseq.tasks import FairseqTask
+
+    from .generation import wrap_build_generator
+
     hooks += [
+        (FairseqTask, "build_generator", wrap_build_generator),
         (train_cli, "train", _wrap_train_epoch),
         (interactive_cli, "buffered_read", lambda _: textio.buffered_read_utf8),
     ]

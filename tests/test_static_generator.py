@@ -1,0 +1,203 @@
+"""The static beam search (rfa_fairseq/generation/) against fairseq's SequenceGenerator: the same hypotheses
+and scores for every option it serves, fairseq's generator (and a log line naming why) for the others, and
+fairseq-generate's H-/P- lines identical with either generator."""
+import argparse
+import logging
+import types
+
+import pytest
+import torch
+from cli_support import run, synthetic_data
+from conftest import PLUGIN_DIR
+from fairseq.sequence_generator import SequenceGenerator
+from fairseq.tasks import FairseqTask
+from helpers import build_model, random_batch
+from tiny_models import tiny_model_flags
+
+from rfa_fairseq.generation import FORCE_SEQUENCE_GENERATOR_ENV, StaticBeamSearchGenerator, static_beam_search
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+    """A tiny model whose EOS logit depends strongly on the decoder's output, so that the batch's sentences
+    end at very different steps (an untrained model's EOS is as likely as any token: nothing would end)."""
+    model, d = build_model([])
+    model.eval()
+    with torch.no_grad():
+        W = model.decoder.output_projection.weight
+        W[d.eos()] = 0.7 * torch.randn(W.size(1), generator=torch.Generator().manual_seed(0))
+    src, src_lengths, prev = random_batch(d, bsz=8, src_len=9, tgt_len=7, seed=1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}, "id": torch.arange(8)}
+    return model, d, sample, prev
+
+
+def _generate_both(model, d, sample, prefix_tokens=None, **options):
+    options = {"max_len_b": 20, **options}
+    want = SequenceGenerator([model], d, **options).generate([model], sample, prefix_tokens=prefix_tokens)
+    got = StaticBeamSearchGenerator(model, d, **options).generate([model], sample, prefix_tokens=prefix_tokens)
+    return want, got
+
+
+def assert_same_hypotheses(want, got):
+    assert len(want) == len(got)
+    for sentence, (w, g) in enumerate(zip(want, got)):
+        assert [h["tokens"].tolist() for h in w] == [h["tokens"].tolist() for h in g], f"sentence {sentence}"
+        for hw, hg in zip(w, g):
+            assert abs(float(hw["score"]) - float(hg["score"])) <= 1e-4
+            torch.testing.assert_close(hg["positional_scores"], hw["positional_scores"], rtol=0, atol=1e-4)
+
+
+OPTIONS = [
+    pytest.param({}, id="defaults"),
+    pytest.param({"len_penalty": 0.6}, id="lenpen0.6"),
+    pytest.param({"len_penalty": 1.5}, id="lenpen1.5"),
+    pytest.param({"min_len": 6}, id="min_len"),
+    pytest.param({"max_len_a": 1.2, "max_len_b": 3}, id="max_len_a_b"),
+    pytest.param({"max_len": 8}, id="max_len"),
+    pytest.param({"unk_penalty": -3.0}, id="unkpen"),
+    pytest.param({"no_repeat_ngram_size": 2}, id="no_repeat_ngram2"),
+    pytest.param({"normalize_scores": False}, id="unnormalized"),
+]
+
+
+@pytest.mark.parametrize("beam", [1, 4, 5])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_static_generator_equals_sequence_generator(model_and_batch, beam, options):
+    model, d, sample, _ = model_and_batch
+    want, got = _generate_both(model, d, sample, beam_size=beam, **options)
+    assert_same_hypotheses(want, got)
+    if beam > 1 and not options:
+        lengths = {len(sentence[0]["tokens"]) for sentence in want}
+        assert min(lengths) <= 3 and max(lengths) >= 15, f"sentences should end at very different steps: {lengths}"
+    if "unk_penalty" in options:  # a negative penalty makes <unk> win somewhere: the option is exercised
+        assert any(d.unk() in h["tokens"].tolist() for sentence in got for h in sentence)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("prefix_size", [1, 3])
+def test_static_generator_equals_sequence_generator_with_prefix_tokens(model_and_batch, beam, prefix_size):
+    model, d, sample, prev = model_and_batch
+    prefix = prev[:, 1: 1 + prefix_size].clone()
+    prefix[0, 1:] = d.pad()  # a shorter target: its prefix is padded
+    if prefix_size > 1:
+        prefix[1, 1] = d.eos()  # a target that ends inside the prefix: its first beam is copied to every beam
+    want, got = _generate_both(model, d, sample, prefix_tokens=prefix, beam_size=beam)
+    assert_same_hypotheses(want, got)
+    for sentence, hypos in enumerate(got):
+        if sentence not in (0, 1):
+            assert hypos[0]["tokens"][:prefix_size].tolist() == prefix[sentence].tolist()
+
+
+@pytest.mark.parametrize("beam", [4, 5])  # (at beam 1 too few sentences of this batch end early)
+def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch, beam, monkeypatch):
+    """The batch halves (and the decoder's rows follow) when half its sentences have finished; the
+    hypotheses stay SequenceGenerator's."""
+    model, d, sample, _ = model_and_batch
+    sizes = []
+    keep_sentences = static_beam_search._SearchBuffers.keep_sentences
+
+    def recorded(self, kept, *candidates):
+        sizes.append((self.N, kept.numel()))
+        return keep_sentences(self, kept, *candidates)
+
+    monkeypatch.setattr(static_beam_search._SearchBuffers, "keep_sentences", recorded)
+    want, got = _generate_both(model, d, sample, beam_size=beam)
+    assert_same_hypotheses(want, got)
+    assert sizes and sizes[0][0] == 8 and all(2 * kept <= places for places, kept in sizes), sizes
+
+
+def test_static_generator_returns_sequence_generators_entries(model_and_batch):
+    model, d, sample, _ = model_and_batch
+    want, got = _generate_both(model, d, sample, beam_size=4)
+    for w, g in zip(want, got):
+        assert len(w) == len(g) == 4
+        for hw, hg in zip(w, g):
+            assert set(hg) == set(hw) == {"tokens", "score", "attention", "alignment", "positional_scores"}
+            assert hg["tokens"].dtype == hw["tokens"].dtype and hg["score"].dtype == hw["score"].dtype
+
+
+# ---------------------------------------------------------------- which generator build_generator gives
+
+
+def _build(models, d, **options):
+    task = types.SimpleNamespace(target_dictionary=d)  # build_generator reads only the target dictionary
+    return FairseqTask.build_generator(task, models, argparse.Namespace(beam=4, **options))
+
+
+@pytest.mark.parametrize("options", [{}, {"lenpen": 0.6, "unkpen": 1.0, "min_len": 2, "max_len_a": 1.5,
+                                         "no_repeat_ngram_size": 2, "prefix_size": 1, "nbest": 4}])
+def test_plain_beam_search_gets_the_static_generator(model_and_batch, options, caplog):
+    model, d, _, _ = model_and_batch
+    with caplog.at_level(logging.INFO, logger="rfa_fairseq.generation"):
+        generator = _build([model], d, **options)
+    assert isinstance(generator, StaticBeamSearchGenerator)
+    assert "static beam search generator" in caplog.text
+
+
+@pytest.mark.parametrize("options,reason", [
+    ({"sampling": True}, "--sampling True"),
+    ({"diverse_beam_groups": 2}, "--diverse-beam-groups 2"),
+    ({"print_alignment": "hard"}, "--print-alignment hard"),
+    ({"match_source_len": True}, "--match-source-len True"),
+    ({"constraints": "ordered"}, "--constraints ordered"),
+    ({"retain_dropout": True}, "--retain-dropout True"),
+    ({"temperature": 0.5}, "--temperature 0.5"),
+    ({"iter_decode_max_iter": 3}, "--iter-decode-max-iter 3"),
+])
+def test_other_options_fall_back_with_a_log_line(model_and_batch, options, reason, caplog):
+    model, d, _, _ = model_and_batch
+    with caplog.at_level(logging.INFO, logger="rfa_fairseq.generation"):
+        generator = _build([model], d, **options)
+    assert not isinstance(generator, StaticBeamSearchGenerator)
+    assert f"fairseq's generator, not the static beam search: {reason}" in caplog.text
+
+
+def test_an_ensemble_falls_back_with_a_log_line(model_and_batch, caplog):
+    model, d, _, _ = model_and_batch
+    with caplog.at_level(logging.INFO, logger="rfa_fairseq.generation"):
+        generator = _build([model, model], d)
+    assert type(generator) is SequenceGenerator
+    assert "not the static beam search: an ensemble of 2 models" in caplog.text
+
+
+def test_the_test_environment_variable_forces_sequence_generator(model_and_batch, monkeypatch):
+    model, d, _, _ = model_and_batch
+    monkeypatch.setenv(FORCE_SEQUENCE_GENERATOR_ENV, "1")
+    assert type(_build([model], d)) is SequenceGenerator
+
+
+# ---------------------------------------------------------------- fairseq-generate
+
+GENERATE_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
+
+
+@pytest.mark.slow
+def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_factory):
+    data = synthetic_data(tmp_path_factory)
+    save_dir = tmp_path_factory.mktemp("static_generator_generate")
+    run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *GENERATE_MODEL,
+        "--rfa-num-features", "8", "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", "10", "--max-tokens", "2000", "--num-workers", "0", "--seed", "3", "--max-update", "30",
+        "--no-epoch-checkpoints", "--save-dir", save_dir, "--cpu")
+    for options in (["--beam", "1"], ["--beam", "5", "--lenpen", "0.6", "--prefix-size", "1", "--min-len", "2"]):
+        outputs = {}
+        for name, forced in (("static", "0"), ("fairseq", "1")):
+            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", save_dir / "checkpoint_last.pt",
+                       "--gen-subset", "test", "--batch-size", "16", "--max-len-b", "25", "--required-batch-size-multiple",
+                       "1", "--cpu", *options, **{FORCE_SEQUENCE_GENERATOR_ENV: forced})
+            expected_log = ("static beam search generator" if name == "static"
+                            else f"not the static beam search: {FORCE_SEQUENCE_GENERATOR_ENV}=1")
+            assert expected_log in proc.stdout + proc.stderr
+            outputs[name] = [line.split("\t") for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "D-")]
+            assert sum(fields[0].startswith("H-") for fields in outputs[name]) == 40
+        assert len(outputs["static"]) == len(outputs["fairseq"])
+        for static, fairseq in zip(outputs["static"], outputs["fairseq"]):
+            # the same lines, scores up to fp32 rounding: fairseq's batch shrinks as sentences finish, and
+            # a matrix product over fewer rows may round differently
+            if static[0].startswith("P-"):  # positional scores, printed with 4 decimals
+                diffs = [abs(float(a) - float(b)) for a, b in zip(static[1].split(), fairseq[1].split())]
+                assert static[0] == fairseq[0] and len(static[1].split()) == len(fairseq[1].split())
+                assert max(diffs) <= 1.5e-4, (static, fairseq)
+            else:  # H-/D-: id, score, hypothesis
+                assert (static[0], static[2]) == (fairseq[0], fairseq[2]), options
+                assert abs(float(static[1]) - float(fairseq[1])) <= 1e-4, (static, fairseq)
