@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from conftest import REPO
 from tiny_models import CLI_TINY_MODEL as TINY_MODEL  # noqa: F401  (the CLI tests import it from here)
+from tiny_models import tiny_model_flags
 
 BIN = os.path.dirname(sys.executable)
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +63,22 @@ def synthetic_data(tmp_path_factory, train=1500, valid=60, test=40):
             "--trainpref", root / "raw/train", "--validpref", root / "raw/valid", "--testpref", root / "raw/test",
             "--destdir", root / "bin", "--joined-dictionary", "--workers", "1")
     return root
+
+
+# a decoder of 2 layers for the fairseq-generate comparisons (kernels, generators)
+GENERATE_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
+
+
+def train_generate_model(data, save_dir, max_update):
+    """A tiny rfa_transformer (D = 8) trained briefly on `data`, for comparing fairseq-generate outputs;
+    returns its checkpoint_last.pt."""
+    from conftest import PLUGIN_DIR
+
+    run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *GENERATE_MODEL,
+        "--rfa-num-features", "8", "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", "10", "--max-tokens", "2000", "--num-workers", "0", "--seed", "3", "--max-update", max_update,
+        "--no-epoch-checkpoints", "--save-dir", save_dir, "--cpu")
+    return save_dir / "checkpoint_last.pt"
 
 
 def free_port():

@@ -4,13 +4,12 @@ and fairseq-generate with both kernel sets."""
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_support import run, synthetic_data
+from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.sequence_generator import SequenceGenerator
 from helpers import build_model, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
-from tiny_models import tiny_model_flags
 
 from rfa_fairseq.modules.decoding import DecodeState
 from rfa_fairseq.ops import AFFINE_FEATURE_MAPS, activate_learned, causal_rfa_recurrent, gate_keys, load_fused_extension
@@ -390,21 +389,14 @@ def test_checkpoints_written_before_the_feature_maps_were_modules_load():
 
 # ---------------------------------------------------------------- fairseq-generate
 
-GENERATE_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
-
-
 @pytest.mark.slow
 def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kernels(tmp_path_factory):
     data = synthetic_data(tmp_path_factory)
-    save_dir = tmp_path_factory.mktemp("decode_kernels_generate")
-    run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *GENERATE_MODEL,
-        "--rfa-num-features", "8", "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
-        "--warmup-updates", "10", "--max-tokens", "2000", "--num-workers", "0", "--seed", "3", "--max-update", "15",
-        "--no-epoch-checkpoints", "--save-dir", save_dir, "--cpu")
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("decode_kernels_generate"), max_update=15)
     outputs = {}
     for name, extra in (("cpp", []), ("torch", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"])):
         for beam in ("1", "5"):
-            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", save_dir / "checkpoint_last.pt",
+            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint,
                        "--gen-subset", "test", "--beam", beam, "--batch-size", "16", "--max-len-b", "25",
                        "--required-batch-size-multiple", "1", "--print-alignment", "--prefix-size", "1", "--cpu", *extra)
             lines = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "A-")]

@@ -7,12 +7,11 @@ import types
 
 import pytest
 import torch
-from cli_support import run, synthetic_data
+from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks import FairseqTask
 from helpers import build_model, random_batch
-from tiny_models import tiny_model_flags
 
 from rfa_fairseq.generation import FORCE_SEQUENCE_GENERATOR_ENV, StaticBeamSearchGenerator, static_beam_search
 
@@ -168,21 +167,14 @@ def test_the_test_environment_variable_forces_sequence_generator(model_and_batch
 
 # ---------------------------------------------------------------- fairseq-generate
 
-GENERATE_MODEL = tiny_model_flags(embed_dim=32, ffn_dim=64, heads=2, encoder_layers=1, decoder_layers=2)
-
-
 @pytest.mark.slow
 def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_factory):
     data = synthetic_data(tmp_path_factory)
-    save_dir = tmp_path_factory.mktemp("static_generator_generate")
-    run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *GENERATE_MODEL,
-        "--rfa-num-features", "8", "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
-        "--warmup-updates", "10", "--max-tokens", "2000", "--num-workers", "0", "--seed", "3", "--max-update", "30",
-        "--no-epoch-checkpoints", "--save-dir", save_dir, "--cpu")
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("static_generator_generate"), max_update=30)
     for options in (["--beam", "1"], ["--beam", "5", "--lenpen", "0.6", "--prefix-size", "1", "--min-len", "2"]):
         outputs = {}
         for name, forced in (("static", "0"), ("fairseq", "1")):
-            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", save_dir / "checkpoint_last.pt",
+            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint,
                        "--gen-subset", "test", "--batch-size", "16", "--max-len-b", "25", "--required-batch-size-multiple",
                        "1", "--cpu", *options, **{FORCE_SEQUENCE_GENERATOR_ENV: forced})
             expected_log = ("static beam search generator" if name == "static"
