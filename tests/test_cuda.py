@@ -17,6 +17,7 @@ import torch
 from cli_support import env, json_losses, run
 from conftest import PLUGIN_DIR, REPO
 from helpers import build_model, random_batch
+from test_decoding_step import assert_beam_grouped_state_follows_reorders_and_shrinks
 from test_model import _decode_incrementally, assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
@@ -30,7 +31,6 @@ from rfa_fairseq.ops import (
     gate_keys,
     step_kernels,
 )
-from rfa_fairseq.modules.decoding import DecodeState
 
 
 def _skip_reason():
@@ -187,30 +187,8 @@ def test_beam_reorder_equals_decoding_the_reordered_batch_on_cuda(gate):
 def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
     """The cross state once per sentence (beam 3); within-beam reorders and a finished sentence."""
     model, d = gpu_model(flags("sincos", gate=True))
-    beam = 3
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5))
-    expand = torch.arange(3, device="cuda").repeat_interleave(beam)
-    src, src_lengths, prev = src[expand], src_lengths[expand], prev[torch.arange(9, device="cuda") % 3]
-    model.decoder.set_beam_size(beam)
-    k = 3
-    orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=src_lengths)
-        state, rows = {}, torch.arange(9, device="cuda")
-        _decode_incrementally(model, encoder_out, prev[:, :k], state)
-        assert state[DecodeState.KEY]["state"].sentences == 3  # the cross state once per sentence
-        for step, order in enumerate(orders):
-            order = order.cuda()
-            model.decoder.reorder_incremental_state_scripting(state, order)
-            encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
-            rows = rows[order]
-            continued = _decode_incrementally(model, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
-            model.decoder.set_beam_size(1)
-            fresh = model.encoder(src[rows], src_lengths=src_lengths[rows])
-            scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
-            model.decoder.set_beam_size(beam)
-            torch.testing.assert_close(continued, scratch, rtol=1e-4, atol=1e-4)
-        assert state[DecodeState.KEY]["state"].sentences == 2
+    assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengths, prev, tolerance=1e-4)
 
 
 @pytest.mark.parametrize("feature_map,gate,rfa_cross", [("sincos", False, True), ("hedgehog", True, False)],

@@ -208,27 +208,25 @@ def test_step_reorders_equal_decoding_the_reordered_batch(cross):
     assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
 
 
-@pytest.mark.parametrize("cross", ["softmax", "rfa"])
-def test_state_keeps_cross_attention_once_per_sentence_and_compacts_finished_ones(cross):
-    """fairseq's beam layout: K/V (or the RFA state) once per sentence; within-beam reorders move nothing,
-    a finished sentence leaves; every step equals decoding the surviving rows from scratch."""
-    model, d = build_model(_flags("hedgehog", True, cross, "post"))
-    model.eval()
-    beam = 3
-    src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
-    expand = torch.arange(3).repeat_interleave(beam)  # how SequenceGenerator lays out beams
+def assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengths, prev, tolerance):
+    """Three sentences in fairseq's beam layout (beam 3, rows sentence-major): the decoding state holds the
+    cross-attention once per sentence; a within-beam reorder moves nothing, then sentence 1 leaves; every
+    step equals decoding the surviving rows from scratch. src, src_lengths, prev: 3 sentences, on the
+    model's device."""
+    beam, k, device = 3, 3, src.device
+    expand = torch.arange(3, device=device).repeat_interleave(beam)  # how SequenceGenerator lays out beams
     src, src_lengths = src[expand], src_lengths[expand]
-    prev = prev[torch.arange(9) % 3]  # different prefixes per beam
-    k = 3
+    prev = prev[torch.arange(9, device=device) % 3]  # different prefixes per beam
     orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
     with torch.no_grad():
         model.decoder.set_beam_size(beam)
         encoder_out = model.encoder(src, src_lengths=src_lengths)
-        state, rows = {}, torch.arange(9)
+        state, rows = {}, torch.arange(9, device=device)
         _decode_incrementally(model, encoder_out, prev[:, :k], state)
         decoding = state[DecodeState.KEY]["state"]
         assert (decoding.beam, decoding.sentences) == (beam, 3)
         for step, order in enumerate(orders):
+            order = order.to(device)
             model.decoder.reorder_incremental_state_scripting(state, order)
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
             rows = rows[order]
@@ -237,8 +235,16 @@ def test_state_keeps_cross_attention_once_per_sentence_and_compacts_finished_one
             fresh = model.encoder(src[rows], src_lengths=src_lengths[rows])
             scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
             model.decoder.set_beam_size(beam)
-            torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(continued, scratch, rtol=tolerance, atol=tolerance)
         assert (decoding.beam, decoding.sentences) == (beam, 2)  # compacted, still once per sentence
+
+
+@pytest.mark.parametrize("cross", ["softmax", "rfa"])
+def test_state_keeps_cross_attention_once_per_sentence_and_compacts_finished_ones(cross):
+    model, d = build_model(_flags("hedgehog", True, cross, "post"))
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
+    assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengths, prev, tolerance=1e-5)
 
 
 @pytest.mark.parametrize("beam,options", [
