@@ -73,16 +73,18 @@ def build_parser():
 
 
 class ProgressBar:
-    """tqdm on a terminal; otherwise a line every tenth of the steps (logs, pipes)."""
+    """tqdm on a terminal; otherwise a line every tenth of the steps (logs, pipes). The bar opens at the
+    first step, so a conversion without distillation draws none."""
 
     def __init__(self, total, log):
-        from tqdm import tqdm
-
-        self.total, self.log = total, log
-        self.bar = tqdm(total=total, desc="distilling", unit="step", file=sys.stderr) if sys.stderr.isatty() else None
+        self.total, self.log, self.bar = total, log, None
 
     def __call__(self, step, loss):
-        if self.bar is not None:
+        if sys.stderr.isatty():
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, desc="distilling", unit="step", file=sys.stderr)
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}")
             if step == self.total:

@@ -7,8 +7,9 @@ rfa-convert-transformer (cli/convert.py) is its command line.
   distillation.py  the learned feature maps and gates fitted to the teacher's attention (Hedgehog / LoLCATs)
   pipeline.py      convert(): one conversion, start to end
 """
-from .calibration import SIGMA_INITS, teacher_forced_agreement
-from .checkpoint import ARCH_MAP, DEFAULT_GATE_BIAS, RFA_PARAMETER_SUFFIXES, ConversionError
-from .distillation import DISTILL_LOSSES
-from .pipeline import (DEFAULT_CALIBRATION_SENTENCES, DEFAULT_DISTILL_LOSS, DEFAULT_DISTILL_LR, DEFAULT_DISTILL_STEPS,
-                       convert)
+from .calibration import SIGMA_INITS, teacher_forced_agreement  # noqa: F401
+from .checkpoint import ARCH_MAP, DEFAULT_GATE_BIAS, RFA_PARAMETER_SUFFIXES, ConversionError  # noqa: F401
+from .distillation import DISTILL_LOSSES  # noqa: F401
+from .pipeline import (  # noqa: F401
+    DEFAULT_CALIBRATION_SENTENCES, DEFAULT_DISTILL_LOSS, DEFAULT_DISTILL_LR, DEFAULT_DISTILL_STEPS, convert,
+)
