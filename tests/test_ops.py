@@ -1,4 +1,6 @@
 """The pure RFA math: feature maps, random matrices, chunked causal vs the references."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -338,3 +340,41 @@ def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_
             buffers.reverse()
             torch.testing.assert_close(out, ref_out.reshape(rows, H * d), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(buffers[0][:rows], ref_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first_step", [True, False], ids=["step0", "later"])
+def test_cpp_beam_candidates_equal_torch_topk_of_the_sums(first_step):
+    """The C++ candidates kernel (one pass, no (N, K * V) sums) against the torch kernel, whose reference is
+    torch.topk of prev + lprobs: same scores and indices, best first, with NaN counting as -inf, rows that are
+    -inf almost everywhere (fewer finite candidates than k: the -inf ones come in index order) and a score
+    column read with a stride (a column of the search's buffer)."""
+    from rfa_fairseq.ops import load_fused_extension
+
+    if load_fused_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    cpp, ref = (step_kernels(name, torch.device("cpu"), torch.float32) for name in ("cpp", "torch"))
+    N, K, V, k = 5, 3, 301, 6
+    g = torch.Generator().manual_seed(3)
+    lprobs = torch.log_softmax(torch.randn(N * K, V, generator=g) * 3, dim=-1)
+    lprobs[0, 7] = float("nan")
+    lprobs[1, :] = float("nan")
+    lprobs[1, 4] = -0.5
+    lprobs[3 * K:4 * K, :] = -math.inf  # sentence 3: only EOS is left, in its first two beams
+    lprobs[3 * K, 2], lprobs[3 * K + 1, 2] = -0.1, -0.2
+    lprobs[:, 1] = -math.inf  # pad
+    score_buffer = torch.randn(N * K, 4, generator=g) - 5
+    prev = None if first_step else score_buffer[:, 2]  # strided
+    expected = torch.empty(N, k), torch.empty(N, k, dtype=torch.long)
+    ref.beam_candidates(lprobs.clone(), prev, K, *expected)
+    got = torch.empty(N, k), torch.empty(N, k, dtype=torch.long)
+    cpp.beam_candidates(lprobs.clone(), prev, K, *got)
+    totals = lprobs.nan_to_num(nan=-math.inf, neginf=-math.inf).view(N, K, V)
+    totals = totals[:, 0] if first_step else (totals + prev.view(N, K, 1)).view(N, -1)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    assert torch.equal(got[0], totals.gather(1, got[1]))  # the indices point at their scores
+    finite = expected[0].isfinite()
+    assert torch.equal(got[1][finite], expected[1][finite])
+    assert not finite.all()  # sentence 3 (later steps) or sentence 1's NaN row (step 0) run out of finite ones
+    for n in range(N):  # -inf candidates: the first ones in index order that are not among the finite
+        inf = got[1][n][~finite[n]]
+        assert torch.equal(inf, inf.sort().values)

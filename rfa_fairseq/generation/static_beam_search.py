@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
+from ..modules.decoding import DecodeState
+
 
 class StaticBeamSearchGenerator(nn.Module):
     """SequenceGenerator's beam search for a single RFATransformerModel (`generate` returns what
@@ -67,6 +69,7 @@ class StaticBeamSearchGenerator(nn.Module):
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
         incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
         reorder: Optional[Tensor] = None
+        kernels = None
 
         for step in range(max_len + 1):  # one extra step for EOS
             if reorder is not None:
@@ -82,7 +85,9 @@ class StaticBeamSearchGenerator(nn.Module):
             if self.repeat_ngram_blocker is not None:
                 lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, search.N, K, step)
 
-            cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, step)  # (N, 2K) each
+            if kernels is None:  # the kernels the decoder picked for this batch
+                kernels = incremental_state[DecodeState.KEY]["state"].kernels
+            cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, step, kernels)  # (N, 2K) each
             eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
             eos_mask[:, :K] &= ~search.cands_to_ignore
             eos_mask &= ~finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
@@ -123,9 +128,8 @@ class StaticBeamSearchGenerator(nn.Module):
         return self.model.get_normalized_probs((logits[:, -1:, :], extra), log_probs=True, sample=None)[:, -1, :]
 
     def _mask_log_probs(self, lprobs: Tensor, step: int, max_len: int) -> None:
-        """NaN, pad, unk penalty and the maximum length, in SequenceGenerator's order; in place."""
-        lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lprobs[:, self.pad] = -math.inf
+        """Pad, unk penalty and the maximum length, in SequenceGenerator's order; in place."""
+        lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel
         lprobs[:, self.unk] -= self.unk_penalty
         if step >= max_len:  # only EOS is left
             lprobs[:, : self.eos] = -math.inf
@@ -186,21 +190,21 @@ class _SearchBuffers:
         self.tokens[:, 0] = bos
         self.scores = torch.zeros(N * K, max_len + 1, device=device)  # +1 for EOS
         self.spare_tokens, self.spare_scores = torch.empty_like(self.tokens), torch.empty_like(self.scores)
-        self.cumulative = torch.empty(N, K, V, device=device)  # (N, K, V)
+        self.cand_scores = torch.empty(N * self.cand_size, device=device)  # (N, 2K) at most, flat
+        self.cand_indices = torch.empty(N * self.cand_size, dtype=torch.long, device=device)
         self.row_offsets = (torch.arange(N, device=device) * K).unsqueeze(1)  # (N, 1): first row of a sentence
         self.cand_offsets = torch.arange(self.cand_size, device=device)  # (2K,)
         self.cands_to_ignore = torch.zeros(N, K, dtype=torch.bool, device=device)
         self.empty = torch.empty(0)  # a finalized hypothesis' attention and alignment
 
-    def candidates(self, lprobs: Tensor, step: int):
-        """search.BeamSearch.step: the top 2K (cumulative score, token, row) per sentence. lprobs (R, V)."""
+    def candidates(self, lprobs: Tensor, step: int, kernels):
+        """search.BeamSearch.step: the top 2K (cumulative score, token, row) per sentence, best first
+        (kernels.beam_candidates). lprobs (R, V)."""
         N, K, V = self.N, self.K, self.V
-        if step == 0:  # every beam of a sentence is the same hypothesis: only the first counts
-            totals = lprobs.view(N, K, V)[:, ::K, :].contiguous().view(N, -1)  # (N, V)
-        else:
-            totals = torch.add(lprobs.view(N, K, V), self.scores.view(N, K, -1)[:, :, step - 1].unsqueeze(-1),
-                               out=self.cumulative).view(N, -1)  # (N, K * V)
-        cand_scores, flat = torch.topk(totals, k=min(self.cand_size, totals.size(1) - 1))  # -1: never pad
+        k = min(self.cand_size, (V if step == 0 else K * V) - 1)  # -1: never pad (SequenceGenerator)
+        cand_scores, flat = self.cand_scores[: N * k].view(N, k), self.cand_indices[: N * k].view(N, k)
+        prev_scores = self.scores[:, step - 1] if step > 0 else None  # (R,)
+        kernels.beam_candidates(lprobs, prev_scores, K, cand_scores, flat)
         cand_beams = torch.div(flat, V, rounding_mode="trunc")
         return cand_scores, flat.fmod(V), cand_beams + self.row_offsets
 
@@ -214,7 +218,6 @@ class _SearchBuffers:
         self.N = kept.numel()
         self.tokens, self.scores = self.tokens.index_select(0, old_rows), self.scores.index_select(0, old_rows)
         self.spare_tokens, self.spare_scores = torch.empty_like(self.tokens), torch.empty_like(self.scores)
-        self.cumulative = self.cumulative.new_empty(self.N, K, self.V)
         self.row_offsets = self.row_offsets[: self.N]
         self.cands_to_ignore = self.cands_to_ignore.index_select(0, kept)
         return (eos_mask.index_select(0, kept), cand_scores.index_select(0, kept), cand_tokens.index_select(0, kept),

@@ -83,28 +83,30 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
             if getattr(self, name, None) is not None:
                 raise ValueError(f"RFA incremental decoding does not support decoder layers with {name} (--scale-*)")
         buffers = state.layers[index]
-        self.self_attn.prepare_step(buffers["self"], state)
+        self.self_attn.prepare_step(buffers["self"], state, name=f"layer{index}.self")
         if self.encoder_attn is not None and key is not None:
-            self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask)
+            self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask, name=f"layer{index}.cross")
+        buffers["ffn"] = {name: state.packed_linear(f"layer{index}.{name}", getattr(self, name)) for name in ("fc1", "fc2")}
 
     def step(self, x, state: DecodeState, index: int, key_pad, need_weights: bool):
         """x (R, C) <- the layer's output, in place; -> the cross-attention weights (R, S) or None."""
         buffers = state.layers[index]
-        y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, state), buffers["self"], state, key_pad)
+        y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, state), buffers["self"], state, key_pad,
+                                   residual=x)
         self._residual(self.self_attn_layer_norm, y, x, state)
         weights = None
         if buffers["cross"]:
             h = self._input(self.encoder_attn_layer_norm, x, state)
-            y, weights = self.encoder_attn.step(h, buffers["cross"], state, need_weights=need_weights)
+            y, weights = self.encoder_attn.step(h, buffers["cross"], state, need_weights=need_weights, residual=x)
             self._residual(self.encoder_attn_layer_norm, y, x, state)
         R, C = x.shape
-        hidden = torch.addmm(self.fc1.bias, self._input(self.final_layer_norm, x, state), self.fc1.weight.t(),
-                             out=state.buffer("ffn", R, self.fc1.out_features))
-        if self.activation_fn is F.relu:
-            hidden.relu_()
-        else:
-            hidden.copy_(self.activation_fn(hidden))
-        y = torch.addmm(self.fc2.bias, hidden, self.fc2.weight.t(), out=state.buffer("y", R, C))
+        fc1, fc2 = buffers["ffn"]["fc1"], buffers["ffn"]["fc2"]
+        relu = self.activation_fn is F.relu
+        hidden = state.kernels.linear(self._input(self.final_layer_norm, x, state), fc1,
+                                      state.buffer("ffn", R, self.fc1.out_features), activation="relu" if relu else None)
+        if not relu:
+            hidden = self.activation_fn(hidden)
+        y = state.kernels.linear(hidden, fc2, state.buffer("y", R, C), residual=x)
         self._residual(self.final_layer_norm, y, x, state)
         return weights
 
@@ -115,11 +117,12 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
         return state.kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, state.buffer("h", *x.shape))
 
     def _residual(self, norm, y, x, state: DecodeState) -> None:
-        """x <- x + y, then the layer norm when the layer normalizes after (post-norm)."""
+        """x <- y, a sublayer's output with x already added, then the layer norm when the layer normalizes
+        after (post-norm)."""
         if self.normalize_before:
-            x.add_(y)
+            x.copy_(y)
         else:
-            state.kernels.add_layer_norm(y, x, norm.weight, norm.bias, norm.eps, x)
+            state.kernels.add_layer_norm(y, None, norm.weight, norm.bias, norm.eps, x)
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
@@ -262,11 +265,8 @@ class RFATransformerDecoder(TransformerDecoderBase):
         if self.layer_norm is not None:
             kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
         out = self.output_projection
-        logits = state.buffer("logits", R, out.weight.size(0), returned=True)
-        if out.bias is not None:
-            torch.addmm(out.bias, x, out.weight.t(), out=logits)
-        else:
-            torch.mm(x, out.weight.t(), out=logits)
+        logits = kernels.linear(x, state.packed_linear("output_projection", out),
+                                state.buffer("logits", R, out.weight.size(0), returned=True))
         return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
                                      DecodeState.KEY: state}
 

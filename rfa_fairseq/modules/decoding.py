@@ -11,13 +11,15 @@ every later step (`step`) runs in place from them:
 - per cross-attention layer, K and V (or the RFA state) once per source sentence, shared by its beams;
   when sentences finish, the kept ones are compacted (rows shrink, nothing grows);
 - activations, logits and log-probabilities in a workspace that outlives the batch (the decoder keeps it
-  for the next one), so steady-state decoding allocates no large tensor.
+  for the next one), so steady-state decoding allocates no large tensor;
+- the linear layers' weights as the kernels want them (oneDNN's packed layout on the CPU), in the same
+  workspace: packed at the first batch and again only when a parameter they derive from changes.
 
 `follow_rows` is the one account of which rows are copies of which: the state's sentences and the
 encoder's reorder_encoder_out both follow beam search's reorders with it.
 """
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -28,6 +30,7 @@ class Workspace:
 
     def __init__(self):
         self.buffers: Dict[str, Tensor] = {}
+        self.packed: Dict[str, tuple] = {}  # name -> (key of the parameters and kernels, packed weight)
 
     def take(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
              returned: bool = False) -> Tensor:
@@ -51,6 +54,17 @@ class Workspace:
 
     def tensors(self) -> List[Tensor]:
         return list(self.buffers.values())
+
+    def packed_linear(self, name: str, kernels, sources: Sequence[Tensor], build: Callable[[], Tuple[Tensor, Optional[Tensor]]]):
+        """kernels.pack_linear(*build()) for the linear layer `name`, reused while the kernels and every
+        parameter in `sources` (what build reads) stay the same tensors, unmodified (an optimizer step
+        between two validations' decoding bumps their version, and the layer is packed again)."""
+        key = (kernels.name, tuple((id(t), t.data_ptr(), t._version) for t in sources))
+        cached = self.packed.get(name)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self.packed[name] = (key, kernels.pack_linear(*build()))
+        return cached[1]
 
 
 def _viewed_elsewhere(buf: Tensor) -> bool:
@@ -91,6 +105,13 @@ class DecodeState:
 
     def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
         return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
+
+    def packed_linear(self, name: str, linear=None, sources: Sequence[Tensor] = (), build=None):
+        """The weights of an nn.Linear `linear`, or of the (weight, bias) that build() derives from
+        `sources`, packed for the kernels (Workspace.packed_linear)."""
+        if linear is not None:
+            sources, build = [p for p in (linear.weight, linear.bias) if p is not None], lambda: (linear.weight, linear.bias)
+        return self.workspace.packed_linear(name, self.kernels, sources, build)
 
     def reorder_(self, new_order: Tensor) -> None:
         """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).

@@ -247,45 +247,54 @@ class RFAAttention(nn.Module):
     # ------------------------------------------------------------ the decoding step
 
     def prepare_step(self, buffers: dict, state, key: Optional[Tensor] = None,
-                     key_padding_mask: Optional[Tensor] = None) -> None:
-        """A batch's first step: what every step reads, into `buffers`.
-        Causal: the fused input projection and two fp32 state buffers (rows, H, F, d + 1) used in turn.
-        Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence (state.per_sentence)."""
+                     key_padding_mask: Optional[Tensor] = None, name: str = "rfa") -> None:
+        """A batch's first step: what every step reads, into `buffers`; linear layers packed for the kernels
+        under `name`. Causal: the fused input projection and two fp32 state buffers (rows, H, F, d + 1) used
+        in turn. Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence."""
+        C = self.embed_dim
+        buffers["out_proj"] = state.packed_linear(f"{name}.out_proj", self.out_proj)
         if not self.causal:
             phi_k = self.features(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
             if key_padding_mask is not None:
                 phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
             buffers["rfa_state"] = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))
+            buffers["q_proj"] = state.packed_linear(f"{name}.q_proj", self.q_proj)
             return
+        H, d = self.num_heads, self.head_dim
+        linear = self.phi.linear_part()
+        buffers["q_width"] = linear[0].size(1) * H if linear is not None else C  # H * D (learned linear map) or C
+        buffers["proj"] = state.packed_linear(f"{name}.proj", sources=list(self.parameters()),
+                                              build=self._fused_input_projection)
+        buffers["states"] = [state.buffer(f"causal{self.module_index}.state{j}", state.rows, H, self.phi.output_dim, d + 1,
+                                          dtype=torch.float32) for j in range(2)]
+
+    def _fused_input_projection(self) -> Tuple[Tensor, Tensor]:
+        """Causal: one (N, C) weight and (N,) bias giving [q | k | v | gate logits] from x, where a learned
+        map's linear part p = W_phi (W x + b) + b_phi is folded into q and k."""
         H, d, C = self.num_heads, self.head_dim, self.embed_dim
         wq, bq = self.q_proj.weight, _bias(self.q_proj, C)
         wk, bk = self.k_proj.weight, _bias(self.k_proj, C)
         linear = self.phi.linear_part()
         if linear is not None:
-            # p = W_phi (W_q x + b_q) + b_phi per head: fold W_phi into the input projection
             wq, bq = _fold(*linear, wq, bq, H, d)
             wk, bk = _fold(*linear, wk, bk, H, d)
         pieces = [(wq, bq), (wk, bk), (self.v_proj.weight, _bias(self.v_proj, C))]
         if self.gate_proj is not None:
             pieces.append((self.gate_proj.weight, self.gate_proj.bias))
-        buffers["weight_t"] = torch.cat([w for w, _ in pieces], dim=0).t().contiguous()  # (C, N): x @ weight_t
-        buffers["bias"] = torch.cat([b for _, b in pieces]).contiguous()
-        buffers["q_width"] = wq.size(0)  # H * D (learned linear map) or C
-        buffers["states"] = [state.buffer(f"causal{self.module_index}.state{j}", state.rows, H, self.phi.output_dim, d + 1,
-                                          dtype=torch.float32) for j in range(2)]
+        return torch.cat([w for w, _ in pieces], dim=0).contiguous(), torch.cat([b for _, b in pieces]).contiguous()
 
-    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None,
-             need_weights: bool = False) -> Tuple[Tensor, None]:
+    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None, need_weights: bool = False,
+             residual: Optional[Tensor] = None) -> Tuple[Tensor, None]:
         """One step of the (R, C) normalized inputs h (key_pad: (R,) padded decoder inputs, causal only)
-        -> the (R, C) output projection (a workspace buffer), and no weights: RFA forms none."""
+        -> the (R, C) output projection (plus `residual`), and no weights: RFA forms none."""
         R, C = h.size(0), self.embed_dim
         attn = self._causal_step(h, buffers, state, key_pad) if self.causal else self._cross_step(h, buffers, state)
-        return torch.addmm(_bias(self.out_proj, C), attn, self.out_proj.weight.t(), out=state.buffer("y", R, C)), None
+        return state.kernels.linear(attn, buffers["out_proj"], state.buffer("y", R, C), residual=residual), None
 
     def _causal_step(self, h: Tensor, buffers: dict, state, key_pad: Tensor) -> Tensor:
         R, C, H = h.size(0), self.embed_dim, self.num_heads
-        bias, width = buffers["bias"], buffers["q_width"]
-        proj = torch.addmm(bias, h, buffers["weight_t"], out=state.buffer("proj", R, bias.numel()))
+        packed, width = buffers["proj"], buffers["q_width"]
+        proj = state.kernels.linear(h, packed, state.buffer("proj", R, 2 * width + C + (H if self.gate_proj is not None else 0)))
         q, k = proj[:, :width], proj[:, width: 2 * width]
         activation = self.phi.step_activation  # None: the step takes features, computed here
         if activation is None:
@@ -301,7 +310,7 @@ class RFAAttention(nn.Module):
 
     def _cross_step(self, h: Tensor, buffers: dict, state) -> Tensor:
         R, C, H = h.size(0), self.embed_dim, self.num_heads
-        q = torch.addmm(_bias(self.q_proj, C), h, self.q_proj.weight.t(), out=state.buffer("q", R, C))
+        q = state.kernels.linear(h, buffers["q_proj"], state.buffer("q", R, C))
         sentence_states = buffers["rfa_state"]  # (n, H, F, d + 1)
         phi_q = self.features(q.unsqueeze(0), self.random_matrix(), is_query=True)  # (R, H, 1, F)
         n, beam = sentence_states.size(0), state.beam

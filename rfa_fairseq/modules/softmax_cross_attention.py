@@ -13,8 +13,9 @@ from torch import Tensor
 
 
 class SoftmaxCrossAttention(MultiheadAttention):
-    def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor]) -> None:
-        """A batch's first step: K, V of key (S, sentences, C) and the padding as an additive (sentences, S) bias."""
+    def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor], name: str) -> None:
+        """A batch's first step: K, V of key (S, sentences, C), the padding as an additive (sentences, S) bias and
+        the query and output projections packed for the kernels (under `name`)."""
         if self.bias_k is not None or self.add_zero_attn:
             raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
         S, n, _ = key.shape
@@ -26,16 +27,18 @@ class SoftmaxCrossAttention(MultiheadAttention):
             bias = torch.zeros(key_padding_mask.shape, dtype=key.dtype, device=key.device)
             bias.masked_fill_(key_padding_mask, float("-inf"))
         buffers["key_bias"] = bias
+        buffers["q_proj"] = state.packed_linear(f"{name}.q_proj", self.q_proj)
+        buffers["out_proj"] = state.packed_linear(f"{name}.out_proj", self.out_proj)
 
-    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None,
-             need_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """(R, C) normalized inputs -> the (R, C) output projection and the (R, S) head-averaged weights
-        (need_weights) or None; both in workspace buffers."""
+    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None, need_weights: bool = False,
+             residual: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """(R, C) normalized inputs -> the (R, C) output projection (plus `residual`) and the (R, S) head-averaged
+        weights (need_weights) or None."""
         R, C = h.shape
-        q = torch.addmm(self.q_proj.bias, h, self.q_proj.weight.t(), out=state.buffer("q", R, C))
+        kernels = state.kernels
+        q = kernels.linear(h, buffers["q_proj"], state.buffer("q", R, C))
         attn = state.buffer("attn", R, C)
         weights = state.buffer("cross_weights", R, buffers["key"].size(2)) if need_weights else None
-        state.kernels.softmax_cross_step(q, buffers["key"], buffers["value"], buffers["key_bias"], state.beam,
-                                         self.scaling, attn, weights)
-        y = torch.addmm(self.out_proj.bias, attn, self.out_proj.weight.t(), out=state.buffer("y", R, C))
-        return y, weights
+        kernels.softmax_cross_step(q, buffers["key"], buffers["value"], buffers["key_bias"], state.beam,
+                                   self.scaling, attn, weights)
+        return kernels.linear(attn, buffers["out_proj"], state.buffer("y", R, C), residual=residual), weights

@@ -13,12 +13,24 @@
         key_bias: (N, S) (0 or -inf) or None   out: (R, H * d)   weights: (R, S) head-averaged, or None
     kernels.add_layer_norm(x, residual, weight, bias, eps, out): out = LayerNorm(x + residual) (residual may be
         None); out may be x or residual
+    kernels.pack_linear(weight, bias) -> packed: a (O, I) weight and (O,) bias (or None) prepared once for `linear`
+    kernels.linear(x, packed, out, activation=None, residual=None) -> y = act(x W^T + b) + residual
+        x: (R, I)   out: (R, O), where the torch kernel writes y (oneDNN returns y in a tensor of its own)
+        activation: None or "relu"   residual: (R, O) or None
+    kernels.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out): beam search's candidates
+        lprobs: (N * beam, V) fp32   prev_scores: (N * beam,) each row's score so far, or None at the first step
+        (a sentence's beams are then one hypothesis: only its first row counts)   scores_out, indices_out: (N, k)
+        <- per sentence the k largest prev_scores[row] + lprobs[row, v] (NaN counting as -inf), best first, and
+        their flat indices b * V + v (b: the beam within the sentence)
 
-Two sets: the C++ kernels (csrc/, one module loaded by extension.py) on the CPU in fp32, and the torch
-implementations below on every device and dtype (states and accumulations in fp32), which are what the C++
-kernels are tested against beside ops/naive.py's recurrence. Every kernel writes into buffers its caller
-allocated once and none reads a value back to the host, so a step can be queued (or captured) as a whole.
+Two sets: the C++ kernels (csrc/, one module loaded by extension.py) on the CPU in fp32, with the linear
+layers in oneDNN on weights packed once (torch's mkldnn ops; 2.2x torch's MKL addmm on the step's
+shapes on a 2-core AMD EPYC, docs/benchmarks.md), and the torch implementations below on every device and
+dtype (states and accumulations in fp32), which are what the C++ kernels are tested against beside
+ops/naive.py's recurrence. No kernel reads a value back to the host, so a step can be queued (or captured)
+as a whole; the torch kernels write into buffers their caller allocated once.
 """
+import math
 from typing import Optional
 
 import torch
@@ -51,6 +63,7 @@ class TorchKernels:
     """The step's kernels in torch: any device and dtype."""
 
     name = "torch"
+    gemm = "torch addmm"
 
     @staticmethod
     def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
@@ -106,18 +119,65 @@ class TorchKernels:
         out.copy_(F.layer_norm(y, (y.size(-1),), weight, bias, eps))
         return out
 
+    @staticmethod
+    def beam_candidates(lprobs: Tensor, prev_scores: Optional[Tensor], beam: int, scores_out: Tensor,
+                        indices_out: Tensor) -> None:
+        N, k = scores_out.shape
+        V = lprobs.size(1)
+        lprobs = lprobs.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf).view(N, beam, V)
+        if prev_scores is None:
+            totals = lprobs[:, 0, :]  # (N, V)
+        else:
+            totals = (lprobs + prev_scores.view(N, beam, 1)).view(N, -1)  # (N, beam * V)
+        torch.topk(totals, k=k, out=(scores_out, indices_out))
+
+    @staticmethod
+    def pack_linear(weight: Tensor, bias: Optional[Tensor]):
+        return weight.t(), bias  # addmm reads the transposed view in place
+
+    @staticmethod
+    def linear(x: Tensor, packed, out: Tensor, activation: Optional[str] = None,
+               residual: Optional[Tensor] = None) -> Tensor:
+        weight_t, bias = packed
+        if bias is not None:
+            torch.addmm(bias, x, weight_t, out=out)
+        else:
+            torch.mm(x, weight_t, out=out)
+        if activation == "relu":
+            out.relu_()
+        if residual is not None:
+            out.add_(residual)
+        return out
+
 
 TORCH_KERNELS = TorchKernels()
 _NONE = torch.empty(0)  # the C++ kernels' "absent" argument
 
 
 class CppKernels:
-    """The step's kernels in C++ (csrc/rfa_decode_step.cpp): CPU, fp32."""
+    """The step's kernels in C++ (csrc/rfa_decode_step.cpp) and its linear layers in oneDNN: CPU, fp32."""
 
     name = "cpp"
 
     def __init__(self, ext):
         self.ext = ext
+        self.onednn = onednn_linear_available()
+        self.gemm = "oneDNN (packed weights)" if self.onednn else "torch addmm"
+
+    def pack_linear(self, weight, bias):
+        if not self.onednn:
+            return TorchKernels.pack_linear(weight, bias)
+        # the batch size only hints the packed layout; any number of rows runs on it
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT), bias
+
+    def linear(self, x, packed, out, activation=None, residual=None):
+        if not self.onednn:
+            return TorchKernels.linear(x, packed, out, activation, residual)
+        weight, bias = packed
+        if residual is not None and activation is None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation or "none", [], "")
+        return y if residual is None else y.add_(residual)
 
     def causal_layer_step(self, phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
                           activation=None):
@@ -132,6 +192,18 @@ class CppKernels:
     def add_layer_norm(self, x, residual, weight, bias, eps, out):
         self.ext.add_layer_norm(x, _or_none(residual), weight, bias, eps, out)
         return out
+
+    def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
+        self.ext.beam_candidates(lprobs, _or_none(prev_scores), beam, scores_out, indices_out)
+
+
+ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout
+
+
+def onednn_linear_available() -> bool:
+    """Whether torch has its oneDNN (mkldnn) linear ops with packed weights (torch's x86 CPU builds do)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def _or_none(t: Optional[Tensor]) -> Tensor:

@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: feature map, gate, reorder, update, read-out");
   m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
   m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
+  m.def("beam_candidates", &beam_candidates, "beam search: the k best (score so far + log-probability) per sentence");
   // causal_layer_step's `activation` codes by feature-map activation (None in Python: "features")
   m.attr("activations") = std::map<std::string, int64_t>{{"features", kFeatures}, {"hedgehog", kHedgehog}, {"relu", kReLU}};
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);

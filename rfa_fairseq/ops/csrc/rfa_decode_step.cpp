@@ -9,6 +9,9 @@
 //   softmax_cross_step  softmax cross-attention of one step over K, V kept once per source sentence
 //                       (a sentence's beams share them), with the head-averaged weights on request
 //   add_layer_norm      out = LayerNorm(x + residual) (residual optional), one pass per row
+//   beam_candidates     beam search's candidates: per sentence, the k best of its beams' log-probabilities
+//                       plus each beam's score so far (NaN counts as -inf), in one pass, without writing
+//                       the (sentences, beam x V) sums that torch.topk would read
 //
 // References (tests/test_decoding.py compares against them): ops/naive.py's causal_rfa_recurrent,
 // ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention, torch.nn.functional.layer_norm.
@@ -121,6 +124,34 @@ const float* features(const float* row, int64_t activation, int64_t F, float* bu
   }
   return row;
 }
+
+// The largest of n floats (NaN ignored; -inf when none): a filter before the exact comparisons
+RFA_SIMD_CLONES
+float block_max(const float* __restrict__ x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+// The k best (value, index) so far, best first; among equal values the one seen first stays first.
+struct TopK {
+  float* value;
+  int64_t* index;
+  int64_t k, count = 0;
+  float worst() const { return count < k ? -std::numeric_limits<float>::infinity() : value[k - 1]; }
+  void offer(float v, int64_t i) {
+    if (count == k && !(v > value[k - 1])) return;
+    int64_t pos = count < k ? count++ : k - 1;
+    while (pos > 0 && v > value[pos - 1]) {
+      value[pos] = value[pos - 1];
+      index[pos] = index[pos - 1];
+      --pos;
+    }
+    value[pos] = v;
+    index[pos] = i;
+  }
+};
 
 void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols && t.stride(1) == 1 &&
@@ -286,6 +317,49 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
     for (int64_t r = begin; r < end; ++r) {
       // the whole row is read before `out` is written: out may be x or residual
       layer_norm_row(xp + r * ldx, add ? rp + r * ldr : nullptr, gp, bp, C, eps_f, y.data(), op + r * ldo);
+    }
+  });
+}
+
+void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
+                     torch::Tensor& scores_out, torch::Tensor& indices_out) {
+  const int64_t V = lprobs.size(1), N = scores_out.size(0), k = scores_out.size(1);
+  const bool first = prev_scores.numel() == 0;  // step 0: a sentence's beams are one hypothesis: beam 0 only
+  const int64_t beams = first ? 1 : beam;
+  check_rows(lprobs, N * beam, V, "lprobs");
+  TORCH_CHECK(scores_out.is_contiguous() && scores_out.scalar_type() == torch::kFloat32 && indices_out.is_contiguous() &&
+                  indices_out.scalar_type() == torch::kInt64 && indices_out.size(0) == N && indices_out.size(1) == k,
+              "rfa beam_candidates: scores_out (N, k) fp32 and indices_out (N, k) int64, contiguous");
+  TORCH_CHECK(k >= 1 && k <= beams * V, "rfa beam_candidates: k = ", k, " of ", beams * V, " candidates");
+  TORCH_CHECK(first || (prev_scores.dim() == 1 && prev_scores.size(0) == N * beam &&
+                        prev_scores.scalar_type() == torch::kFloat32),
+              "rfa beam_candidates: prev_scores must be (", N * beam, ",) fp32, or empty at the first step");
+  const float* lp = lprobs.data_ptr<float>();
+  const float* prev = first ? nullptr : prev_scores.data_ptr<float>();
+  const int64_t ldp = first ? 0 : prev_scores.stride(0);  // a column of the search's score buffer
+  float* so = scores_out.data_ptr<float>();
+  int64_t* io = indices_out.data_ptr<int64_t>();
+  const int64_t ld = lprobs.stride(0);
+  constexpr int64_t kBlock = 64;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      TopK best{so + n * k, io + n * k, k};
+      for (int64_t b = 0; b < beams; ++b) {
+        const int64_t row = n * beam + b;
+        const float* x = lp + row * ld;
+        const float add = first ? 0.0f : prev[row * ldp];
+        for (int64_t start = 0; start < V; start += kBlock) {
+          const int64_t len = std::min(kBlock, V - start);
+          // a block can only matter when its best sum beats the k-th best (x + add is monotonic in x),
+          // or while fewer than k are kept (then every value counts, NaN as -inf)
+          if (best.count == k && !(block_max(x + start, len) + add > best.worst())) continue;
+          for (int64_t i = start; i < start + len; ++i) {
+            const float total = std::isnan(x[i]) ? neg_inf : x[i] + add;
+            best.offer(total, b * V + i);
+          }
+        }
+      }
     }
   });
 }

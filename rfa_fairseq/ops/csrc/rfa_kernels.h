@@ -21,3 +21,5 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
                         torch::Tensor& weights);
 void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
                     const torch::Tensor& beta, double eps, torch::Tensor& out);
+void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
+                     torch::Tensor& scores_out, torch::Tensor& indices_out);
