@@ -156,8 +156,9 @@ def generate(args, model, batch_size, threads, hyp_path):
 
 
 def gemm_backend(model, log_text) -> str:
-    """The CPU GEMM library behind the run's linear layers: CTranslate2 says which in its verbose log; torch's
-    CPU linear layers call the BLAS it was built with (MKL in the pinned wheel)."""
+    """The CPU GEMM library behind the run's linear layers: CTranslate2 says which in its verbose log, and so
+    does an rfa_transformer's decoder (oneDNN with the C++ kernels); torch's own CPU linear layers call the BLAS
+    it was built with (MKL in the pinned wheel)."""
     if model in CT2_MODELS:
         kind = "GEMM_S8" if CT2_MODELS[model][1].startswith("int8") else "SGEMM"
         found = re.search(rf"{kind} backend: (.+)", log_text)
@@ -165,7 +166,10 @@ def gemm_backend(model, log_text) -> str:
     import torch
 
     blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
-    return f"torch {blas.group(1) if blas else 'default BLAS'}"
+    blas = f"torch {blas.group(1) if blas else 'default BLAS'}"
+    # an rfa_transformer's decoder logs what its decoding step's linear layers run on (the encoder's follow it)
+    found = re.search(r"decoding step kernels: \w+; linear layers: (.+)", log_text)
+    return blas if found is None or found.group(1).strip() == "torch addmm" else found.group(1).strip()
 
 
 def bleu(hyps, refs) -> float:

@@ -132,12 +132,15 @@ def test_cross_attention_state_is_computed_once_per_source(cross):
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=5)
     cross = model.decoder.layers[0].encoder_attn
-    calls = []
-    hook = cross.k_proj.register_forward_hook(lambda *a: calls.append(1))
+    prepared, read = [], []  # the K/V (softmax) or S (RFA) that each step reads
+    prepare_step, step = cross.prepare_step, cross.step
+    cross.prepare_step = lambda buffers, *a, **k: prepared.append(1) or prepare_step(buffers, *a, **k)
+    cross.step = lambda h, buffers, *a, **k: read.append(
+        [buffers[n] for n in ("key", "value", "rfa_state") if n in buffers]) or step(h, buffers, *a, **k)
     with torch.no_grad():
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
-    hook.remove()
-    assert len(calls) == 1
+    assert len(prepared) == 1 and len(read) == prev.size(1)
+    assert all(len(r) == len(read[0]) and all(a is b for a, b in zip(r, read[0])) for r in read)
 
 
 def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval():
@@ -346,11 +349,13 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
         model.eval()
         src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)
         builds, state = [], {}
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)  # its layers pick their kernels once
         with monkeypatch.context() as patch:
             loader = decode_step.load_fused_extension
             patch.setattr(decode_step, "load_fused_extension", lambda: builds.append(1) or loader())
             with torch.no_grad():
-                outputs[kernel] = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+                outputs[kernel] = _decode_incrementally(model, encoder_out, prev, state)
         assert len(builds) == (kernel == "auto"), "the kernels are chosen once per batch; torch never loads C++"
         assert state[DecodeState.KEY]["state"].kernels.name == ("torch" if kernel == "torch" else "cpp")
     for kernel, out in outputs.items():
@@ -414,3 +419,30 @@ def test_attention_dropout_reaches_rfa_and_softmax_layers():
     assert [m.dropout for m in model.rfa_modules()] == [0.2, 0.2]
     assert model.decoder.layers[0].encoder_attn.dropout_module.p == 0.2
     assert model.encoder.layers[0].self_attn.dropout_module.p == 0.2
+
+
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
+@pytest.mark.parametrize("normalize_before", [False, True], ids=["post_norm", "pre_norm"])
+def test_softmax_encoder_inference_equals_fairseqs_forward_and_repacks_changed_weights(kernel, normalize_before):
+    """The softmax encoder's inference (eval, no autograd: the step's kernels, oneDNN on packed weights with the
+    C++ kernels) equals fairseq's own forward (taken with autograd on) on padded sources; after an in-place
+    parameter update (an optimizer step between two validations) it uses the new weights."""
+    from rfa_fairseq.ops import load_fused_extension
+
+    if kernel == "cpp" and load_fused_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    flags = ["--rfa-decode-kernel", kernel] + (["--encoder-normalize-before"] if normalize_before else [])
+    model, d = build_model(flags)
+    model.eval()
+    src, src_lengths, _ = random_batch(d, bsz=4, src_len=9, tgt_len=2, seed=3)
+    assert src.eq(d.pad()).any(), "the batch must have padding"
+
+    def encode(inference):
+        with torch.set_grad_enabled(not inference):
+            return model.encoder(src, src_lengths=src_lengths)["encoder_out"][0].detach()
+
+    torch.testing.assert_close(encode(True), encode(False), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.encoder.layers[0].fc2.weight.mul_(-1.0)
+        model.encoder.layers[-1].self_attn.v_proj.bias.add_(0.5)
+    torch.testing.assert_close(encode(True), encode(False), rtol=1e-5, atol=1e-5)

@@ -2,13 +2,16 @@
 and scores for every option it serves, fairseq's generator (and a log line naming why) for the others, and
 fairseq-generate's H-/P- lines identical with either generator."""
 import argparse
+import csv
 import logging
+import os
+import sys
 import types
 
 import pytest
 import torch
 from cli_support import run, synthetic_data, train_generate_model
-from conftest import PLUGIN_DIR
+from conftest import PLUGIN_DIR, REPO
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks import FairseqTask
 from helpers import build_model, random_batch
@@ -180,6 +183,7 @@ def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_f
             expected_log = ("static beam search generator" if name == "static"
                             else f"not the static beam search: {FORCE_SEQUENCE_GENERATOR_ENV}=1")
             assert expected_log in proc.stdout + proc.stderr
+            assert "rfa_fairseq: decoding step kernels: " in proc.stdout + proc.stderr  # once, with the GEMM used
             outputs[name] = [line.split("\t") for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "D-")]
             assert sum(fields[0].startswith("H-") for fields in outputs[name]) == 40
         assert len(outputs["static"]) == len(outputs["fairseq"])
@@ -193,3 +197,19 @@ def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_f
             else:  # H-/D-: id, score, hypothesis
                 assert (static[0], static[2]) == (fairseq[0], fairseq[2]), options
                 assert abs(float(static[1]) - float(fairseq[1])) <= 1e-4, (static, fairseq)
+
+    # the step's profile (benchmarks/profile_generate.py) on the same model: every part, a GEMM floor below the
+    # step's linear layers' time, parts adding up to the total
+    prep = tmp_path_factory.mktemp("profile_prep")
+    (prep / "data-bin").symlink_to(data / "bin")
+    csv_path = prep / "profile.csv"
+    run(sys.executable, os.path.join(REPO, "benchmarks", "profile_generate.py"), "--prep", prep, "--path", checkpoint,
+        "--batch-sizes", "8", "--threads", "1", "--csv", csv_path)
+    with open(csv_path) as f:
+        rows = {row["part"]: row for row in csv.DictReader(f)}
+    parts = {"encoder", "decoder: linear", "decoder: causal RFA", "decoder: softmax cross", "decoder: layer norm",
+             "decoder: other", "log_softmax", "beam_candidates", "search: other", "rfa total", "gemm_floor"}
+    assert parts <= set(rows), sorted(rows)
+    seconds = {part: float(row["seconds"]) for part, row in rows.items()}
+    assert abs(sum(s for p, s in seconds.items() if p not in ("rfa total", "gemm_floor")) - seconds["rfa total"]) < 1e-2
+    assert 0 < seconds["gemm_floor"] and 0 < seconds["decoder: linear"] < seconds["rfa total"]

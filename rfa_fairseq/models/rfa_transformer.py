@@ -8,6 +8,7 @@ Defaults follow the paper's MT setup: RFA in decoder self-attention and in encod
 softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
+import logging
 import weakref
 
 import torch
@@ -26,6 +27,7 @@ from fairseq.models.transformer import (
     transformer_wmt_en_de,
     transformer_wmt_en_de_big,
 )
+from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
@@ -34,6 +36,8 @@ from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_a
 from ..modules import RFAAttention, SoftmaxCrossAttention
 from ..modules.decoding import DecodeState, Workspace, follow_rows
 from ..ops import step_kernels
+
+logger = logging.getLogger(__name__)
 
 RFA_CONFIG = "rfa_config"  # the model's RFAConfig, in the cfg that build_model hands to fairseq's builders
 
@@ -51,6 +55,70 @@ class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
         return RFAAttention(embed_dim, cfg.encoder.attention_heads, dropout=cfg.attention_dropout, self_attention=True,
                             q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
                             rfa=getattr(cfg, RFA_CONFIG))
+
+
+class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
+    """fairseq's softmax encoder layer (the default: no --rfa-encoder-self-attn), same parameters. Inference
+    (eval, no autograd: fairseq-generate's encoder pass) runs its linear layers on the decoding step's
+    kernels (ops.step_kernels: oneDNN on weights packed once on the CPU, the residual fused) and its
+    attention in torch's scaled_dot_product_attention; training and what inference does not serve run
+    fairseq's forward."""
+
+    def __init__(self, cfg, return_fc=False):
+        super().__init__(cfg, return_fc=return_fc)
+        self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
+        self._packed = Workspace()  # the packed weights, packed again when a parameter changes
+        self._kernels = None  # ((device, dtype), the kernels picked for them)
+
+    def forward(self, x, encoder_padding_mask, attn_mask=None):
+        if self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc or not self._plain():
+            return super().forward(x, encoder_padding_mask, attn_mask)
+        return self._infer(x, encoder_padding_mask, self._step_kernels(x))
+
+    def _step_kernels(self, x):
+        """ops.step_kernels for x's device and dtype, picked once per layer (not at every batch)."""
+        where = (x.device, x.dtype)
+        if self._kernels is None or self._kernels[0] != where:
+            self._kernels = (where, step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype))
+        return self._kernels[1]
+
+    def _plain(self) -> bool:
+        attn = self.self_attn
+        biased = all(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        return type(attn) is MultiheadAttention and attn.bias_k is None and not attn.add_zero_attn and biased \
+            and not attn.use_xformers
+
+    def _linear(self, name: str, kernels, modules):
+        """The linear layers `modules` (one, or q, k, v as one) packed for the kernels."""
+        params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
+        build = lambda: (torch.cat([m.weight for m in modules]), torch.cat([m.bias for m in modules]))  # noqa: E731
+        return self._packed.packed_linear(name, kernels, params, build)
+
+    def _infer(self, x, key_padding_mask, kernels):
+        """x (T, B, C), key_padding_mask (B, T) bool or None -> the layer's output (T, B, C)."""
+        T, B, C = x.shape
+        attn, H = self.self_attn, self.self_attn.num_heads
+        x = x.reshape(T * B, C)
+        h = self.self_attn_layer_norm(x) if self.normalize_before else x
+        qkv = kernels.linear(h, self._linear("qkv", kernels, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                             x.new_empty(T * B, 3 * C))
+        q, k, v = qkv.view(T, B, 3, H, C // H).permute(2, 1, 3, 0, 4).unbind(0)  # (B, H, T, d) each
+        mask = None if key_padding_mask is None else ~key_padding_mask.view(B, 1, 1, T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scale d^-0.5, fairseq's scaling
+        o = o.permute(2, 0, 1, 3).reshape(T * B, C)
+        x = kernels.linear(o, self._linear("out_proj", kernels, (attn.out_proj,)), x.new_empty(T * B, C), residual=x)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.normalize_before else x
+        relu = self.activation_fn is F.relu
+        hidden = kernels.linear(h, self._linear("fc1", kernels, (self.fc1,)), x.new_empty(T * B, self.fc1.out_features),
+                                activation="relu" if relu else None)
+        if not relu:
+            hidden = self.activation_fn(hidden)
+        x = kernels.linear(hidden, self._linear("fc2", kernels, (self.fc2,)), x.new_empty(T * B, C), residual=x)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x.view(T, B, C)
 
 
 class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -131,7 +199,7 @@ class RFATransformerEncoder(TransformerEncoderBase):
 
     def build_encoder_layer(self, cfg):
         if not cfg.rfa_encoder_self_attn:
-            return super().build_encoder_layer(cfg)
+            return _wrap_layer(SoftmaxEncoderLayer(cfg, return_fc=self.return_fc), cfg)
         return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
     def reorder_encoder_out(self, encoder_out, new_order):
@@ -160,6 +228,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
         self._workspace = None
+        self._logged_kernels = None
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
@@ -217,6 +286,9 @@ class RFATransformerDecoder(TransformerDecoderBase):
         state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
                             len(self.layers), weight.device, weight.dtype)
         weakref.finalize(state, self._return_workspace, workspace)  # the next batch reuses it
+        if self._logged_kernels != state.kernels.name:  # once per decoder (and when the choice changes)
+            self._logged_kernels = state.kernels.name
+            logger.info(f"rfa_fairseq: decoding step kernels: {state.kernels.name}; linear layers: {state.kernels.gemm}")
         if key is not None:
             key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
         for i, layer in enumerate(self.layers):

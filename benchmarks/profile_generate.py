@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Where a beam search's time goes: the default rfa_transformer's static beam search, part by part, against
+CTranslate2 on the softmax twin and the GEMM-bound floor, in one process, on the same test set.
+
+The test set is batched as fairseq-generate batches it (--batch-size sentences, sorted by source length, beam 4,
+length penalty 1, max length source + 50); each part's time is summed over the whole set, after one warm-up pass:
+
+    encoder            the encoder pass of each batch (SoftmaxEncoderLayer's inference)
+    decoder: linear    every linear layer of the decoder (kernels.linear: oneDNN on packed weights): the steps'
+                       and each batch's cross-attention K/V
+    decoder: causal RFA / softmax cross / layer norm   the step's C++ kernels
+    decoder: other     the rest of the decoder (embeddings, the batch's state, buffers, Python)
+    log_softmax, beam_candidates, search: other     the search around the step (masks, finalize, reorders, Python)
+
+`gemm_floor` times the step's linear layers alone, on the same packed weights, at the rows of every step that
+was run (each batch's rows shrink as its sentences finish): what a step could take if it were its GEMMs only.
+`ctranslate2 total` is CTranslate2 on the same sentences, same batch size, beam and threads, in a process of its
+own (benchmarks/ctranslate2_generate.py; its one translate_batch call, warm-up included; no per-part profile:
+CTranslate2's Python API has none). Writes one CSV row per (batch size, part).
+
+    python benchmarks/profile_generate.py --prep outputs/multi30k --path CKPT --ct2-model CT2_DIR
+"""
+import argparse
+import collections
+import csv
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_common import PLUGIN_DIR  # noqa: E402
+
+STEP_KERNELS = {"linear": "decoder: linear", "causal_layer_step": "decoder: causal RFA",
+                "softmax_cross_step": "decoder: softmax cross", "add_layer_norm": "decoder: layer norm"}
+
+
+class PartTimer:
+    """Sums the wall time of wrapped callables by part (reset between batch sizes)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.seconds, self.calls = collections.defaultdict(float), collections.Counter()
+        self.in_decoder = False
+
+    def wrap(self, owner, name, part, before=None, decoder_only=False):
+        """decoder_only: count only calls made inside the decoder (the encoder runs the same kernels)."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            if decoder_only and not self.in_decoder:
+                return original(*args, **kwargs)
+            if before is not None:
+                before(*args)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+                self.calls[part] += 1
+
+        setattr(owner, name, timed)
+
+
+def load(args):
+    from fairseq import checkpoint_utils, options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_generation_parser()
+    gen_args = options.parse_args_and_arch(parser, [
+        os.path.join(args.prep, "data-bin"), "--user-dir", PLUGIN_DIR, "--path", args.path, "--gen-subset", "test",
+        "--beam", "4", "--lenpen", "1", "--max-len-a", "1", "--max-len-b", "50", "--cpu"])
+    cfg = convert_namespace_to_omegaconf(gen_args)
+    utils.import_user_module(cfg.common)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("test")
+    models, _ = checkpoint_utils.load_model_ensemble([args.path], task=task)
+    model = models[0].eval()
+    generator = task.build_generator(models, cfg.generation)
+    if type(generator).__name__ != "StaticBeamSearchGenerator":
+        sys.exit(f"profile_generate: {args.path} did not get the static beam search ({type(generator).__name__})")
+
+    def batches(batch_size):
+        itr = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=batch_size,
+                                      required_batch_size_multiple=1, disable_iterator_cache=True,
+                                      max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()))
+        return list(itr.next_epoch_itr(shuffle=False))
+
+    return model, generator, batches
+
+
+def instrument(model):
+    """Wraps the parts once (this process only profiles); -> the timer and the list of every step's rows."""
+    from rfa_fairseq.ops import decode_step
+
+    timer, rows = PartTimer(), []
+    timer.wrap(model.encoder, "forward_torchscript", "encoder")
+    timer.wrap(model.decoder, "_step", "decoder step", before=lambda state, tokens, *_: rows.append(tokens.size(0)))
+    forward = model.decoder.forward
+
+    def decoder_forward(*args, **kwargs):  # a batch's first step prepares its K/V here (kernels.linear too)
+        timer.in_decoder = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            timer.in_decoder = False
+
+    model.decoder.forward = decoder_forward
+    timer.wrap(model.decoder, "forward", "decoder")
+    for name, part in STEP_KERNELS.items():
+        timer.wrap(decode_step.CppKernels, name, part, decoder_only=True)
+    timer.wrap(decode_step.CppKernels, "beam_candidates", "beam_candidates")
+    timer.wrap(torch, "log_softmax", "log_softmax")
+    return timer, rows
+
+
+def profile_rfa(model, generator, batches, timer, rows):
+    """-> {part: seconds}, {part: calls}, the rows of every decoder step, total seconds."""
+    with torch.no_grad():
+        for batch in batches:  # warm-up: weights packed, oneDNN primitives made for every row count
+            generator.generate([model], batch)
+        timer.reset()
+        rows.clear()
+        start = time.perf_counter()
+        for batch in batches:
+            generator.generate([model], batch)
+        total = time.perf_counter() - start
+    seconds, calls = dict(timer.seconds), dict(timer.calls)
+    seconds.pop("decoder step")
+    calls["decoder: other"] = calls.pop("decoder step")  # steps
+    seconds["decoder: other"] = seconds.pop("decoder") - sum(seconds.get(p, 0.0) for p in STEP_KERNELS.values())
+    calls.pop("decoder")
+    seconds["search: other"] = total - sum(seconds.values())
+    return seconds, calls, list(rows), total
+
+
+def gemm_floor(model, rows):
+    """Seconds of the decoding steps' linear layers alone at each step's rows, on the same packed weights."""
+    from rfa_fairseq.ops import step_kernels
+
+    workspace = model.decoder._workspace
+    kernels = step_kernels(model.decoder.rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32)
+    # the linear layers of every step (the cross-attention's K/V projection runs once per batch)
+    weights = [packed for name, (_, packed) in workspace.packed.items() if not name.endswith("kv_proj")]
+    inputs = {(r, i): torch.randn(r, w.size(1)) for r in set(rows) for i, (w, _) in enumerate(weights)}
+    outputs = {(r, i): torch.empty(r, w.size(0)) for r in set(rows) for i, (w, _) in enumerate(weights)}
+    with torch.no_grad():
+        start = time.perf_counter()
+        for r in rows:
+            for i, packed in enumerate(weights):
+                kernels.linear(inputs[(r, i)], packed, outputs[(r, i)])
+        return time.perf_counter() - start
+
+
+def profile_ct2(args, batch_size):
+    """CTranslate2's seconds for the test set (benchmarks/ctranslate2_generate.py, in a process of its own: in
+    this one, torch's OpenMP threads would still be spinning beside CTranslate2's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctranslate2_generate.py"),
+               "--model", args.ct2_model, "--source", os.path.join(args.prep, "test.spm.en"),
+               "--output", os.path.join(tmp, "hyp.txt"), "--threads", str(args.threads), "--batch-size",
+               str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    found = re.search(r"Translated .* in [\d.]+s \(([\d.]+) sentences/s", proc.stdout + proc.stderr)
+    if proc.returncode != 0 or found is None:
+        sys.exit(f"profile_generate: {' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return len(open(os.path.join(args.prep, "test.spm.en"), encoding="utf-8").read().splitlines()) / float(found.group(1))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prep", required=True, help="output of data-prep/prepare-multi30k.sh (data-bin/, test.spm.en)")
+    p.add_argument("--path", required=True, help="the default rfa_transformer checkpoint")
+    p.add_argument("--ct2-model", help="CTranslate2 conversion of the softmax twin (benchmark_generate.py makes one)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                 "profile_generate_multi30k_cpu.csv"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, generator, batches_of = load(args)
+    timer, step_rows = instrument(model)
+    out = []
+    for batch_size in args.batch_sizes:
+        seconds, calls, rows, total = profile_rfa(model, generator, batches_of(batch_size), timer, step_rows)
+        steps = len(rows)
+        for part, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+            out.append({"batch_size": batch_size, "threads": args.threads, "part": part, "seconds": f"{s:.3f}",
+                        "ms_per_step": f"{1e3 * s / steps:.3f}", "calls": calls.get(part, "")})
+        out.append({"batch_size": batch_size, "threads": args.threads, "part": "rfa total", "seconds": f"{total:.3f}",
+                    "ms_per_step": f"{1e3 * total / steps:.3f}", "calls": steps})
+        floor = gemm_floor(model, rows)
+        out.append({"batch_size": batch_size, "threads": args.threads, "part": "gemm_floor", "seconds": f"{floor:.3f}",
+                    "ms_per_step": f"{1e3 * floor / steps:.3f}", "calls": steps})
+        if args.ct2_model:
+            ct2 = profile_ct2(args, batch_size)
+            out.append({"batch_size": batch_size, "threads": args.threads, "part": "ctranslate2 total",
+                        "seconds": f"{ct2:.3f}", "ms_per_step": "", "calls": ""})
+        for row in out:
+            if row["batch_size"] == batch_size:
+                print(f"batch {batch_size:4d}  {row['part']:22s} {row['seconds']:>8s} s  {row['ms_per_step']:>8s} ms/step")
+    os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
+    with open(args.csv + ".tmp", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(out[0]))
+        writer.writeheader()
+        writer.writerows(out)
+    os.replace(args.csv + ".tmp", args.csv)
+    print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
