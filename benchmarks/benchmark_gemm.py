@@ -16,7 +16,6 @@ query and output, fc1 and fc2, then the vocabulary projection (V = 7,997). Each 
     python benchmarks/benchmark_gemm.py --threads 1 2    # -> benchmarks/results/gemm_step_shapes_cpu.csv
 """
 import argparse
-import csv
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import machine_description  # noqa: E402
+from benchmark_common import machine_description, write_csv  # noqa: E402
 
 
 def step_shapes(layers=3, embed=256, ffn=1024, proj=388, vocab=7997):
@@ -88,11 +87,7 @@ def main():
                     print(f"{threads} threads, {rows:4d} rows  {library:10s} {ms:7.3f} ms  "
                           f"{flops / ms / 1e6:6.1f} GFLOP/s  {totals['addmm'] / ms:.2f}x addmm")
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-    with open(args.csv + ".tmp", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(out[0]))
-        writer.writeheader()
-        writer.writerows(out)
-    os.replace(args.csv + ".tmp", args.csv)
+    write_csv(args.csv, out)
     print(f"wrote {args.csv}")
 
 

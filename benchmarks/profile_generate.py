@@ -22,7 +22,6 @@ CTranslate2's Python API has none). Writes one CSV row per (batch size, part).
 """
 import argparse
 import collections
-import csv
 import functools
 import os
 import re
@@ -34,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import PLUGIN_DIR  # noqa: E402
+from benchmark_common import PLUGIN_DIR, write_csv  # noqa: E402
 
 STEP_KERNELS = {"linear": "decoder: linear", "causal_layer_step": "decoder: causal RFA",
                 "softmax_cross_step": "decoder: softmax cross", "add_layer_norm": "decoder: layer norm"}
@@ -209,11 +208,7 @@ def main():
             if row["batch_size"] == batch_size:
                 print(f"batch {batch_size:4d}  {row['part']:22s} {row['seconds']:>8s} s  {row['ms_per_step']:>8s} ms/step")
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-    with open(args.csv + ".tmp", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(out[0]))
-        writer.writeheader()
-        writer.writerows(out)
-    os.replace(args.csv + ".tmp", args.csv)
+    write_csv(args.csv, out)
     print(f"wrote {args.csv}")
 
 
