@@ -47,6 +47,20 @@ class StaticBeamSearchGenerator(nn.Module):
         self.normalize_scores, self.len_penalty, self.unk_penalty = normalize_scores, len_penalty, unk_penalty
         self.repeat_ngram_blocker = NGramRepeatBlock(no_repeat_ngram_size) if no_repeat_ngram_size > 0 else None
         self.model.eval()
+        self._prepare_weights()
+
+    @torch.no_grad()
+    def _prepare_weights(self) -> None:
+        """The encoder and one decoding step on a one-token source: the layers pack their weights for the
+        kernels now, as the generator is built (CTranslate2 prepares its weights when it loads a model), not
+        inside the first batch's translation."""
+        weight = self.model.decoder.embed_tokens.weight
+        src_tokens = torch.full((1, 1), self.eos, dtype=torch.long, device=weight.device)
+        encoder_out = self.model.encoder.forward_torchscript(
+            {"src_tokens": src_tokens, "src_lengths": torch.ones(1, dtype=torch.long, device=weight.device)})
+        rows = torch.zeros(self.beam_size, dtype=torch.long, device=weight.device)
+        encoder_out = self.model.encoder.reorder_encoder_out(encoder_out, rows)
+        self._log_probs(torch.full((self.beam_size, 1), self.eos, dtype=torch.long, device=weight.device), encoder_out, {})
 
     @torch.no_grad()
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
