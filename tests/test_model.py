@@ -446,3 +446,20 @@ def test_softmax_encoder_inference_equals_fairseqs_forward_and_repacks_changed_w
         model.encoder.layers[0].fc2.weight.mul_(-1.0)
         model.encoder.layers[-1].self_attn.v_proj.bias.add_(0.5)
     torch.testing.assert_close(encode(True), encode(False), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_has_decoded_deep_copies_and_pickles_and_its_copy_decodes_alike():
+    """The packed weights and kernels (a cache in the layers' workspaces: oneDNN's packed tensors cannot be copied)
+    do not travel with copies of the model (EMA, averaging scripts, whole-module torch.save)."""
+    import copy
+    import pickle
+
+    model, d = build_model()
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=2, src_len=7, tgt_len=5, seed=4)
+    with torch.no_grad():
+        out = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            twin_out = _decode_incrementally(twin, twin.encoder(src, src_lengths=src_lengths), prev, {})
+        torch.testing.assert_close(twin_out, out, rtol=0, atol=0)

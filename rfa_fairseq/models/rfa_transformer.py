@@ -67,8 +67,7 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
     def __init__(self, cfg, return_fc=False):
         super().__init__(cfg, return_fc=return_fc)
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
-        self._packed = Workspace()  # the packed weights, packed again when a parameter changes
-        self._kernels = None  # ((device, dtype), the kernels picked for them)
+        self._packed = Workspace()  # the packed weights (packed again when a parameter changes) and the kernels
 
     def forward(self, x, encoder_padding_mask, attn_mask=None):
         if self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc or not self._plain():
@@ -78,9 +77,9 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
     def _step_kernels(self, x):
         """ops.step_kernels for x's device and dtype, picked once per layer (not at every batch)."""
         where = (x.device, x.dtype)
-        if self._kernels is None or self._kernels[0] != where:
-            self._kernels = (where, step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype))
-        return self._kernels[1]
+        if self._packed.kernels is None or self._packed.kernels[0] != where:
+            self._packed.kernels = (where, step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype))
+        return self._packed.kernels[1]
 
     def _plain(self) -> bool:
         attn = self.self_attn

@@ -31,6 +31,15 @@ class Workspace:
     def __init__(self):
         self.buffers: Dict[str, Tensor] = {}
         self.packed: Dict[str, tuple] = {}  # name -> (key of the parameters and kernels, packed weight)
+        self.kernels = None  # (where, kernels) for a module that picks its kernels once (SoftmaxEncoderLayer)
+
+    # a cache: copies and pickles of a model start with an empty one (oneDNN's packed tensors cannot be copied,
+    # nor can the kernels' C++ module)
+    def __deepcopy__(self, memo):
+        return Workspace()
+
+    def __reduce__(self):
+        return (Workspace, ())
 
     def take(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
              returned: bool = False) -> Tensor:
