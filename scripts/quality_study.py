@@ -188,6 +188,23 @@ def run(cmd, env=None, log_path=None, timeout_s=None, limit_name=""):
         raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; log {log_path}:\n" + "\n".join(tail))
 
 
+def train_seconds_of(log_text: str) -> float:
+    """Training seconds of every fairseq-train run in a train.log (train.sh appends one per run, each starting
+    with a `train.sh: <UTC time>:` line; a continued run's log starts with its shorter run's): fairseq's own
+    "done training in N seconds", or for a run that was killed, its first to its last time-stamped line."""
+    total = 0.0
+    for run_log in re.split(r"^(?=train\.sh: )", log_text, flags=re.M):
+        done = re.search(r"done training in ([\d.]+) seconds", run_log)
+        if done:
+            total += float(done.group(1))
+            continue
+        stamps = re.findall(r"^(?:train\.sh: )?(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)", run_log, flags=re.M)
+        if len(stamps) >= 2:
+            first, last = (datetime.datetime.fromisoformat(f"{day}T{time}") for day, time in (stamps[0], stamps[-1]))
+            total += (last - first).total_seconds()
+    return total
+
+
 def parse_train_log(text: str):
     """Valid loss after each epoch and the training words/s fairseq logged at each epoch's end."""
     valid = {int(m.group(2)): float(m.group(1))  # by update: a resumed run may repeat an epoch
@@ -232,11 +249,10 @@ def train_and_score(name, args, shared_env, runs_sharing):
     extra = BUDGET_ARGS + ["--seed", str(args.seed)] + flags + shlex.split(args.train_args)
     extra += ["--cpu"] if args.device == "cpu" else []
     train_seconds = _train_to(env, extra, work, args.max_update, args)
-    valid, wps = parse_train_log(open(train_log).read())
-    # fairseq's cumulative wall clock (restored on resume): the whole run's time, also for a continued run
-    walls = re.findall(r"\| train \|.*?\| wall (\d+)", open(train_log).read())
-    if walls:
-        train_seconds = float(walls[-1])
+    log_text = open(train_log).read()
+    valid, wps = parse_train_log(log_text)
+    # the whole run's time, also for a continued or resumed one (fairseq's `wall` restarts at 0 on resume)
+    train_seconds = train_seconds_of(log_text) or train_seconds
     if not valid:
         raise RuntimeError(f"{name}: no validation results in {train_log}")
 

@@ -99,3 +99,22 @@ def test_a_run_continues_the_furthest_shorter_run_of_the_same_model(tmp_path, mo
     fresh = tmp_path / "fresh"
     quality_study._continue_from(str(fresh), sources, 400)  # every source is past 400: nothing to continue
     assert not fresh.exists()
+
+
+def test_train_seconds_add_every_run_of_a_continued_and_resumed_log():
+    """A continued run's train.log holds its shorter run's log, then one part per fairseq-train run (train.sh's
+    line first); fairseq's `wall` restarts at 0 on resume, so the time is fairseq's "done training in" of each
+    finished run plus a killed run's first-to-last line."""
+    log = "\n".join([
+        "train.sh: 2026-11-25T10:00:00Z: fairseq-train ...",
+        "2026-11-25 10:00:02 | INFO | train | epoch 001 | wall 100",
+        "2026-11-25 11:00:00 | INFO | fairseq_cli.train | done training in 3598.0 seconds",
+        "train.sh: 2026-11-25T12:00:00Z: fairseq-train ...",  # killed after 10 minutes
+        "2026-11-25 12:00:05 | INFO | train_inner | epoch 002: wall=0",
+        "2026-11-25 12:10:00 | INFO | train_inner | epoch 002: wall=0",
+        "train.sh: 2026-11-25T13:00:00Z: fairseq-train ...",
+        "2026-11-25 13:30:00 | INFO | train | epoch 003 | wall 0",
+        "2026-11-25 13:30:01 | INFO | fairseq_cli.train | done training in 1800.5 seconds",
+    ])
+    assert quality_study.train_seconds_of(log) == 3598.0 + 600.0 + 1800.5
+    assert quality_study.train_seconds_of("") == 0.0
