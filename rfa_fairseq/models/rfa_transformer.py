@@ -83,15 +83,12 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
 
     def _plain(self) -> bool:
         attn = self.self_attn
-        biased = all(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-        return type(attn) is MultiheadAttention and attn.bias_k is None and not attn.add_zero_attn and biased \
-            and not attn.use_xformers
+        return (type(attn) is MultiheadAttention and attn.bias_k is None and not attn.add_zero_attn
+                and not attn.use_xformers)
 
-    def _linear(self, name: str, kernels, modules):
+    def _linear(self, name: str, kernels, *modules):
         """The linear layers `modules` (one, or q, k, v as one) packed for the kernels."""
-        params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
-        build = lambda: (torch.cat([m.weight for m in modules]), torch.cat([m.bias for m in modules]))  # noqa: E731
-        return self._packed.packed_linear(name, kernels, params, build)
+        return self._packed.packed_linears(name, kernels, modules)
 
     def _infer(self, x, key_padding_mask, kernels):
         """x (T, B, C), key_padding_mask (B, T) bool or None -> the layer's output (T, B, C)."""
@@ -99,22 +96,22 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         attn, H = self.self_attn, self.self_attn.num_heads
         x = x.reshape(T * B, C)
         h = self.self_attn_layer_norm(x) if self.normalize_before else x
-        qkv = kernels.linear(h, self._linear("qkv", kernels, (attn.q_proj, attn.k_proj, attn.v_proj)),
+        qkv = kernels.linear(h, self._linear("qkv", kernels, attn.q_proj, attn.k_proj, attn.v_proj),
                              x.new_empty(T * B, 3 * C))
         q, k, v = qkv.view(T, B, 3, H, C // H).permute(2, 1, 3, 0, 4).unbind(0)  # (B, H, T, d) each
         mask = None if key_padding_mask is None else ~key_padding_mask.view(B, 1, 1, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scale d^-0.5, fairseq's scaling
         o = o.permute(2, 0, 1, 3).reshape(T * B, C)
-        x = kernels.linear(o, self._linear("out_proj", kernels, (attn.out_proj,)), x.new_empty(T * B, C), residual=x)
+        x = kernels.linear(o, self._linear("out_proj", kernels, attn.out_proj), x.new_empty(T * B, C), residual=x)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.normalize_before else x
         relu = self.activation_fn is F.relu
-        hidden = kernels.linear(h, self._linear("fc1", kernels, (self.fc1,)), x.new_empty(T * B, self.fc1.out_features),
+        hidden = kernels.linear(h, self._linear("fc1", kernels, self.fc1), x.new_empty(T * B, self.fc1.out_features),
                                 activation="relu" if relu else None)
         if not relu:
             hidden = self.activation_fn(hidden)
-        x = kernels.linear(hidden, self._linear("fc2", kernels, (self.fc2,)), x.new_empty(T * B, C), residual=x)
+        x = kernels.linear(hidden, self._linear("fc2", kernels, self.fc2), x.new_empty(T * B, C), residual=x)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x.view(T, B, C)
@@ -153,7 +150,8 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
         self.self_attn.prepare_step(buffers["self"], state, name=f"layer{index}.self")
         if self.encoder_attn is not None and key is not None:
             self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask, name=f"layer{index}.cross")
-        buffers["ffn"] = {name: state.packed_linear(f"layer{index}.{name}", getattr(self, name)) for name in ("fc1", "fc2")}
+        buffers["ffn"] = {name: state.packed_linear(f"layer{index}.{name}", getattr(self, name))
+                          for name in ("fc1", "fc2")}
 
     def step(self, x, state: DecodeState, index: int, key_pad, need_weights: bool):
         """x (R, C) <- the layer's output, in place; -> the cross-attention weights (R, S) or None."""

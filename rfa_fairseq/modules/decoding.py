@@ -64,7 +64,8 @@ class Workspace:
     def tensors(self) -> List[Tensor]:
         return list(self.buffers.values())
 
-    def packed_linear(self, name: str, kernels, sources: Sequence[Tensor], build: Callable[[], Tuple[Tensor, Optional[Tensor]]]):
+    def packed_linear(self, name: str, kernels, sources: Sequence[Tensor],
+                      build: Callable[[], Tuple[Tensor, Optional[Tensor]]]):
         """kernels.pack_linear(*build()) for the linear layer `name`, reused while the kernels and every
         parameter in `sources` (what build reads) stay the same tensors, unmodified (an optimizer step
         between two validations' decoding bumps their version, and the layer is packed again)."""
@@ -74,6 +75,22 @@ class Workspace:
             with torch.no_grad():
                 cached = self.packed[name] = (key, kernels.pack_linear(*build()))
         return cached[1]
+
+    def packed_linears(self, name: str, kernels, linears: Sequence[torch.nn.Linear]):
+        """packed_linear of nn.Linear layers that read the same input, as one product (their outputs side
+        by side: q, k, v or k, v); their biases all present or all absent."""
+        if len(linears) == 1:
+            weight, bias = linears[0].weight, linears[0].bias
+            return self.packed_linear(name, kernels, [p for p in (weight, bias) if p is not None], lambda: (weight, bias))
+        biased = [m.bias is not None for m in linears]
+        if any(biased) != all(biased):
+            raise ValueError(f"{name}: linear layers packed as one need all or none of their biases")
+
+        def build():
+            bias = torch.cat([m.bias for m in linears]) if all(biased) else None
+            return torch.cat([m.weight for m in linears]), bias
+
+        return self.packed_linear(name, kernels, [p for m in linears for p in (m.weight, m.bias) if p is not None], build)
 
 
 def _viewed_elsewhere(buf: Tensor) -> bool:
@@ -115,11 +132,11 @@ class DecodeState:
     def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
         return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
 
-    def packed_linear(self, name: str, linear=None, sources: Sequence[Tensor] = (), build=None):
-        """The weights of an nn.Linear `linear`, or of the (weight, bias) that build() derives from
-        `sources`, packed for the kernels (Workspace.packed_linear)."""
-        if linear is not None:
-            sources, build = [p for p in (linear.weight, linear.bias) if p is not None], lambda: (linear.weight, linear.bias)
+    def packed_linear(self, name: str, *linears, sources: Sequence[Tensor] = (), build=None):
+        """The nn.Linear layers `linears` as one product (Workspace.packed_linears), or the (weight, bias)
+        that build() derives from `sources` (Workspace.packed_linear), packed for the kernels."""
+        if linears:
+            return self.workspace.packed_linears(name, self.kernels, linears)
         return self.workspace.packed_linear(name, self.kernels, sources, build)
 
     def reorder_(self, new_order: Tensor) -> None:

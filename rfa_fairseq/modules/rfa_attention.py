@@ -294,7 +294,7 @@ class RFAAttention(nn.Module):
     def _causal_step(self, h: Tensor, buffers: dict, state, key_pad: Tensor) -> Tensor:
         R, C, H = h.size(0), self.embed_dim, self.num_heads
         packed, width = buffers["proj"], buffers["q_width"]
-        proj = state.kernels.linear(h, packed, state.buffer("proj", R, 2 * width + C + (H if self.gate_proj is not None else 0)))
+        proj = state.kernels.linear(h, packed, state.buffer("proj", R, packed[1].numel()))  # [q | k | v | gate]
         q, k = proj[:, :width], proj[:, width: 2 * width]
         activation = self.phi.step_activation  # None: the step takes features, computed here
         if activation is None:

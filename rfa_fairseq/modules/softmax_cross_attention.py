@@ -16,15 +16,11 @@ class SoftmaxCrossAttention(MultiheadAttention):
     def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor], name: str) -> None:
         """A batch's first step: K, V of key (S, sentences, C), the padding as an additive (sentences, S) bias and
         the query and output projections packed for the kernels (under `name`)."""
-        if self.bias_k is not None or self.add_zero_attn or self.k_proj.bias is None or self.v_proj.bias is None:
-            raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention "
-                             "/ without biases")
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
         S, n, _ = key.shape
         H, d = self.num_heads, self.head_dim
-        k_proj, v_proj = self.k_proj, self.v_proj
-        kv_weights = state.packed_linear(f"{name}.kv_proj", sources=[k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias],
-                                         build=lambda: (torch.cat([k_proj.weight, v_proj.weight]),
-                                                        torch.cat([k_proj.bias, v_proj.bias])))
+        kv_weights = state.packed_linear(f"{name}.kv_proj", self.k_proj, self.v_proj)
         kv = state.kernels.linear(key.reshape(S * n, -1), kv_weights, key.new_empty(S * n, 2 * self.embed_dim))
         kv = kv.view(S, n, 2, H, d).permute(2, 1, 3, 0, 4)  # (2, n, H, S, d)
         buffers["key"], buffers["value"] = kv[0].contiguous(), kv[1].contiguous()

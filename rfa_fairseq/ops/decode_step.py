@@ -24,10 +24,10 @@
         their flat indices b * V + v (b: the beam within the sentence)
 
 Two sets: the C++ kernels (csrc/, one module loaded by extension.py) on the CPU in fp32, with the linear
-layers in oneDNN on weights packed once (torch's mkldnn ops; 2.05-2.29x torch's MKL addmm on the
-step's shapes on a 2-core AMD EPYC, benchmarks/benchmark_gemm.py), and the torch implementations below on every device and
-dtype (states and accumulations in fp32), which are what the C++ kernels are tested against beside
-ops/naive.py's recurrence. No kernel reads a value back to the host, so a step can be queued (or captured)
+layers in oneDNN on weights packed once (torch's mkldnn ops; 2.05-2.29x torch's MKL addmm on the step's
+shapes on a 2-core AMD EPYC, benchmarks/benchmark_gemm.py), and the torch implementations below on every
+device and dtype (states and accumulations in fp32), which are what the C++ kernels are tested against
+beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a step can be queued (or captured)
 as a whole; the torch kernels write into buffers their caller allocated once.
 """
 import math
