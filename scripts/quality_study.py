@@ -629,6 +629,9 @@ def main(argv=None):
     p.add_argument("--fast", action="store_true", help="--max-update 300: rank ideas before confirming at full budget")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--parallel", type=int, default=1, help="variants trained at once (default 1)")
+    p.add_argument("--runs-sharing-device", type=int, default=None,
+                   help="runs on the device in all, counting other studies started beside this one: sets the CPU "
+                        "threads per run and the CSV's runs_sharing_device (default: the runs this study trains at once)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--work-dir", default=None, help="run directories (default outputs/quality, outputs/quality_en_fr)")
     p.add_argument("--bleu-png", default=None,
@@ -660,6 +663,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.train_timeout_h <= 0 or args.decode_timeout_h <= 0:
         p.error("--train-timeout-h and --decode-timeout-h must be positive")
+    if args.runs_sharing_device is not None and args.runs_sharing_device < 1:
+        p.error(f"--runs-sharing-device must be at least 1, got {args.runs_sharing_device}")
     if args.list:
         for name, (model, flags, what) in VARIANTS.items():
             print(f"{name:30s} MODEL={model:8s} {' '.join(flags):60s} {what}")
@@ -699,7 +704,13 @@ def main(argv=None):
                       PYTHONUNBUFFERED="1")
     # CPU threads per run: parallel runs that each start one OpenMP thread per core spin against each
     # other (measured: 16 runs on a 16-core GPU machine drew orthogonal matrices 100x slower)
-    shared_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.parallel))))
+    sharing = args.parallel
+    if not args.conversion:
+        done = {key(r) for r in read_rows(args.csv)}
+        todo = [v for v in args.variants if (v, args.max_update, args.seed) not in done]
+        sharing = max(1, min(args.parallel, len(todo)))
+    sharing = args.runs_sharing_device or sharing
+    shared_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, sharing))))
 
     if args.conversion:
         if args.num_features is None:
@@ -708,14 +719,10 @@ def main(argv=None):
 
             args.num_features = RFA_DEFAULTS["rfa_num_features"]
         return conversion_study(args, shared_env)
-    rows = read_rows(args.csv)
-    done = {key(r) for r in rows}
-    todo = [v for v in args.variants if (v, args.max_update, args.seed) not in done]
     log(f"{len(args.variants) - len(todo)} of {len(args.variants)} variants already in {args.csv}; "
         f"training {len(todo)} on {args.device_name}, {args.parallel} at a time, {args.max_update} updates")
     lock = threading.Lock()
     failures = []
-    sharing = min(args.parallel, len(todo))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         futures = {pool.submit(train_and_score, v, args, shared_env, sharing): v for v in todo}
         try:

@@ -118,3 +118,35 @@ def test_train_seconds_add_every_run_of_a_continued_and_resumed_log():
     ])
     assert quality_study.train_seconds_of(log) == 3598.0 + 600.0 + 1800.5
     assert quality_study.train_seconds_of("") == 0.0
+
+
+@pytest.mark.parametrize("argv, sharing, threads", [([], 1, "2"), (["--runs-sharing-device", "2"], 2, "1")])
+def test_runs_sharing_device_sets_the_threads_and_the_row(tmp_path, monkeypatch, argv, sharing, threads):
+    """Two studies started side by side on one CPU say so: each run gets its share of the cores and its row says 2."""
+    prep = tmp_path / "prep"
+    for name in ("data-bin/dict.en.txt", "data-bin/dict.de.txt", "test.raw.de", "spm.model"):
+        (prep / name).parent.mkdir(parents=True, exist_ok=True)
+        (prep / name).write_text("")
+    seen = []
+
+    def fake_train_and_score(name, args, shared_env, runs_sharing):
+        seen.append((shared_env["OMP_NUM_THREADS"], runs_sharing))
+        return {"variant": name, "max_update": args.max_update, "seed": args.seed, "bleu": "1", "chrf": "1",
+                "valid_loss": "1", "train_seconds": "1", "decode_seconds": "1", "runs_sharing_device": runs_sharing}
+
+    monkeypatch.setattr(quality_study, "train_and_score", fake_train_and_score)
+    monkeypatch.setattr(quality_study, "plot", lambda *a, **k: None)
+    monkeypatch.setattr(quality_study, "plot_bleu_by_updates", lambda *a, **k: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    csv_path = tmp_path / "rows.csv"
+    assert quality_study.main(["--prep", str(prep), "--device", "cpu", "--variants", "softmax",
+                               "--csv", str(csv_path), *argv]) == 0
+    assert seen == [(threads, sharing)]
+    assert quality_study.read_rows(str(csv_path))[0]["runs_sharing_device"] == str(sharing)
+
+
+def test_runs_sharing_device_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        quality_study.main(["--runs-sharing-device", "0"])
+    assert exit_info.value.code == 2 and "--runs-sharing-device must be at least 1" in capsys.readouterr().err
