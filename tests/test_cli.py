@@ -71,6 +71,28 @@ def test_interactive_and_plain_transformer_checkpoint(data):
     assert len(hypotheses(generate(data, softmax))) == 40
 
 
+def valid_losses(log_text):
+    """The `loss` of every "valid on 'valid' subset" line of a fairseq log, in order."""
+    return [float(line.split("| loss ")[1].split(" ")[0]) for line in log_text.splitlines() if "valid on 'valid'" in line]
+
+
+@pytest.mark.slow
+def test_every_validation_of_a_training_run_scores_the_current_weights(data):
+    """fairseq-train validates in eval mode without autograd, where the encoder runs on packed weights
+    (SoftmaxEncoderLayer), and fairseq's Adam updates the weights through .data between validations: each logged
+    valid loss must be the model's at that update, so the last one is fairseq-validate's on the checkpoint saved
+    with it (the loss of stale packed weights differs by far more than the log's rounding)."""
+    save_dir = data / "validate_every_4"
+    proc = run("fairseq-train", data / "bin", "--user-dir", PLUGIN_DIR, "--arch", "rfa_transformer", *TINY_MODEL,
+               *TRAIN, "--max-update", "12", "--validate-interval-updates", "4", "--save-dir", save_dir)
+    logged = valid_losses(proc.stdout + proc.stderr)
+    assert len(logged) >= 3 and logged[0] != logged[-1], logged
+    proc = run("fairseq-validate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", save_dir / "checkpoint_last.pt",
+               "--task", "translation", "--valid-subset", "valid", "--max-tokens", "2000", "--num-workers", "0")
+    (validated,) = valid_losses(proc.stdout + proc.stderr)
+    assert validated == pytest.approx(logged[-1], abs=2e-3), (validated, logged)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags,code,message",

@@ -448,6 +448,41 @@ def test_softmax_encoder_inference_equals_fairseqs_forward_and_repacks_changed_w
     torch.testing.assert_close(encode(True), encode(False), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch_in_flight", [False, True], ids=["decoded", "decoding"])
+def test_a_fairseq_training_step_between_two_validations_repacks_the_weights(batch_in_flight):
+    """fairseq's Adam updates parameters through .data, which leaves their version counters alone: the packed
+    weights of a validation (encoder pass and incremental decoding, eval and no autograd, as fairseq-train's
+    validation and --eval-bleu run them) must not outlive the training step after it, also when the decoding
+    batch that holds the decoder's workspace is still alive during the step."""
+    from fairseq.optim.adam import Adam
+
+    model, d = build_model(["--dropout", "0.0"])
+    optimizer = Adam(model.parameters(), lr=0.05)
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=7, tgt_len=5, seed=5)
+
+    def validate(incremental_state):
+        """What the packed inference gives, and the same computed with autograd on (fairseq's own forward)."""
+        model.eval()
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            logits = _decode_incrementally(model, encoder_out, prev, incremental_state)
+        reference = model(src, src_lengths, prev)[0].detach()
+        return logits, reference
+
+    batch = {}
+    before, _ = validate(batch)
+    if not batch_in_flight:
+        del batch
+    model.train()
+    model(src, src_lengths, prev)[0].logsumexp(-1).mean().backward()
+    optimizer.step()
+    if batch_in_flight:
+        del batch  # its workspace goes back to the decoder only now
+    after, reference = validate({})
+    assert not torch.allclose(after, before, atol=1e-3), "the step must change what the model computes"
+    torch.testing.assert_close(after, reference, rtol=1e-4, atol=1e-4)
+
+
 def test_a_model_that_has_decoded_deep_copies_and_pickles_and_its_copy_decodes_alike():
     """The packed weights and kernels (a cache in the layers' workspaces: oneDNN's packed tensors cannot be copied)
     do not travel with copies of the model (EMA, averaging scripts, whole-module torch.save)."""

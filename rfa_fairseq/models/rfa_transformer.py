@@ -69,6 +69,11 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
         self._packed = Workspace()  # the packed weights (packed again when a parameter changes) and the kernels
 
+    def train(self, mode: bool = True):
+        if mode:  # a training step changes the weights through .data, which the packed weights' key cannot see
+            self._packed.forget_packed()
+        return super().train(mode)
+
     def forward(self, x, encoder_padding_mask, attn_mask=None):
         if self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc or not self._plain():
             return super().forward(x, encoder_padding_mask, attn_mask)
@@ -225,10 +230,18 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
         self._workspace = None
+        self._trainings = 0  # train() calls: a workspace a batch in flight returns after one has stale packed weights
         self._logged_kernels = None
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def train(self, mode: bool = True):
+        if mode:  # a training step changes the weights through .data, which the packed weights' key cannot see
+            self._trainings += 1
+            if self._workspace is not None:
+                self._workspace.forget_packed()
+        return super().train(mode)
 
     def set_beam_size(self, beam_size: int) -> None:
         super().set_beam_size(beam_size)
@@ -282,7 +295,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         workspace, self._workspace = self._workspace or Workspace(), None
         state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
                             len(self.layers), weight.device, weight.dtype)
-        weakref.finalize(state, self._return_workspace, workspace)  # the next batch reuses it
+        weakref.finalize(state, self._return_workspace, workspace, self._trainings)  # the next batch reuses it
         if self._logged_kernels != state.kernels.name:  # once per decoder (and when the choice changes)
             self._logged_kernels = state.kernels.name
             logger.info(f"rfa_fairseq: decoding step kernels: {state.kernels.name}; linear layers: {state.kernels.gemm}")
@@ -292,7 +305,9 @@ class RFATransformerDecoder(TransformerDecoderBase):
             layer.prepare_step(state, i, key, pad)
         return state
 
-    def _return_workspace(self, workspace: Workspace) -> None:
+    def _return_workspace(self, workspace: Workspace, trainings: int) -> None:
+        if trainings != self._trainings:
+            workspace.forget_packed()
         self._workspace = workspace
 
     def _beam_of(self, enc, pad, rows: int) -> int:

@@ -67,14 +67,19 @@ class Workspace:
     def packed_linear(self, name: str, kernels, sources: Sequence[Tensor],
                       build: Callable[[], Tuple[Tensor, Optional[Tensor]]]):
         """kernels.pack_linear(*build()) for the linear layer `name`, reused while the kernels and every
-        parameter in `sources` (what build reads) stay the same tensors, unmodified (an optimizer step
-        between two validations' decoding bumps their version, and the layer is packed again)."""
+        parameter in `sources` (what build reads) stay the same tensors, unmodified (an in-place update bumps their
+        version, and the layer is packed again; updates through `.data` do not: see forget_packed)."""
         key = (kernels.name, tuple((id(t), t.data_ptr(), t._version) for t in sources))
         cached = self.packed.get(name)
         if cached is None or cached[0] != key:
             with torch.no_grad():
                 cached = self.packed[name] = (key, kernels.pack_linear(*build()))
         return cached[1]
+
+    def forget_packed(self) -> None:
+        """Drop the packed weights (packed again at their next use). For what the key above cannot see: fairseq's
+        optimizers update parameters through `.data`, which leaves their version counters alone."""
+        self.packed.clear()
 
     def packed_linears(self, name: str, kernels, linears: Sequence[torch.nn.Linear]):
         """packed_linear of nn.Linear layers that read the same input, as one product (their outputs side
