@@ -330,6 +330,54 @@ def plot(rows, png_path, pair="en-de"):
     log(f"wrote {png_path}")
 
 
+RULE_TOLERANCE = 0.5  # BLEU: the default D's mean over seeds may trail softmax's by at most this (docs/quality.md)
+
+
+def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
+    """The D rule's inputs: for each pair, budget and D of the default model, the mean BLEU over the seeds that
+    both it and softmax have at that budget (paired seeds only), and the gap. Also the verdict: the smallest
+    (fastest) D whose gap is at most `tolerance` at each pair's longest budget with a paired D, or None."""
+    table, longest = [], {}
+    for pair, path in csv_by_pair.items():
+        bleu = {}  # (variant, budget) -> {seed: BLEU}
+        for r in read_rows(path):
+            bleu.setdefault((r["variant"], int(r["max_update"])), {})[int(r["seed"])] = float(r["bleu"])
+        for d, variant in sorted(DEFAULT_MODEL_VARIANTS.items()):
+            for budget in sorted({b for (v, b) in bleu if v == variant}):
+                seeds = sorted(set(bleu[(variant, budget)]) & set(bleu.get(("softmax", budget), {})))
+                if not seeds:
+                    continue
+                softmax = sum(bleu[("softmax", budget)][s] for s in seeds) / len(seeds)
+                default = sum(bleu[(variant, budget)][s] for s in seeds) / len(seeds)
+                table.append(dict(pair=pair, max_update=budget, d=d, seeds=seeds, softmax=softmax, default=default,
+                                  gap=default - softmax, within=default - softmax >= -tolerance))
+                longest[pair] = max(longest.get(pair, 0), budget)
+    table.sort(key=lambda r: (list(csv_by_pair).index(r["pair"]), r["max_update"], r["d"]))
+    passing = None
+    if len(longest) == len(csv_by_pair):
+        for d in sorted(DEFAULT_MODEL_VARIANTS):
+            at_longest = [r for r in table if r["d"] == d and r["max_update"] == longest[r["pair"]]]
+            if len(at_longest) == len(longest) and all(r["within"] for r in at_longest):
+                passing = d
+                break
+    return table, longest, passing
+
+
+def print_rule(csv_by_pair, tolerance=RULE_TOLERANCE):
+    table, longest, passing = rule_table(csv_by_pair, tolerance)
+    print(f"{'pair':6s} {'updates':>7s} {'D':>3s} {'seeds':8s} {'softmax':>8s} {'default':>8s} {'gap':>6s}")
+    for r in table:
+        mark = "  <- longest budget" if r["max_update"] == longest[r["pair"]] else ""
+        print(f"{r['pair']:6s} {r['max_update']:7d} {r['d']:3d} {','.join(map(str, r['seeds'])):8s} {r['softmax']:8.2f} "
+              f"{r['default']:8.2f} {r['gap']:+6.2f}{mark}")
+    if passing is None:
+        print(f"no D is within {tolerance} BLEU of softmax at the longest budget of every pair")
+    else:
+        print(f"the rule picks D = {passing}: the fastest D within {tolerance} BLEU of softmax (mean over paired seeds) "
+              f"at the longest budget of every pair ({', '.join(f'{p} {b}' for p, b in longest.items())} updates)")
+    return passing
+
+
 def plot_bleu_by_updates(csv_by_pair, png_path, variants=("softmax",) + tuple(DEFAULT_MODEL_VARIANTS.values())):
     """BLEU on test_2016_flickr against training updates, one panel per pair, one line per variant (the mean over
     seeds, each seed's row as a dot): the softmax twin and the default model at each D."""
@@ -660,6 +708,8 @@ def main(argv=None):
     p.add_argument("--decode-timeout-h", type=float, default=6.0,
                    help="stop a translation or scoring still running after this many hours (default 6)")
     p.add_argument("--list", action="store_true", help="print the variants and exit")
+    p.add_argument("--rule", action="store_true",
+                   help="print the D rule's table from both pairs' CSVs (--csv names the EN-DE one) and exit")
     args = p.parse_args(argv)
     if args.train_timeout_h <= 0 or args.decode_timeout_h <= 0:
         p.error("--train-timeout-h and --decode-timeout-h must be positive")
@@ -668,6 +718,10 @@ def main(argv=None):
     if args.list:
         for name, (model, flags, what) in VARIANTS.items():
             print(f"{name:30s} MODEL={model:8s} {' '.join(flags):60s} {what}")
+        return 0
+    if args.rule:
+        stem = args.csv or DEFAULT_CSV
+        print_rule({pair: csv_for_pair(stem, pair) for pair in PAIRS})
         return 0
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:

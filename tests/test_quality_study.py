@@ -150,3 +150,32 @@ def test_runs_sharing_device_must_be_positive(capsys):
     with pytest.raises(SystemExit) as exit_info:
         quality_study.main(["--runs-sharing-device", "0"])
     assert exit_info.value.code == 2 and "--runs-sharing-device must be at least 1" in capsys.readouterr().err
+
+
+def _rows(path, rows):
+    quality_study.write_rows(str(path), [dict(variant=v, max_update=u, seed=s, bleu=b) for v, u, s, b in rows])
+    return str(path)
+
+
+def test_the_rule_compares_paired_seeds_at_each_pairs_longest_budget(tmp_path):
+    d16, d32 = quality_study.DEFAULT_MODEL_VARIANTS[16], quality_study.DEFAULT_MODEL_VARIANTS[32]
+    en_de = _rows(tmp_path / "de.csv", [
+        ("softmax", 1000, 1, 30.0), ("softmax", 1000, 2, 31.0), (d16, 1000, 1, 29.0), (d16, 1000, 2, 32.0),
+        ("softmax", 2000, 1, 36.0), ("softmax", 2000, 2, 37.0), (d16, 2000, 1, 35.0), (d16, 2000, 2, 36.2),
+        (d32, 2000, 1, 35.9), (d32, 2000, 2, 36.8),
+        (d16, 4000, 1, 40.0),  # no softmax row at 4,000 updates: not a measured budget
+    ])
+    en_fr = _rows(tmp_path / "fr.csv", [
+        ("softmax", 1000, 1, 44.0), ("softmax", 1000, 2, 45.0), (d16, 1000, 1, 44.0),  # seed 2 not paired
+        (d32, 1000, 1, 44.1), (d32, 1000, 2, 44.7),
+    ])
+    table, longest, passing = quality_study.rule_table({"en-de": en_de, "en-fr": en_fr})
+    assert longest == {"en-de": 2000, "en-fr": 1000}
+    at = {(r["pair"], r["max_update"], r["d"]): r for r in table}
+    assert at[("en-de", 2000, 16)]["gap"] == pytest.approx(-0.9) and not at[("en-de", 2000, 16)]["within"]
+    assert at[("en-de", 2000, 32)]["gap"] == pytest.approx(-0.15)
+    assert at[("en-fr", 1000, 16)]["seeds"] == [1] and at[("en-fr", 1000, 16)]["gap"] == pytest.approx(0.0)
+    assert ("en-de", 4000, 16) not in at
+    assert passing == 32  # D = 16 trails by 0.9 on EN-DE at 2,000 updates; D = 32 holds on both pairs
+    # a pair without any paired row: no verdict
+    assert quality_study.rule_table({"en-de": en_de, "en-fr": _rows(tmp_path / "empty.csv", [])})[2] is None
