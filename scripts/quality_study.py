@@ -335,7 +335,8 @@ RULE_TOLERANCE = 0.5  # BLEU: the default D's mean over seeds may trail softmax'
 
 def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
     """The D rule's inputs: for each pair, budget and D of the default model, the mean BLEU over the seeds that
-    both it and softmax have at that budget (paired seeds only), and the gap. Also the verdict: the smallest
+    both it and softmax have at that budget (paired seeds only), the gap, and each seed's gap (the seeds spread
+    more than the D values do, so the table shows how far one seed moves the mean). Also the verdict: the smallest
     (fastest) D whose gap is at most `tolerance` at each pair's longest budget with a paired D, or None."""
     table, longest = [], {}
     for pair, path in csv_by_pair.items():
@@ -349,8 +350,9 @@ def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
                     continue
                 softmax = sum(bleu[("softmax", budget)][s] for s in seeds) / len(seeds)
                 default = sum(bleu[(variant, budget)][s] for s in seeds) / len(seeds)
+                seed_gaps = [bleu[(variant, budget)][s] - bleu[("softmax", budget)][s] for s in seeds]
                 table.append(dict(pair=pair, max_update=budget, d=d, seeds=seeds, softmax=softmax, default=default,
-                                  gap=default - softmax, within=default - softmax >= -tolerance))
+                                  gap=default - softmax, seed_gaps=seed_gaps, within=default - softmax >= -tolerance))
                 longest[pair] = max(longest.get(pair, 0), budget)
     table.sort(key=lambda r: (list(csv_by_pair).index(r["pair"]), r["max_update"], r["d"]))
     passing = None
@@ -365,12 +367,16 @@ def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
 
 def print_rule(csv_by_pair, tolerance=RULE_TOLERANCE):
     table, longest, passing = rule_table(csv_by_pair, tolerance)
-    print(f"{'pair':6s} {'updates':>7s} {'D':>3s} {'seeds':8s} {'softmax':>8s} {'default':>8s} {'gap':>6s}")
+    print(f"{'pair':6s} {'updates':>7s} {'D':>3s} {'seeds':8s} {'softmax':>8s} {'default':>8s} {'gap':>6s}  gap per seed")
     for r in table:
         mark = "  <- longest budget" if r["max_update"] == longest[r["pair"]] else ""
         print(f"{r['pair']:6s} {r['max_update']:7d} {r['d']:3d} {','.join(map(str, r['seeds'])):8s} {r['softmax']:8.2f} "
-              f"{r['default']:8.2f} {r['gap']:+6.2f}{mark}")
-    if passing is None:
+              f"{r['default']:8.2f} {r['gap']:+6.2f}  {' '.join(f'{g:+.2f}' for g in r['seed_gaps'])}{mark}")
+    unmeasured = [pair for pair in csv_by_pair if pair not in longest]
+    if unmeasured:
+        print(f"no verdict: no budget with both softmax and the default model for {', '.join(unmeasured)} "
+              f"(in {', '.join(csv_by_pair[p] for p in unmeasured)})")
+    elif passing is None:
         print(f"no D is within {tolerance} BLEU of softmax at the longest budget of every pair")
     else:
         print(f"the rule picks D = {passing}: the fastest D within {tolerance} BLEU of softmax (mean over paired seeds) "

@@ -173,9 +173,20 @@ def test_the_rule_compares_paired_seeds_at_each_pairs_longest_budget(tmp_path):
     assert longest == {"en-de": 2000, "en-fr": 1000}
     at = {(r["pair"], r["max_update"], r["d"]): r for r in table}
     assert at[("en-de", 2000, 16)]["gap"] == pytest.approx(-0.9) and not at[("en-de", 2000, 16)]["within"]
+    assert at[("en-de", 2000, 16)]["seed_gaps"] == pytest.approx([-1.0, -0.8])
     assert at[("en-de", 2000, 32)]["gap"] == pytest.approx(-0.15)
     assert at[("en-fr", 1000, 16)]["seeds"] == [1] and at[("en-fr", 1000, 16)]["gap"] == pytest.approx(0.0)
     assert ("en-de", 4000, 16) not in at
     assert passing == 32  # D = 16 trails by 0.9 on EN-DE at 2,000 updates; D = 32 holds on both pairs
     # a pair without any paired row: no verdict
     assert quality_study.rule_table({"en-de": en_de, "en-fr": _rows(tmp_path / "empty.csv", [])})[2] is None
+
+
+def test_the_rule_names_the_pair_it_has_no_verdict_for(tmp_path, capsys):
+    d16 = quality_study.DEFAULT_MODEL_VARIANTS[16]
+    en_de = _rows(tmp_path / "de.csv", [("softmax", 1000, 1, 30.0), (d16, 1000, 1, 30.2)])
+    en_fr = _rows(tmp_path / "fr.csv", [("softmax", 1000, 1, 44.0)])  # no default-model row to pair with
+    assert quality_study.print_rule({"en-de": en_de, "en-fr": en_fr}) is None
+    out = capsys.readouterr().out
+    assert "+0.20  +0.20  <- longest budget" in out
+    assert f"no verdict: no budget with both softmax and the default model for en-fr (in {en_fr})" in out
