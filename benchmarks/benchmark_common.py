@@ -35,6 +35,7 @@ MODELS = {
     "rfa": ("rfa_transformer", []),  # the default: hedgehog map, gate, softmax cross-attention
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
     "rfa_torch": ("rfa_transformer", ["--rfa-decode-kernel", "torch"]),  # the default with the torch step kernels
+    "rfa_eager": ("rfa_transformer", []),  # the default, its step not captured as CUDA graphs (EAGER_STEP_MODELS)
     # the default map at a fixed number of features D (the speed/quality knob), whatever the default D is
     "rfa_d16": ("rfa_transformer", ["--rfa-num-features", "16"]),
     "rfa_d32": ("rfa_transformer", ["--rfa-num-features", "32"]),
@@ -46,6 +47,17 @@ MODELS = {
     "floor_proj": ("transformer", []),  # attention replaced by ProjectionsOnly below
 }
 
+# models decoded with RFA_FAIRSEQ_EAGER_STEP=1: the uncaptured step on CUDA, the reference of the graphs
+EAGER_STEP_MODELS = {"rfa_eager"}
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of the decoding benchmarks
+
+
+def use_eager_step(name: str) -> None:
+    """Set RFA_FAIRSEQ_EAGER_STEP for model `name` (read when a batch starts decoding)."""
+    from rfa_fairseq.modules.decoding import EAGER_STEP_ENV
+
+    os.environ[EAGER_STEP_ENV] = "1" if name in EAGER_STEP_MODELS else "0"
+
 
 def make_dictionary(vocab: int):
     from fairseq.data import Dictionary
@@ -56,8 +68,8 @@ def make_dictionary(vocab: int):
     return d
 
 
-def build_model(name: str, dims: str, dictionary, max_positions: int, device: str, extra=()):
-    """Random-weight model of the given size, built through fairseq's own parser and registry."""
+def build_model(name: str, dims: str, dictionary, max_positions: int, device: str, extra=(), dtype: str = "fp32"):
+    """Random-weight model of the given size (weights in `dtype`), built through fairseq's own parser and registry."""
     from fairseq import options
     from fairseq.models import ARCH_MODEL_REGISTRY
 
@@ -83,7 +95,8 @@ def build_model(name: str, dims: str, dictionary, max_positions: int, device: st
             layer.self_attn = stand_in(layer.self_attn)
             layer.encoder_attn = stand_in(layer.encoder_attn)
     model.build_args = args  # the parsed fairseq args (the CTranslate2 conversion saves them)
-    return model.to(device).eval()
+    use_eager_step(name)
+    return model.to(device=device, dtype=getattr(torch, DTYPES[dtype])).eval()
 
 
 class NoAttention(torch.nn.Module):

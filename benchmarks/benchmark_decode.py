@@ -41,6 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_common import (  # noqa: E402
     DIMS,
+    DTYPES,
     MODELS,
     PLUGIN_DIR,
     build_model,
@@ -150,7 +151,8 @@ def run_one(args) -> dict:
     device = args.device
     src, dictionary = source_tokens(args)
     extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
-    model = build_model(args.model, args.dims, dictionary, max_positions=args.length + 8, device=device, extra=extra)
+    model = build_model(args.model, args.dims, dictionary, max_positions=args.length + 8, device=device, extra=extra,
+                        dtype=args.dtype)
     sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((args.batch_size,), args.src_len, device=device)}}
 
     # capture the incremental state to measure what attention keeps between steps
@@ -186,6 +188,7 @@ def run_one(args) -> dict:
     steps = args.length + 1  # the extra step is EOS
     return {
         "model": args.model,
+        "dtype": args.dtype,
         "batch": args.batch_size,
         "length": args.length,
         "out_len": out_len,
@@ -238,7 +241,8 @@ def decode_with_checkpoints(args, model_name: str, batch: int) -> None:
     src, dictionary = source_tokens(args)
     lengths = sorted(set(args.checkpoints))
     extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
-    model = build_model(model_name, args.dims, dictionary, max_positions=lengths[-1] + 8, device=device, extra=extra)
+    model = build_model(model_name, args.dims, dictionary, max_positions=lengths[-1] + 8, device=device, extra=extra,
+                        dtype=args.dtype)
     sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((batch,), args.src_len, device=device)}}
     at_call = {length + 1: length for length in lengths}  # decoder call L + 1 ends a run of length L (EOS step)
     clock = {"calls": 0, "start": None, "last_calls": 0, "last_time": None, "deadline": math.inf}
@@ -257,7 +261,7 @@ def decode_with_checkpoints(args, model_name: str, batch: int) -> None:
             recent = (now - clock["last_time"]) / (clock["calls"] - clock["last_calls"])
             clock["last_calls"], clock["last_time"] = clock["calls"], now
             row = {
-                "model": model_name, "batch": batch, "length": length, "out_len": length + 1,
+                "model": model_name, "dtype": args.dtype, "batch": batch, "length": length, "out_len": length + 1,
                 "total_s": total, "ms_per_step": 1000 * total / (length + 1), "ms_per_step_recent": 1000 * recent,
                 "tokens_per_s": batch * length / total, "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
                 "attn_state_mb": attention_state_mb(fkwargs.get("incremental_state")), "free_mb": free_mb,
@@ -296,6 +300,7 @@ def main() -> int:
     p.add_argument("--src-len", type=int, default=32)
     p.add_argument("--num-features", type=int, default=0, help="RFA D (default: the plugin's default, 64)")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the models' weights (states stay fp32)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=1, help="time each point this many times, keep the fastest")
     p.add_argument("--resume", action="store_true", help="keep the points already in the CSV of --out-dir, measure the rest")
@@ -338,7 +343,8 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"# benchmark_decode on {args.device}: {machine_description_for(args)}; dims={args.dims} vocab={args.vocab} "
           f"beam={args.beam} src_len={args.src_len}", flush=True)
-    csv_path = os.path.join(args.out_dir, f"decode_{device_tag(args.device)}_{args.dims}.csv")
+    dtype_tag = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    csv_path = os.path.join(args.out_dir, f"decode_{device_tag(args.device)}_{args.dims}{dtype_tag}.csv")
     rows = read_csv_rows(csv_path) if args.resume and os.path.exists(csv_path) else []
     if "ct2" in args.models:
         ensure_ct2_model(args)
@@ -394,7 +400,7 @@ SOFTMAX_LIKE = ("softmax", "floor", "floor_proj", "ct2")
 def common_worker_args(args):
     return ["--beam", str(args.beam), "--dims", args.dims, "--vocab", str(args.vocab), "--src-len", str(args.src_len),
             "--device", args.device, "--threads", str(args.threads), "--num-features", str(args.num_features),
-            "--repeats", str(args.repeats)]
+            "--repeats", str(args.repeats), "--dtype", args.dtype]
 
 
 def worker_cmd(args, model, batch, length):

@@ -40,11 +40,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_common import REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
 
+from rfa_fairseq.modules.decoding import EAGER_STEP_ENV  # noqa: E402
+
 # model name -> (quality-study variant whose checkpoint it decodes, extra fairseq-generate flags)
 MODELS = {
     "softmax": ("softmax", []),
     "rfa": ("hedgehog_gate_softmax_cross_d16", []),  # the default model (D = 16)
     "rfa_torch": ("hedgehog_gate_softmax_cross_d16", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
+    # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
+    "rfa_eager": ("hedgehog_gate_softmax_cross_d16", []),
     # the default model trained at other numbers of features D (the study's D variants; 64 was the default before)
     "rfa_d32": ("hedgehog_gate_softmax_cross_d32", []),
     "rfa_d64": ("hedgehog_gate_softmax_cross", []),
@@ -58,6 +62,8 @@ DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch", *CT2_MODELS]
 # fairseq-generate's summary; its seconds have one decimal, its sentences/s two: the time is taken from the rate
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
 KEY = ("device", "threads", "batch_size", "model")
+# the rfa models whose hypotheses are compared with rfa's (the same checkpoint, another decoding path)
+SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager")
 
 
 def log(message):
@@ -120,15 +126,19 @@ def generate(args, model, batch_size, threads, hyp_path):
                "--output", hyp_path + ".txt", "--threads", str(threads), "--batch-size", str(batch_size),
                "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
     else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), os.path.join(args.prep, "data-bin"),
+        # fairseq-generate as a module: the console script need not sit beside this interpreter
+        cmd = [sys.executable, "-m", "fairseq_cli.generate", os.path.join(args.prep, "data-bin"),
                "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
                "--max-len-a", "1", "--max-len-b", "50", "--batch-size", str(batch_size),
                "--required-batch-size-multiple", "1", "--post-process", "sentencepiece", "--num-workers", "0",
                *MODELS[model][1]]
         if args.device == "cpu":
             cmd.append("--cpu")
+        if args.fp16:
+            cmd.append("--fp16")
     # CT2_VERBOSE: CTranslate2 logs the GEMM backend it picked for this CPU (the CSV's gemm_backend)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CT2_VERBOSE="1")
+    env[EAGER_STEP_ENV] = "1" if model == "rfa_eager" else "0"
     with open(hyp_path + ".log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
@@ -227,6 +237,7 @@ def main(argv=None):
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeats", type=int, default=2, help="runs per point, models alternating; the fastest counts")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--fp16", action="store_true", help="fairseq-generate --fp16 (CUDA)")
     p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"), help="the quality study's --work-dir")
     p.add_argument("--study-csv", default=os.path.join(REPO, "benchmarks", "results", "quality_multi30k_cpu.csv"),
                    help="where a missing checkpoint's training row goes")
@@ -246,6 +257,8 @@ def main(argv=None):
                 "its rows are left out")
     elif any(m in CT2_MODELS for m in args.models) and importlib.util.find_spec("ctranslate2") is None:
         p.error("--models names a CTranslate2 model, but ctranslate2 is not installed (pip install ctranslate2)")
+    if args.fp16 and args.device != "cuda":
+        p.error("--fp16: fairseq-generate decodes in fp16 on CUDA only (--device cuda)")
     if args.device != "cpu" and any(m in CT2_MODELS for m in args.models):
         p.error("the CTranslate2 rows are measured on the CPU only (leave them out of --models with --device cuda)")
     args.variant_override = {}
@@ -255,7 +268,8 @@ def main(argv=None):
             p.error(f"--variant {item!r}: expected MODEL=VARIANT with MODEL one of {', '.join(MODELS)}")
         args.variant_override[model] = variant
         if model == "rfa":
-            args.variant_override.setdefault("rfa_torch", variant)
+            for same in SAME_CHECKPOINT_AS_RFA:
+                args.variant_override.setdefault(same, variant)
     for needed in ("data-bin/dict.en.txt", "test.raw.de"):
         if not os.path.exists(os.path.join(args.prep, needed)):
             p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh first")
@@ -298,6 +312,7 @@ def main(argv=None):
                     sentences, tokens, seconds, peak, hyps, backend = best[model]
                     row = {
                         "device": tag, "threads": threads, "batch_size": batch, "model": model,
+                        "dtype": "fp16" if args.fp16 else "fp32",
                         "engine": "ctranslate2 " + CT2_MODELS[model][1] if model in CT2_MODELS else "fairseq",
                         "variant": args.variant_override.get(model, variant_of(model)), "checkpoint_updates": args.updates[model],
                         "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
@@ -313,7 +328,7 @@ def main(argv=None):
                         fairseq_hyps = best["softmax"][4]
                         same = sum(fairseq_hyps.get(i) == hyps.get(i) for i in range(len(refs)))
                         row["identical_to_softmax"] = f"{same / len(refs):.4f}"
-                    if model == "rfa_torch" and "rfa" in best:
+                    if model in SAME_CHECKPOINT_AS_RFA and "rfa" in best:
                         cpp = best["rfa"][4]
                         same = sum(cpp.get(i) == hyps.get(i) for i in range(len(refs)))
                         row["identical_to_rfa"] = f"{same / len(refs):.4f}"

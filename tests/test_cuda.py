@@ -216,6 +216,70 @@ def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(feature_map, ga
     assert worst < 2e-2
 
 
+# ------------------------------------------------------------------ the step as CUDA graphs
+
+GRAPH_VARIANTS = [(fm, gate, fm != "hedgehog") for fm in ("sincos", "positive", "arccos", "hedgehog", "relu")
+                  for gate in (False, True)]  # every map, gated and ungated; hedgehog with softmax cross-attention
+
+
+@pytest.fixture
+def graph_counts(monkeypatch):
+    """The StepGraphs of every batch decoded in the test (their captures and replays)."""
+    import rfa_fairseq.models.rfa_transformer as rfa_transformer
+
+    made, original = [], rfa_transformer.step_graphs_for
+
+    def spy(device):
+        made.append(original(device))
+        return made[-1]
+
+    monkeypatch.setattr(rfa_transformer, "step_graphs_for", spy)
+    return made
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("feature_map,gate,rfa_cross", GRAPH_VARIANTS,
+                         ids=[f"{fm}-{'gated' if g else 'ungated'}" for fm, g, _ in GRAPH_VARIANTS])
+def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, rfa_cross, dtype, graph_counts,
+                                                            monkeypatch):
+    """The static beam search and fairseq's SequenceGenerator (beam 4, sentences finishing at different steps,
+    so the batch shrinks and graphs are captured again) with the step replayed as CUDA graphs: the eager
+    step's hypotheses, and its scores up to the last bits (the same kernels run, in one launch)."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    from rfa_fairseq.generation import StaticBeamSearchGenerator
+    from rfa_fairseq.modules.decoding import EAGER_STEP_ENV
+
+    model, d = gpu_model(flags(feature_map, gate, rfa_cross=rfa_cross), seed=4)
+    if dtype == "fp16":
+        model.half()
+    src, src_lengths, _ = on_cuda(*random_batch(d, bsz=6, src_len=7, seed=9))
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+
+    def decode(make):
+        with torch.no_grad():
+            hyps = make().generate([model], sample)
+        return ([[h["tokens"].tolist() for h in sent] for sent in hyps],
+                torch.cat([h["positional_scores"].float() for sent in hyps for h in sent]))
+
+    makers = {"static": lambda: StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12),
+              "fairseq": lambda: SequenceGenerator([model], d, beam_size=4, max_len_b=12)}
+    for name, make in makers.items():
+        monkeypatch.setenv(EAGER_STEP_ENV, "1")
+        want_tokens, want_scores = decode(make)
+        monkeypatch.setenv(EAGER_STEP_ENV, "0")
+        graph_counts.clear()
+        got_tokens, got_scores = decode(make)
+        captures = sum(g.captures for g in graph_counts if g is not None)
+        replays = sum(g.replays for g in graph_counts if g is not None)
+        lengths = sorted({len(t) for sent in want_tokens for t in sent})
+        print(f"{name}: lengths {lengths}, captures {captures}, replays {replays}, "
+              f"max |score difference| {(got_scores - want_scores).abs().max().item():.1e}")
+        assert captures >= 2 and replays > captures
+        assert got_tokens == want_tokens
+        torch.testing.assert_close(got_scores, want_scores, rtol=0, atol=1e-5 if dtype == "fp32" else 1e-3)
+
+
 # ------------------------------------------------------------------ fairseq-train / fairseq-generate
 
 CLI_MODEL = ["--arch", "rfa_transformer",

@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
 # The CUDA path on one GPU machine, in one command, most important results first:
 #   1. wheels from .whl/ (fairseq, hydra, omegaconf, antlr4, bitarray, fla-core) into /tmp/site
-#   2. fla's Triton kernels compiled in parallel for the shapes used below (benchmarks/gpu/warm_fla.py)
-#   3. tests/test_cuda.py: fla == references, decoding, beam reorder, no host sync, fairseq-train
-#      (--fp16, --bf16, 200 updates each) + fairseq-generate on the GPU
-#   4. decoding vs output length 64 ... 4,096, beam 4, batch 8: softmax, rfa (the default model:
-#      hedgehog, gated, softmax cross-attention), rfa_paper and rfa_paper_gated (sincos, RFA
-#      cross-attention, without and with the gate; benchmarks/benchmark_common.py)
-#   5. causal attention fwd+bwd 512 ... 16,384 tokens: softmax (SDPA), rfa, rfa_gated (default map)
-#   6. decoding at batch 64 up to 2,048 tokens, then the largest batch each model fits at
-#      2,048 tokens (predicted from the peak memory at batch 8 and 64)
-# Everything goes under ${OUT:-outputs/gpu}: progress.log, env.txt, test_cuda.log/.xml, the
-# benchmark logs, CSVs and PNGs (file names carry the GPU, e.g. decode_cuda_h100_base.csv),
-# summary.txt. The whole run stops by RFA_GPU_BUDGET_S seconds (default 405): each stage gets
-# what is left, a benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages
-# (default: all of "warm_fla test_cuda decode_batch8 train_attention decode_batch64"), e.g. to
-# measure what a first run had no time for (the decoding stages resume from the CSV in $OUT; on a
-# machine that is still warm the compiled kernels are still in $TRITON_CACHE_DIR).
+#   2. graph_tests: the decoding step replayed as CUDA graphs == the eager step (every feature map, gated and
+#      ungated, fp32 and fp16, both beam searches) and no host synchronisation in the step (tests/test_cuda.py)
+#   3. decode_forced: forced output lengths 64 / 256 / 2,048, 8 and 64 sentences x beam 4, fp16, base model:
+#      softmax, rfa (the default, graphs) and rfa_eager (the same step uncaptured), one worker per batch size
+#   4. generate_real: fairseq-generate --fp16 on Multi30k test_2016_flickr (beam 4, batch 32 / 128 / 512):
+#      softmax, rfa, rfa_eager, from the decode-only checkpoints of .gpu/ (benchmarks/gpu/pack_carry.py)
+#   5. test_cuda: the whole of tests/test_cuda.py (fla == references, decoding, fairseq-train --fp16 / --bf16)
+#   and, named in RFA_GPU_STAGES only: warm_fla (fla's Triton kernels compiled in parallel,
+#   benchmarks/gpu/warm_fla.py), decode_batch8 / decode_batch64 (fp32 up to 4,096 tokens, the paper's maps
+#   too) and train_attention (causal attention fwd+bwd 512 ... 16,384 tokens).
+# Everything goes under ${OUT:-outputs/gpu}: progress.log, env.txt, the stage logs, CSVs and PNGs (file names
+# carry the GPU, e.g. decode_cuda_h200_base_fp16.csv), summary.txt; with RFA_GPU_ARCHIVE=path.tar.gz that
+# folder is also packed there after every stage (a run cut short keeps what it finished). The whole run stops
+# by RFA_GPU_BUDGET_S seconds (default 405): each stage gets what is left, a benchmark cut short keeps the points
+# it measured. RFA_GPU_STAGES picks stages (default "graph_tests decode_forced generate_real test_cuda").
 #
-#   OUT=/path bash benchmarks/gpu/run_all.sh
+#   python benchmarks/gpu/pack_carry.py --max-update 2000 --seed 2   # here: .gpu/ (checkpoints, test set)
+#   OUT=/path bash benchmarks/gpu/run_all.sh                          # there, with .whl and .gpu carried
 #   RFA_GPU_STAGES="warm_fla decode_batch64" RFA_GPU_BUDGET_S=500 bash benchmarks/gpu/run_all.sh
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -26,7 +26,7 @@ cd "$REPO"
 OUT="${OUT:-$REPO/outputs/gpu}"
 mkdir -p "$OUT"
 BUDGET_S="${RFA_GPU_BUDGET_S:-405}"
-STAGES=" ${RFA_GPU_STAGES:-warm_fla test_cuda decode_batch8 train_attention decode_batch64} "
+STAGES=" ${RFA_GPU_STAGES:-graph_tests decode_forced generate_real test_cuda} "
 START=$(date +%s)
 STATUS=()
 
@@ -53,6 +53,13 @@ stage() {
     timeout --signal=INT --kill-after=15 "$seconds" "$@" > >(tee "$OUT/$name.log") 2>&1 || rc=$?
     log "$name: exit code $rc$([ "$rc" = 124 ] && echo ' (time limit)')"
     STATUS+=("$name: exit code $rc")
+    archive
+}
+
+archive() {
+    if [ -n "${RFA_GPU_ARCHIVE:-}" ]; then
+        tar czf "$RFA_GPU_ARCHIVE.tmp" -C "$OUT" . && mv "$RFA_GPU_ARCHIVE.tmp" "$RFA_GPU_ARCHIVE" || log "archive failed"
+    fi
 }
 
 # ---------------------------------------------------------------- 1. environment
@@ -78,6 +85,21 @@ EOF
 } > "$OUT/env.txt" 2>&1 || true
 log "environment: $(tr '\n' ' ' < "$OUT/env.txt")"
 
+# ---------------------------------------------------------------- 2-4. the step as CUDA graphs
+stage graph_tests "$(budget 300 150)" python3 -m pytest -q -s -p no:cacheprovider --junitxml="$OUT/graph_tests.xml" \
+    tests/test_cuda.py -k "graph_replays or do_not_synchronize"
+
+GRACE=20
+secs=$(budget 130 240)
+stage decode_forced "$secs" python3 benchmarks/benchmark_decode.py --device cuda --one-run --dims base --dtype fp16 \
+    --beam 4 --src-len 32 --models softmax rfa rfa_eager --batch-sizes 8 64 --lengths 64 256 2048 --out-dir "$OUT" \
+    --time-budget $(( secs - GRACE )) --run-budget $(( (secs - GRACE - 30) / 6 ))
+
+stage generate_real "$(budget 40 150)" python3 benchmarks/benchmark_generate.py --device cuda --fp16 \
+    --prep .gpu/multi30k --study-dir .gpu/quality --max-update "${RFA_GPU_UPDATES:-2000}" --seed "${RFA_GPU_SEED:-2}" \
+    --models softmax rfa rfa_eager --batch-sizes 32 128 512 --threads 1 --repeats 1 --train-timeout 1 \
+    --csv "$OUT/generate_multi30k_cuda.csv"
+
 # ---------------------------------------------------------------- 2. compile fla's kernels
 # up to 48 autotuning configurations per kernel and specialization: compiled in parallel here
 # (minutes one by one), then timed once; later processes find both on disk
@@ -91,7 +113,6 @@ stage test_cuda $(( tests < 120 ? $(budget 10 120) : tests )) \
 # ---------------------------------------------------------------- 4-6. benchmarks
 # each script stops itself by --time-budget (GRACE s before its stage's hard limit) and keeps what it
 # measured; a decoding worker sets up once (STARTUP s) and gives each model an equal share of the rest
-GRACE=20
 STARTUP=12
 MODELS=(softmax rfa rfa_paper rfa_paper_gated)
 DECODE=(python3 benchmarks/benchmark_decode.py --device cuda --one-run --dims base --beam 4 --src-len 32

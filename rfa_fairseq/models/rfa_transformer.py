@@ -10,9 +10,11 @@ softmax encoder self-attention unless --rfa-encoder-self-attn.
 import argparse
 import logging
 import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -34,7 +36,7 @@ from omegaconf import OmegaConf
 
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
-from ..modules.decoding import DecodeState, Workspace, follow_rows
+from ..modules.decoding import DecodeState, Workspace, follow_rows, step_graphs_for
 from ..ops import step_kernels
 
 logger = logging.getLogger(__name__)
@@ -294,7 +296,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         beam = self._beam_of(key, pad, rows)
         workspace, self._workspace = self._workspace or Workspace(), None
         state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
-                            len(self.layers), weight.device, weight.dtype)
+                            len(self.layers), weight.device, weight.dtype, graphs=step_graphs_for(weight.device))
         weakref.finalize(state, self._return_workspace, workspace, self._trainings)  # the next batch reuses it
         if self._logged_kernels != state.kernels.name:  # once per decoder (and when the choice changes)
             self._logged_kernels = state.kernels.name
@@ -326,17 +328,47 @@ class RFATransformerDecoder(TransformerDecoderBase):
         return beam
 
     def _step(self, state: DecodeState, prev_output_tokens, incremental_state):
-        """One decoding step of every row: embeddings, the layers' steps, the logits into the workspace."""
+        """One decoding step of every row: its inputs (the last tokens and their position embeddings), then the
+        layers' steps (`_layers_step`), eagerly or as a CUDA graph's replay (DecodeState.graphs)."""
         R = prev_output_tokens.size(0)
         if R != state.rows:
             raise RuntimeError(f"RFA decoding: {R} rows for a state of {state.rows} (reorder missing?)")
-        C, kernels = self.embed_dim, state.kernels
-        tokens = prev_output_tokens[:, -1]
+        tokens = prev_output_tokens[:, -1]  # (R,)
+        positions = None  # (R, C) or None
+        if self.embed_positions is not None:
+            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1]
+        if state.graphs is None or state.first:  # the first step fills the buffers that a graph would read
+            logits, attn = self._layers_step(state, tokens, positions)
+        else:
+            # a graph reads its inputs from fixed buffers, the beam order included (identity when none is pending)
+            tokens = state.buffer("step.tokens", R, dtype=torch.long).copy_(tokens)
+            if positions is not None:
+                positions = state.buffer("step.positions", R, self.embed_dim).copy_(positions)
+            order = state.buffer("step.order", R, dtype=torch.long)
+            if state.order is not None:
+                order.copy_(state.order)
+            else:
+                torch.arange(R, out=order)
+            state.order = order
+            read = state.layers[0]["self"].get("states")
+            shape = (R, state.beam, state.sentences)
+            key = shape + (read[0].data_ptr() if read else 0,)
+            logits, attn = state.graphs.run(key, shape, lambda: self._layers_step(state, tokens, positions))
+        state.swap_causal_states()
+        state.order, state.first = None, False
+        return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
+                                     DecodeState.KEY: state}
+
+    def _layers_step(self, state: DecodeState, tokens: Tensor, positions: Optional[Tensor]):
+        """Embeddings, the layers' steps, the logits into the workspace: tokens (R,), positions (R, C) or None
+        -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S) or None. Reads and writes
+        only the state's buffers and launches no host synchronization: a CUDA graph can capture it."""
+        R, C, kernels = tokens.size(0), self.embed_dim, state.kernels
         x = torch.index_select(self.embed_tokens.weight, 0, tokens, out=state.buffer("x", R, C))
         if self.embed_scale != 1.0:
             x.mul_(self.embed_scale)
-        if self.embed_positions is not None:
-            x.add_(self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1])
+        if positions is not None:
+            x.add_(positions)
         if self.layernorm_embedding is not None:
             norm = self.layernorm_embedding
             kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, x)
@@ -345,14 +377,12 @@ class RFATransformerDecoder(TransformerDecoderBase):
         for i, layer in enumerate(self.layers):
             weights = layer.step(x, state, i, key_pad, need_weights=i == len(self.layers) - 1)
             attn = weights if weights is not None else attn
-        state.order, state.first = None, False
         if self.layer_norm is not None:
             kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
         out = self.output_projection
         logits = kernels.linear(x, state.packed_linear("output_projection", out),
                                 state.buffer("logits", R, out.weight.size(0), returned=True))
-        return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
-                                     DecodeState.KEY: state}
+        return logits, attn
 
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
         entry = incremental_state.get(DecodeState.KEY)

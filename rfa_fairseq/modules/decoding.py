@@ -15,10 +15,15 @@ every later step (`step`) runs in place from them:
 - the linear layers' weights as the kernels want them (oneDNN's packed layout on the CPU), in the same
   workspace: packed at the first batch and again only when a parameter they derive from changes.
 
+On CUDA a step is captured as a CUDA graph and replayed (`StepGraphs`): its inputs (the last tokens,
+their position embeddings and the pending beam order) are copied into fixed buffers first, so the same
+kernels run on the same addresses each step with one launch; the beam reorder happens inside the graph.
+
 `follow_rows` is the one account of which rows are copies of which: the state's sentences and the
 encoder's reorder_encoder_out both follow beam search's reorders with it.
 """
 import math
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -125,7 +130,8 @@ class DecodeState:
 
     KEY = "rfa_decoding"
 
-    def __init__(self, kernels, workspace: Workspace, rows: int, beam: int, num_layers: int, device, dtype):
+    def __init__(self, kernels, workspace: Workspace, rows: int, beam: int, num_layers: int, device, dtype,
+                 graphs: Optional["StepGraphs"] = None):
         self.kernels, self.workspace = kernels, workspace
         self.rows, self.beam, self.sentences = rows, beam, rows // beam
         self.device, self.dtype = device, dtype
@@ -133,6 +139,15 @@ class DecodeState:
         self.first = True
         self.sentence_of_row = torch.arange(self.sentences, device=device).repeat_interleave(beam)
         self.layers: List[Dict[str, dict]] = [{"self": {}, "cross": {}} for _ in range(num_layers)]
+        self.graphs = graphs  # CUDA graphs of the step (None: every step runs eagerly)
+
+    def swap_causal_states(self) -> None:
+        """After a step: the state buffer it wrote becomes the one the next step reads (each causal layer reads
+        states[0] and writes states[1])."""
+        for layer in self.layers:
+            states = layer["self"].get("states")
+            if states is not None:
+                states.reverse()
 
     def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
         return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
@@ -150,6 +165,8 @@ class DecodeState:
         new_order = new_order.to(self.device)
         self.order = new_order if self.order is None else self.order.index_select(0, new_order)
         unchanged_rows, self.rows = self.rows == new_order.numel(), new_order.numel()
+        if not unchanged_rows and self.graphs is not None:
+            self.graphs.clear()  # captured for the old shape and the old K/V
         if new_order.is_cuda:
             # checking the rows would wait for the GPU: trust fairseq's beam search, whose beams of a sentence
             # stay together and whose sentences only leave (the batch shrinks)
@@ -188,3 +205,75 @@ class DecodeState:
         """log_softmax of this step's logits into the workspace (fairseq's get_normalized_probs), fp32."""
         out = self.buffer("log_probs", *logits.shape, dtype=torch.float32, returned=True)
         return torch.log_softmax(logits.float(), dim=-1, out=out)
+
+
+# tests and benchmarks only: set to 1 for the uncaptured step on CUDA (the reference the graphs are checked against)
+EAGER_STEP_ENV = "RFA_FAIRSEQ_EAGER_STEP"
+
+
+def step_graphs_for(device) -> Optional["StepGraphs"]:
+    """CUDA graphs for a batch's steps on `device`: on CUDA unless RFA_FAIRSEQ_EAGER_STEP=1, else None."""
+    if torch.device(device).type != "cuda" or os.environ.get(EAGER_STEP_ENV) == "1":
+        return None
+    return StepGraphs(torch.device(device))
+
+
+class StepGraphs:
+    """The decoding step captured as CUDA graphs and replayed.
+
+    A step launches some 15 kernels per layer, each a few microseconds of work at decoding's batch sizes: on a
+    GPU the launches, not the arithmetic, set the step's time. Captured once, a step is one graph launch.
+    A graph fixes every address it reads and writes, so one is kept per (rows, state buffer read): the causal
+    states alternate between two buffers, hence two graphs per batch shape, replayed in turn. The inputs that
+    change each step go through fixed buffers (the decoder copies them there); the kernels read no value back
+    to the host, so a step captures whole. A shape's first step runs eagerly (it warms the kernels for that
+    shape and is all a shape seen once needs), its next steps are captured and replayed. `clear` drops the
+    graphs when the rows change (sentences left: new shapes, compacted K/V).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.graphs: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph, the step's outputs)
+        self.seen: set = set()  # shapes that ran eagerly once
+        self.pool = None  # one memory pool for the batch's graphs
+        self.captures = self.replays = 0
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def run(self, key: tuple, shape: tuple, step: Callable[[], object]):
+        """The step's outputs: step() itself at a shape's first step, else its graph's replay (captured now
+        if missing). key: what the graph's addresses depend on (shape and buffers); step: reads only
+        fixed buffers and writes into them."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            if shape not in self.seen:
+                self.seen.add(shape)
+                return step()
+            entry = self.graphs[key] = self._capture(step)
+            self.captures += 1
+        graph, outputs = entry
+        self._replay(graph, outputs)  # a capture records without running: its first replay computes this step
+        self.replays += 1
+        return outputs
+
+    def _capture(self, step: Callable[[], object]):
+        # capture_begin/end on a side stream rather than `with torch.cuda.graph(...)`, which synchronizes, runs
+        # the garbage collector and empties the allocator's cache at every capture (tens of ms in fairseq-generate,
+        # for a batch's few captures)
+        if self.pool is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)  # the inputs copied just before
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                outputs = step()
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.stream)
+        return graph, outputs
+
+    def _replay(self, graph, outputs) -> None:
+        graph.replay()

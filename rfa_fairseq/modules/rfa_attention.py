@@ -301,11 +301,12 @@ class RFAAttention(nn.Module):
             q, k = self.phi.step_features(q, k, self.random_matrix())
         v = proj[:, 2 * width: 2 * width + C]
         gate = proj[:, 2 * width + C: 2 * width + C + H] if self.gate_proj is not None else None
-        states = buffers["states"]  # [the last step's, the spare]; rows only shrink, so the first step's fit
+        # [the last step's, the spare] (DecodeState.swap_causal_states turns them after the step); rows only shrink,
+        # so the first step's fit
+        states = buffers["states"]
         state_in, order = (None, None) if state.first else (states[0], state.order)
         attn = state.buffer("attn", R, C)
         state.kernels.causal_layer_step(q, k, v, gate, key_pad, state_in, order, states[1], attn, self.eps, activation)
-        states.reverse()
         return attn
 
     def _cross_step(self, h: Tensor, buffers: dict, state) -> Tensor:

@@ -1,0 +1,129 @@
+"""The decoding step as CUDA graphs (modules.decoding.StepGraphs), checked on the CPU with a stand-in graph.
+
+A CUDA graph replays the kernels it captured on the addresses it captured: it sees no Python. The stand-in
+(`RerunStepGraphs`) runs the captured step again at each replay and writes its outputs where the captured
+ones are, and it records the addresses every causal step reads and writes (state in, beam order, state
+out, inputs): a replay whose addresses differ from its capture's is what a real graph would get wrong
+(a stale beam order, the wrong state buffer), and fails here. Beam search with the stand-in must give
+exactly the eager step's hypotheses and scores. tests/test_cuda.py replays real graphs on a GPU.
+"""
+import pytest
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+from helpers import build_model, random_batch
+
+import rfa_fairseq.models.rfa_transformer as rfa_transformer
+from rfa_fairseq.generation import StaticBeamSearchGenerator
+from rfa_fairseq.modules.decoding import StepGraphs, step_graphs_for
+from rfa_fairseq.ops.decode_step import TorchKernels
+
+# the default model's maps, its softmax cross-attention; the torch kernels are the ones CUDA runs
+FLAGS = ["--rfa-feature-map", "hedgehog", "--rfa-gate", "--rfa-softmax-cross-attn", "--rfa-decode-kernel", "torch"]
+
+
+class RerunStepGraphs(StepGraphs):
+    """StepGraphs on the CPU: a 'graph' is the step itself plus the addresses its causal steps used."""
+
+    recording = None  # the address list of the capture or replay running now
+
+    def _capture(self, step):
+        RerunStepGraphs.recording = addresses = []
+        outputs = step()
+        RerunStepGraphs.recording = None
+        return (step, addresses), outputs
+
+    def _replay(self, graph, outputs) -> None:
+        step, captured = graph
+        RerunStepGraphs.recording = addresses = []
+        fresh = step()
+        RerunStepGraphs.recording = None
+        assert addresses == captured, "a replay read or wrote other buffers than its capture"
+        for out, new in zip(outputs, fresh):
+            if out is not None and out.data_ptr() != new.data_ptr():
+                out.copy_(new)  # a graph writes its outputs where the capture put them
+
+
+@pytest.fixture
+def rerun_graphs(monkeypatch):
+    """Every batch decodes through RerunStepGraphs; -> the list of them."""
+    made = []
+
+    def factory(device):
+        made.append(RerunStepGraphs(torch.device(device)))
+        return made[-1]
+
+    monkeypatch.setattr(rfa_transformer, "step_graphs_for", factory)
+    original = TorchKernels.causal_layer_step
+
+    def recorded(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, *args, **kwargs):
+        if RerunStepGraphs.recording is not None:
+            RerunStepGraphs.recording.append(tuple(None if t is None else t.data_ptr()
+                                                   for t in (phi_q, v, key_pad, state_in, order, state_out, out)))
+        return original(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, *args, **kwargs)
+
+    monkeypatch.setattr(TorchKernels, "causal_layer_step", staticmethod(recorded))
+    return made
+
+
+def _hypotheses(generator, model, sample):
+    with torch.no_grad():
+        hyps = generator.generate([model], sample)
+    return [[(h["tokens"].tolist(), h["positional_scores"].tolist()) for h in sent] for sent in hyps]
+
+
+@pytest.mark.parametrize("generator", ["sequence_generator", "static_beam_search"])
+def test_graph_replays_give_the_eager_steps_hypotheses(generator, rerun_graphs, monkeypatch):
+    """Beam 3 over 6 sentences that finish at different steps (the batch shrinks: new shapes, graphs captured
+    again): hypotheses and per-token scores identical to the eager step's, and most steps are replays."""
+    model, d = build_model(FLAGS, seed=3)
+    model.eval()
+    src, src_lengths, _ = random_batch(d, bsz=6, src_len=7, seed=11)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+
+    def make():
+        if generator == "sequence_generator":
+            return SequenceGenerator([model], d, beam_size=3, max_len_b=12)
+        return StaticBeamSearchGenerator(model, d, beam_size=3, max_len_b=12)
+
+    with monkeypatch.context() as eager:
+        eager.setattr(rfa_transformer, "step_graphs_for", lambda device: None)
+        want = _hypotheses(make(), model, sample)
+    rerun_graphs.clear()
+    got = _hypotheses(make(), model, sample)
+    assert got == want
+    graphs = rerun_graphs[-1]
+    lengths = sorted({len(tokens) for sent in want for tokens, _ in sent})
+    print(f"hypothesis lengths {lengths}; captures {graphs.captures}, replays {graphs.replays}")
+    assert len(lengths) > 1  # sentences finished at different steps
+    assert graphs.captures >= 2 and graphs.replays > graphs.captures
+
+
+def test_two_graphs_per_shape_one_per_state_buffer(rerun_graphs, monkeypatch):
+    """Greedy steps without reorders (identity order): step 1 eager (fills the buffers), step 2 eager (the
+    shape's first), then one capture per state buffer, and replays only: the logits equal the eager run's."""
+    model, d = build_model(FLAGS, seed=5)
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=2, src_len=6, tgt_len=9, seed=2)
+
+    def decode():
+        state, out = {}, []
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=src_lengths)
+            for t in range(prev.size(1)):
+                logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+                out.append(logits[:, -1].clone())
+        return torch.stack(out, 1)
+
+    graphed = decode()
+    graphs = rerun_graphs[-1]
+    assert (graphs.captures, graphs.replays) == (2, prev.size(1) - 2)
+    assert len({key[-1] for key in graphs.graphs}) == 2  # the two state buffers
+    rerun_graphs.clear()
+    monkeypatch.setattr(rfa_transformer, "step_graphs_for", lambda device: None)
+    torch.testing.assert_close(graphed, decode(), rtol=0, atol=0)
+
+
+def test_graphs_only_on_cuda_and_off_by_env(monkeypatch):
+    assert step_graphs_for("cpu") is None
+    monkeypatch.setenv("RFA_FAIRSEQ_EAGER_STEP", "1")
+    assert step_graphs_for("cuda") is None
