@@ -162,13 +162,15 @@ def generate(args, model, batch_size, threads, hyp_path):
             key, _, hyp = line.split("\t", 2)
             hyps[int(key[2:])] = hyp
     sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
-    return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps, gemm_backend(model, text)
+    return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps, gemm_backend(model, text, args.device)
 
 
-def gemm_backend(model, log_text) -> str:
-    """The CPU GEMM library behind the run's linear layers: CTranslate2 says which in its verbose log, and so
-    does an rfa_transformer's decoder (oneDNN with the C++ kernels); torch's own CPU linear layers call the BLAS
-    it was built with (MKL in the pinned wheel)."""
+def gemm_backend(model, log_text, device="cpu") -> str:
+    """The GEMM library behind the run's linear layers: cuBLAS on CUDA; on the CPU, CTranslate2 says which in its
+    verbose log, and so does an rfa_transformer's decoder (oneDNN with the C++ kernels); torch's own CPU linear
+    layers call the BLAS it was built with (MKL in the pinned wheel)."""
+    if device.startswith("cuda"):
+        return "torch cuBLAS"
     if model in CT2_MODELS:
         kind = "GEMM_S8" if CT2_MODELS[model][1].startswith("int8") else "SGEMM"
         found = re.search(rf"{kind} backend: (.+)", log_text)

@@ -242,9 +242,9 @@ def graph_counts(monkeypatch):
                          ids=[f"{fm}-{'gated' if g else 'ungated'}" for fm, g, _ in GRAPH_VARIANTS])
 def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, rfa_cross, dtype, graph_counts,
                                                             monkeypatch):
-    """The static beam search and fairseq's SequenceGenerator (beam 4, sentences finishing at different steps,
-    so the batch shrinks and graphs are captured again) with the step replayed as CUDA graphs: the eager
-    step's hypotheses, and its scores up to the last bits (the same kernels run, in one launch)."""
+    """The static beam search and fairseq's SequenceGenerator (beam 4, hypotheses ending at different steps; where
+    a sentence finishes early the batch shrinks and graphs are captured again) with the step replayed as CUDA
+    graphs: the eager step's hypotheses, and its scores up to the last bits (the same kernels run, in one launch)."""
     from fairseq.sequence_generator import SequenceGenerator
 
     from rfa_fairseq.generation import StaticBeamSearchGenerator

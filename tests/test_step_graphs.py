@@ -11,6 +11,7 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 from helpers import build_model, random_batch
+from test_model import assert_beam_reorder_equals_decoding_the_reordered_batch
 
 import rfa_fairseq.models.rfa_transformer as rfa_transformer
 from rfa_fairseq.generation import StaticBeamSearchGenerator
@@ -127,3 +128,15 @@ def test_graphs_only_on_cuda_and_off_by_env(monkeypatch):
     assert step_graphs_for("cpu") is None
     monkeypatch.setenv("RFA_FAIRSEQ_EAGER_STEP", "1")
     assert step_graphs_for("cuda") is None
+
+
+def test_replayed_logits_stay_as_handed_out_and_reorders_apply_inside_the_graph(rerun_graphs):
+    """Decode 4 steps, reorder (permute / duplicate / shrink), decode on with replays, every step's logits kept
+    by the caller: the logits of decoding the reordered batch from scratch (a replay rewrites its graph's
+    buffers, never logits a caller still holds)."""
+    model, d = build_model(FLAGS, seed=3)
+    model.eval()
+    batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
+    orders = [torch.tensor(order) for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0])]
+    assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
+    assert sum(g.replays for g in rerun_graphs) > 0

@@ -353,7 +353,10 @@ class RFATransformerDecoder(TransformerDecoderBase):
             read = state.layers[0]["self"].get("states")
             shape = (R, state.beam, state.sentences)
             key = shape + (read[0].data_ptr() if read else 0,)
-            logits, attn = state.graphs.run(key, shape, lambda: self._layers_step(state, tokens, positions))
+            replayed, attn = state.graphs.run(key, shape, lambda: self._layers_step(state, tokens, positions))
+            # a graph writes the same logits buffer at every replay, and a caller may still hold the last step's:
+            # handed out as the eager step hands them out, in a buffer no caller views
+            logits = state.buffer("logits.replayed", *replayed.shape, returned=True).copy_(replayed)
         state.swap_causal_states()
         state.order, state.first = None, False
         return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,

@@ -240,6 +240,7 @@ class StepGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.pool = None  # a pool whose graphs are all gone cannot take another capture (torch asserts): a new one
 
     def run(self, key: tuple, shape: tuple, step: Callable[[], object]):
         """The step's outputs: step() itself at a shape's first step, else its graph's replay (captured now
