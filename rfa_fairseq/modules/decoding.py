@@ -236,6 +236,7 @@ class StepGraphs:
         self.graphs: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph, the step's outputs)
         self.seen: set = set()  # shapes that ran eagerly once
         self.pool = None  # one memory pool for the batch's graphs
+        self.stream = None  # the side stream captures run on
         self.captures = self.replays = 0
 
     def clear(self) -> None:
@@ -263,7 +264,9 @@ class StepGraphs:
         # the garbage collector and empties the allocator's cache at every capture (tens of ms in fairseq-generate,
         # for a batch's few captures)
         if self.pool is None:
-            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
+            self.pool = torch.cuda.graph_pool_handle()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # the inputs copied just before
