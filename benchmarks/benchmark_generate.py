@@ -38,7 +38,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
+from benchmark_common import EAGER_STEP_MODELS, REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
 
 from rfa_fairseq.modules.decoding import EAGER_STEP_ENV  # noqa: E402
 
@@ -138,7 +138,7 @@ def generate(args, model, batch_size, threads, hyp_path):
             cmd.append("--fp16")
     # CT2_VERBOSE: CTranslate2 logs the GEMM backend it picked for this CPU (the CSV's gemm_backend)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CT2_VERBOSE="1")
-    env[EAGER_STEP_ENV] = "1" if model == "rfa_eager" else "0"
+    env[EAGER_STEP_ENV] = "1" if model in EAGER_STEP_MODELS else "0"
     with open(hyp_path + ".log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:

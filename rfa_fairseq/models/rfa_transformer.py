@@ -350,9 +350,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
             else:
                 torch.arange(R, out=order)
             state.order = order
-            read = state.layers[0]["self"].get("states")
-            shape = (R, state.beam, state.sentences)
-            key = shape + (read[0].data_ptr() if read else 0,)
+            shape, key = state.graph_key()
             replayed, attn = state.graphs.run(key, shape, lambda: self._layers_step(state, tokens, positions))
             # a graph writes the same logits buffer at every replay, and a caller may still hold the last step's:
             # handed out as the eager step hands them out, in a buffer no caller views

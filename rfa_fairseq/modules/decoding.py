@@ -149,6 +149,13 @@ class DecodeState:
             if states is not None:
                 states.reverse()
 
+    def graph_key(self) -> Tuple[tuple, tuple]:
+        """(shape, key) of this step's CUDA graph (StepGraphs.run): the rows and their layout, and with them the
+        causal state buffer the step reads (each shape has a graph per buffer)."""
+        shape = (self.rows, self.beam, self.sentences)
+        states = next((layer["self"]["states"] for layer in self.layers if "states" in layer["self"]), None)
+        return shape, shape + (states[0].data_ptr() if states else 0,)
+
     def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
         return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
 
