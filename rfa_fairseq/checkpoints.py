@@ -241,6 +241,9 @@ def safe_load(path, mmap=False, verify=None):
         verify_checkpoint_file(path)
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if mmap:
+        with open(path, "rb") as f:
+            mmap = f.read(4) == _ZIP_MAGIC  # torch < 1.6's (non-zip) format cannot be mapped: read it whole
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises many kinds on a damaged file (KeyError, RuntimeError, ...)
@@ -435,11 +438,7 @@ def check_checkpoint_against_overrides(path, arg_overrides) -> None:
     """check_rfa_overrides on the options as trained, read from `path` before fairseq applies the overrides."""
     if not overrides_weight_defining_option(arg_overrides):
         return
-    try:
-        stored = safe_load(path, mmap=True)  # mmap keeps reading the options cheap
-    except RuntimeError:  # legacy (non-zip) format cannot be mapped
-        stored = safe_load(path)
-    check_rfa_overrides(path, stored, arg_overrides)
+    check_rfa_overrides(path, safe_load(path, mmap=True), arg_overrides)  # mmap keeps reading the options cheap
 
 
 def mark_rfa_checkpoint(state):

@@ -51,13 +51,13 @@ class RFAConfig(FairseqDataclass):
     )
     rfa_sigma: ChoiceEnum(SIGMA_MODES) = field(
         default="learned",
-        metadata=_meta("training", "sigma scaling the random projections, per head and dimension: learned (paper's "
+        metadata=_meta("weights", "sigma scaling the random projections, per head and dimension: learned (paper's "
             "learned variance), log (learned as exp(m * theta): --rfa-sigma-lr-multiplier m speeds up its "
             "learning) or fixed at its initial value (default: learned)"),
     )
-    rfa_sigma_lr_multiplier: float = field(
+    rfa_sigma_lr_multiplier: float = field(  # a weight's meaning: the checkpoint stores theta, not sigma
         default=10.0,
-        metadata=_meta("training", "with --rfa-sigma log: m in sigma = exp(m * theta), a learning-rate multiplier for log sigma (default: 10)"),
+        metadata=_meta("weights", "with --rfa-sigma log: m in sigma = exp(m * theta), a learning-rate multiplier for log sigma (default: 10)"),
     )
     rfa_temperature: float = field(
         default=1.0,
@@ -224,8 +224,6 @@ def validate_rfa_args(args) -> None:
             "--cross-self-attention contradicts RFA: it makes decoder self-attention attend to the encoder "
             "output, which the causal RFA state cannot represent; drop the flag or use --arch transformer"
         )
-    if args.rfa_softmax_cross_attn and getattr(args, "no_cross_attention", False):
-        raise ValueError("--rfa-softmax-cross-attn contradicts --no-cross-attention: there is no cross-attention")
     for side in ("encoder", "decoder"):
         embed_dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
         if embed_dim % heads:

@@ -33,10 +33,11 @@ def parse_args(extra=(), arch="rfa_transformer", seed=1):
     return options.parse_args_and_arch(parser, argv)
 
 
-def build_model_from_args(args, dictionary=None):
+def build_model_from_args(args, dictionary=None, seed=None):
+    """args: a Namespace (fairseq-train) or a DictConfig without seed (fairseq-hydra-train: pass seed)."""
     dictionary = dictionary or make_dictionary()
     task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed if seed is None else seed)  # as fairseq seeds torch before building the model
     return ARCH_MODEL_REGISTRY[args.arch].build_model(args, task), dictionary
 
 

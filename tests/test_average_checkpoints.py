@@ -89,3 +89,11 @@ def test_missing_checkpoint_is_named(tmp_path, capsys):
     missing = tmp_path / "checkpoint7.pt"
     assert avg.main(["--inputs", str(missing), "--output", str(tmp_path / "o.pt")]) == 1
     assert f"checkpoint not found: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--num-epoch-checkpoints", "--num-update-checkpoints"])
+def test_zero_checkpoints_to_average_is_refused_naming_the_count(tmp_path, capsys, flag):
+    save_checkpoint(tmp_path / "checkpoint1.pt", seed=1)
+    assert avg.main(["--inputs", str(tmp_path), flag, "0", "--output", str(tmp_path / "o.pt")]) == 1
+    assert "the number of checkpoints to average must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "o.pt").exists()

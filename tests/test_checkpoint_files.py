@@ -14,6 +14,7 @@ import torch
 import rfa_fairseq  # noqa: F401  (installs the fairseq wrappers)
 from fairseq import checkpoint_utils
 from rfa_fairseq import checkpoints, resume
+from rfa_fairseq.config import RFAOptionMismatchError
 from rfa_fairseq.checkpoints import (DamagedCheckpointError, NotACheckpointError, copy_atomic, num_updates, safe_load,
                                      save_atomic, verify_checkpoint_file)
 
@@ -119,6 +120,29 @@ def test_unknown_rfa_keys_in_model_overrides_are_warned_with_the_closest_option(
                                          "nothing; did you mean 'rfa_decode_kernel'"):
         checkpoint_utils.load_checkpoint_to_cpu(path, arg_overrides={"rfa_decode_kernal": "torch", "beam": 2})
     assert checkpoints.warn_unknown_rfa_overrides({"rfa_decode_kernel": "torch", "data": "x"}) == []
+
+
+@pytest.mark.parametrize("name,value", [("rfa_sigma_lr_multiplier", 1.0), ("rfa_sigma", "learned")])
+def test_overrides_of_sigmas_parametrization_are_refused(name, value):
+    """Under --rfa-sigma log the checkpoint stores theta of sigma = exp(m * theta): another m or mode would
+    load and silently compute another sigma (or fail on the parameter's name)."""
+    state = {"args": None, "cfg": {"model": {"_name": "rfa_transformer", "rfa_sigma": "log", "rfa_sigma_lr_multiplier": 10.0}}}
+    with pytest.raises(RFAOptionMismatchError, match=f"--model-overrides sets {name}="):
+        checkpoints.check_rfa_overrides("ckpt.pt", state, {name: value})
+    checkpoints.check_rfa_overrides("ckpt.pt", state, {"rfa_chunk_size": 4, "rfa_temperature": 2.0})
+
+
+def test_checkpoints_in_torchs_legacy_format_are_read_where_options_are_read_cheaply(tmp_path):
+    """torch < 1.6 wrote checkpoints that are no zip archive and cannot be memory-mapped: the cheap reads
+    (resume's update count, the --model-overrides check) read them whole instead of calling them damaged."""
+    state = {"args": None, "cfg": {"model": {"_name": "rfa_transformer", "rfa_num_features": 8}},
+             "model": {"weight": torch.zeros(4)}, "optimizer_history": [{"num_updates": 37}]}
+    path = str(tmp_path / "checkpoint_last.pt")
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    assert resume.saved_updates(path) == 37
+    assert safe_load(path, mmap=True)["cfg"] == state["cfg"]
+    with pytest.raises(RFAOptionMismatchError, match="rfa_num_features=16"):
+        checkpoints.check_checkpoint_against_overrides(path, {"rfa_num_features": 16})
 
 
 # ---------------------------------------------------------------- which checkpoint training resumes from

@@ -421,3 +421,38 @@ def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kerne
             else:  # positional scores, printed with 4 decimals
                 diffs = [abs(float(x) - float(y)) for x, y in zip(fields_a[1].split(), fields_b[1].split())]
                 assert fields_a[0] == fields_b[0] and max(diffs) <= 2e-4, (a, b)
+
+
+@pytest.mark.parametrize("cross", ["softmax", "rfa"])
+def test_reorders_that_read_nothing_back_still_move_kv_kept_per_row(cross, monkeypatch):
+    """On CUDA a reorder reads no rows back (DecodeState.NO_HOST_READS_ON; here the CPU stands in): K/V kept
+    once per row (beam 1) must follow orders that move rows between sentences, K/V kept once per sentence
+    stay through within-beam reorders and compact when a sentence leaves."""
+    monkeypatch.setattr(DecodeState, "NO_HOST_READS_ON", ("cpu",))
+    model, d = build_model(_flags("hedgehog", True, cross, "post"))
+    model.eval()
+    batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
+    orders = [torch.tensor(order) for order in ([2, 0, 3, 1], [3, 3, 0, 1], [2, 0])]
+    assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
+    assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengths, prev, tolerance=1e-5)
+
+
+def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():
+    """The step's CUDA graphs read K/V at the addresses they captured: a reorder that keeps the number of rows
+    moves K/V kept once per row where they are."""
+    model, d = build_model(_flags("hedgehog", True, "softmax", "post"))
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=4, src_len=8, tgt_len=5, seed=3)
+    with torch.no_grad():
+        state = {}
+        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :2], state)
+        decoding = state[DecodeState.KEY]["state"]
+        cross = [t for layer in decoding.layers for t in layer["cross"].values() if isinstance(t, torch.Tensor)]
+        before = [(t.data_ptr(), t.clone()) for t in cross]
+        order = torch.tensor([2, 0, 3, 1])
+        model.decoder.reorder_incremental_state_scripting(state, order)
+    assert cross and decoding.beam == 1
+    for t, (address, old) in zip(cross, before):
+        assert t.data_ptr() == address
+        torch.testing.assert_close(t, old[order], rtol=0, atol=0)

@@ -63,6 +63,19 @@ def _state_tensors(incremental_state):
 
 
 
+@pytest.mark.parametrize("cross", [[], ["--no-rfa-softmax-cross-attn"]], ids=["default", "rfa_cross"])
+def test_a_decoder_without_cross_attention_decodes_incrementally_as_a_whole(cross):
+    """--no-cross-attention: --rfa-softmax-cross-attn (on by default) has nothing to choose, and is no error."""
+    model, d = build_model(["--no-cross-attention", *cross])
+    model.eval()
+    assert all(layer.encoder_attn is None for layer in model.decoder.layers)
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
+    with torch.no_grad():
+        full, _ = model(src, src_lengths, prev)
+        incremental = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+    torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
+
+
 def test_modules_are_where_the_options_say():
     model, _ = build_model()
     enc_layer, dec_layer = model.encoder.layers[0], model.decoder.layers[0]
@@ -170,6 +183,22 @@ def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval()
     assert all(torch.equal(x, m.eval_random_matrix) for x, m in zip(fixed, a.rfa_modules()))
 
 
+def test_hydra_model_config_draws_with_the_seed_torch_was_seeded_with():
+    """fairseq-hydra-train builds the model from the config's model section, which has no seed (common.seed
+    seeds torch just before): its draws follow that seed, as fairseq-train's follow --seed."""
+    from omegaconf import OmegaConf
+
+    def eval_draws(model):
+        return [m.eval_random_matrix.clone() for m in model.rfa_modules()]
+
+    cli = eval_draws(build_model(PAPER_RFA, seed=7)[0])
+    for seed, same in ((7, True), (8, False)):
+        args = vars(parse_args(PAPER_RFA, "rfa_transformer", seed))
+        hydra_model_section = OmegaConf.create({k: v for k, v in args.items() if k != "seed"})
+        model, _ = build_model_from_args(hydra_model_section, seed=seed)
+        assert all(torch.equal(x, y) for x, y in zip(cli, eval_draws(model))) == same
+
+
 def test_checkpointed_model_generates_identical_hypotheses():
     from fairseq.sequence_generator import SequenceGenerator
 
@@ -226,7 +255,6 @@ def test_bad_flags_are_argparse_errors_naming_the_flag(flags, message, capsys):
         ({"rfa_temperature": -1.0}, "--rfa-temperature must be > 0"),
         ({"rfa_feature_map": "gaussian"}, "--rfa-feature-map='gaussian' is not one of"),
         ({"cross_self_attention": True}, "--cross-self-attention contradicts RFA"),
-        ({"rfa_softmax_cross_attn": True, "no_cross_attention": True}, "contradicts --no-cross-attention"),
     ],
 )
 def test_bad_options_from_configs_are_rejected_before_building(override, message):

@@ -11,7 +11,7 @@ Epoch checkpoints are checkpoint<EPOCH>.pt, update checkpoints checkpoint_<EPOCH
 the last N by number are used. Checkpoints are read with the plugin's loader
 (`checkpoints.safe_load`: torch's weights_only unpickler, never weights_only=False, with only
 the classes fairseq checkpoints need allowlisted). The output keeps everything but "model" from
-the newest input, and is written atomically.
+the first input (with --num-*-checkpoints the newest), and is written atomically.
 """
 import argparse
 import collections
@@ -124,7 +124,7 @@ def run(args):
     problem = output_file_problem(args.output)
     if problem:
         raise AveragingError(problem)
-    n = args.num_epoch_checkpoints or args.num_update_checkpoints
+    n = args.num_epoch_checkpoints if args.num_epoch_checkpoints is not None else args.num_update_checkpoints
     if n is not None:
         if len(args.inputs) != 1:
             raise AveragingError("with --num-epoch/update-checkpoints, --inputs must be one directory")

@@ -52,6 +52,15 @@ def _wrap_layer(layer, cfg):
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
 
 
+def feed_forward(kernels, h, fc1, fc2, activation_fn, hidden, out, residual):
+    """The FFN sublayer on packed weights: out <- fc2(activation(fc1(h))) + residual; ReLU fused into fc1."""
+    relu = activation_fn is F.relu
+    hidden = kernels.linear(h, fc1, hidden, activation="relu" if relu else None)
+    if not relu:
+        hidden = activation_fn(hidden)
+    return kernels.linear(hidden, fc2, out, residual=residual)
+
+
 class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
     def build_self_attention(self, embed_dim, cfg):
         return RFAAttention(embed_dim, cfg.encoder.attention_heads, dropout=cfg.attention_dropout, self_attention=True,
@@ -113,12 +122,8 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.normalize_before else x
-        relu = self.activation_fn is F.relu
-        hidden = kernels.linear(h, self._linear("fc1", kernels, self.fc1), x.new_empty(T * B, self.fc1.out_features),
-                                activation="relu" if relu else None)
-        if not relu:
-            hidden = self.activation_fn(hidden)
-        x = kernels.linear(hidden, self._linear("fc2", kernels, self.fc2), x.new_empty(T * B, C), residual=x)
+        x = feed_forward(kernels, h, self._linear("fc1", kernels, self.fc1), self._linear("fc2", kernels, self.fc2),
+                         self.activation_fn, x.new_empty(T * B, self.fc1.out_features), x.new_empty(T * B, C), residual=x)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x.view(T, B, C)
@@ -172,13 +177,9 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
             y, weights = self.encoder_attn.step(h, buffers["cross"], state, need_weights=need_weights, residual=x)
             self._residual(self.encoder_attn_layer_norm, y, x, state)
         R, C = x.shape
-        fc1, fc2 = buffers["ffn"]["fc1"], buffers["ffn"]["fc2"]
-        relu = self.activation_fn is F.relu
-        hidden = state.kernels.linear(self._input(self.final_layer_norm, x, state), fc1,
-                                      state.buffer("ffn", R, self.fc1.out_features), activation="relu" if relu else None)
-        if not relu:
-            hidden = self.activation_fn(hidden)
-        y = state.kernels.linear(hidden, fc2, state.buffer("y", R, C), residual=x)
+        y = feed_forward(state.kernels, self._input(self.final_layer_norm, x, state), buffers["ffn"]["fc1"],
+                         buffers["ffn"]["fc2"], self.activation_fn, state.buffer("ffn", R, self.fc1.out_features),
+                         state.buffer("y", R, C), residual=x)
         self._residual(self.final_layer_norm, y, x, state)
         return weights
 
@@ -422,7 +423,10 @@ class RFATransformerModel(TransformerModel):
             model = super().build_model(args, task)
         finally:
             delattr(args, RFA_CONFIG)
-        model.set_random_feature_seed(getattr(args, "seed", 1))
+        # fairseq-hydra-train hands over the config's model section alone, without common.seed; both CLIs seed
+        # torch with it just before building the model
+        seed = getattr(args, "seed", None)
+        model.set_random_feature_seed(torch.initial_seed() if seed is None else seed)
         return model
 
     @classmethod

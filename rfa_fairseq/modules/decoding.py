@@ -129,6 +129,7 @@ class DecodeState:
     """
 
     KEY = "rfa_decoding"
+    NO_HOST_READS_ON = ("cuda",)  # device types whose reorders read nothing back (a read waits for the device)
 
     def __init__(self, kernels, workspace: Workspace, rows: int, beam: int, num_layers: int, device, dtype,
                  graphs: Optional["StepGraphs"] = None):
@@ -168,16 +169,18 @@ class DecodeState:
 
     def reorder_(self, new_order: Tensor) -> None:
         """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).
-        The causal states apply it in the next step; K/V move only when sentences leave."""
+        The causal states apply it in the next step; K/V move only when rows read another sentence."""
         new_order = new_order.to(self.device)
         self.order = new_order if self.order is None else self.order.index_select(0, new_order)
         unchanged_rows, self.rows = self.rows == new_order.numel(), new_order.numel()
         if not unchanged_rows and self.graphs is not None:
             self.graphs.clear()  # captured for the old shape and the old K/V
-        if new_order.is_cuda:
-            # checking the rows would wait for the GPU: trust fairseq's beam search, whose beams of a sentence
-            # stay together and whose sentences only leave (the batch shrinks)
-            if unchanged_rows:
+        if new_order.device.type in self.NO_HOST_READS_ON:
+            # checking the rows would wait for the device: trust fairseq's beam search, whose beams of a
+            # sentence stay together and whose sentences only leave (the batch shrinks). K/V kept once per row
+            # (beam 1: greedy search, a caller that sets no beam size) follow every order, as fairseq's own
+            # attention does.
+            if unchanged_rows and self.beam > 1:
                 return
             kept = self.sentence_of_row.index_select(0, new_order).view(-1, self.beam)[:, 0]
         else:
@@ -189,11 +192,18 @@ class DecodeState:
                 kept = groups[:, 0]
             else:  # rows of one sentence went apart: keep K/V once per row from now on
                 kept, self.beam = sentence, 1
+        resized = False
         for layer in self.layers:
             cross = layer["cross"]
             for name, value in cross.items():
                 if isinstance(value, Tensor):
-                    cross[name] = value.index_select(0, kept)
+                    moved = value.index_select(0, kept)
+                    if moved.shape == value.shape:
+                        value.copy_(moved)  # in place: the captured graphs read K/V at their addresses
+                    else:
+                        cross[name], resized = moved, True
+        if resized and self.graphs is not None:
+            self.graphs.clear()
         self.sentences = kept.numel()
         self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
 
