@@ -88,7 +88,7 @@ log "environment: $(tr '\n' ' ' < "$OUT/env.txt")"
 # ---------------------------------------------------------------- 2-4. the step as CUDA graphs
 # first and short (about 35 s on an H200): no time is held back from it for the stages after it
 stage graph_tests "$(budget 0 150)" python3 -m pytest -q -s -p no:cacheprovider --junitxml="$OUT/graph_tests.xml" \
-    tests/test_cuda.py -k "graph_replays or do_not_synchronize"
+    tests/test_cuda.py -k "graph_replays or do_not_synchronize or beam_reorder or beam_grouped"
 
 GRACE=20
 secs=$(budget 130 240)
