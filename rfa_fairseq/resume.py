@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
 # the names fairseq-train writes into --save-dir (fairseq.checkpoint_utils.save_checkpoint)
 CHECKPOINT_NAME = re.compile(r"checkpoint(_last|_best|\d+|_\d+_\d+|\.best_.+)\.pt")
-_UPDATE_NAME = re.compile(r"checkpoint_\d+_(\d+)\.pt")
-_EPOCH_NAME = re.compile(r"checkpoint(\d+)\.pt")
+UPDATE_CHECKPOINT_NAME = re.compile(r"checkpoint_\d+_(\d+)\.pt")
+EPOCH_CHECKPOINT_NAME = re.compile(r"checkpoint(\d+)\.pt")
 # epoch checkpoints read per resume, highest epochs first (an older epoch is never the newest state)
 EPOCH_CANDIDATES = 2
 
@@ -65,9 +65,9 @@ def save_dir_checkpoints(save_dir, exclude=()):
         path = os.path.join(save_dir, name)
         if not CHECKPOINT_NAME.fullmatch(name) or os.path.abspath(path) in excluded or not os.path.isfile(path):
             continue
-        if (match := _UPDATE_NAME.fullmatch(name)):
+        if (match := UPDATE_CHECKPOINT_NAME.fullmatch(name)):
             by_update.append((int(match[1]), path))
-        elif (match := _EPOCH_NAME.fullmatch(name)):
+        elif (match := EPOCH_CHECKPOINT_NAME.fullmatch(name)):
             epochs.append((int(match[1]), path))
         else:
             others.append(path)
@@ -81,7 +81,7 @@ def newest_intact(paths, tried):
     come from the name where it has one; only files at least as new as the one chosen are checksummed."""
     known = []
     for order, path in enumerate(paths):
-        match = _UPDATE_NAME.fullmatch(os.path.basename(path))
+        match = UPDATE_CHECKPOINT_NAME.fullmatch(os.path.basename(path))
         try:
             updates = int(match[1]) if match else saved_updates(path)
         except (checkpoints.CheckpointLoadError, OSError) as exc:

@@ -393,8 +393,24 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
     model, d = build_model(["--rfa-decode-kernel", "cpp"])
     model.eval().to(torch.bfloat16)
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=2)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
     with torch.no_grad(), pytest.raises(ValueError, match="--rfa-decode-kernel cpp: the C\\+\\+ decoding step runs on the CPU in fp32"):
-        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+        _decode_incrementally(model, encoder_out, prev, {})
+
+
+def test_a_run_set_to_decode_in_cpp_validates_where_cpp_cannot_run():
+    """fairseq-train validates in eval mode without autograd, which runs the encoder's inference path: a run
+    configured with --rfa-decode-kernel cpp (to decode on the CPU) that trains in another dtype or on a GPU
+    validates on the torch kernels instead of failing at its first validation (bf16 stands in for CUDA here)."""
+    outputs = {}
+    for kernel in ("cpp", "torch"):
+        model, d = build_model(["--rfa-decode-kernel", kernel])
+        model.eval().to(torch.bfloat16)
+        src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=4)
+        with torch.no_grad():
+            outputs[kernel] = model(src, src_lengths, prev)[0]
+    torch.testing.assert_close(outputs["cpp"], outputs["torch"], rtol=0, atol=0)
 
 
 def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_fla(monkeypatch):

@@ -16,13 +16,13 @@ the first input (with --num-*-checkpoints the newest), and is written atomically
 import argparse
 import collections
 import os
-import re
 import sys
 
 import torch
 
 from . import run_console_script
 from ..checkpoints import CheckpointLoadError, output_file_problem, safe_load, save_atomic
+from ..resume import EPOCH_CHECKPOINT_NAME, UPDATE_CHECKPOINT_NAME
 
 
 class AveragingError(Exception):
@@ -44,7 +44,7 @@ def last_n_checkpoints(directory, n, update_based, upper_bound=None):
     newest first, at most upper_bound when given."""
     if not os.path.isdir(directory):
         raise AveragingError(f"checkpoint directory not found: {directory}")
-    pattern = re.compile(r"checkpoint_\d+_(\d+)\.pt" if update_based else r"checkpoint(\d+)\.pt")
+    pattern = UPDATE_CHECKPOINT_NAME if update_based else EPOCH_CHECKPOINT_NAME
     entries = []
     for name in os.listdir(directory):
         match = pattern.fullmatch(name)

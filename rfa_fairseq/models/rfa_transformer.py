@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
 from ..modules.decoding import DecodeState, Workspace, follow_rows, step_graphs_for
-from ..ops import step_kernels
+from ..ops import cpp_can_run, step_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,12 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         """ops.step_kernels for x's device and dtype, picked once per layer (not at every batch)."""
         where = (x.device, x.dtype)
         if self._packed.kernels is None or self._packed.kernels[0] != where:
-            self._packed.kernels = (where, step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype))
+            choice = self.rfa.rfa_decode_kernel
+            if choice == "cpp" and not cpp_can_run(x.device, x.dtype):
+                # a run set to decode on the CPU, validated on a GPU while it trains: the encoder is not the decoding
+                # step, so torch serves it here; decoding itself still refuses (the decoder's DecodeState)
+                choice = "torch"
+            self._packed.kernels = (where, step_kernels(choice, x.device, x.dtype))
         return self._packed.kernels[1]
 
     def _plain(self) -> bool:

@@ -43,13 +43,18 @@ from .feature_maps import activate_learned
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 
 
+def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the C++ kernels serve this device and dtype (the CPU in fp32), built or not."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
 def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype):
     """The kernels of a batch's decoding steps for --rfa-decode-kernel (validated by RFAConfig) and the
     model's device and dtype: auto = C++ on the CPU in fp32 when the module loads, torch otherwise;
     cpp = C++, an error where it cannot run; torch = torch."""
     if decode_kernel == "torch":
         return TORCH_KERNELS
-    native = torch.device(device).type == "cpu" and dtype == torch.float32
+    native = cpp_can_run(device, dtype)
     if decode_kernel == "cpp":
         if not native:
             raise ValueError(f"--rfa-decode-kernel cpp: the C++ decoding step runs on the CPU in fp32, not on "
