@@ -6,7 +6,7 @@
 #            characters removed; clean-corpus-n with Moses' default limits
 #            (ratio 9, 1..250 pieces) only guards against empty or broken lines:
 #            the standard setup trains on all 29000 pairs
-#   valid    val (1014)
+#   valid    val (1014); valid.raw.<tgt> is the published reference
 #   test     test_2016_flickr (1000); test.raw.<tgt> is the published reference
 #   vocab    8,000 joint SentencePiece pieces: the corpus is small (~0.4M tokens per
 #            side, ~10K English and ~18K German word types), so 8K pieces keep the
@@ -93,3 +93,8 @@ run_step test-raw py build-parallel --src-lang "$SRC" --tgt-lang "$TGT" \
     "$DL_DIR/test_2016_flickr.$SRC.gz" "$DL_DIR/test_2016_flickr.$TGT.gz"
 
 subword_and_binarize "$W/test" --ratio 9 --min-len 1 --max-len 250
+# The valid split's reference as published, a second scored set (scripts/quality_study.py); the last step, so a
+# directory prepared before it existed gets it without preparing the rest again.
+run_step valid-raw py build-parallel --src-lang "$SRC" --tgt-lang "$TGT" \
+    --out-src "$OUT/valid.raw.$SRC" --out-tgt "$OUT/valid.raw.$TGT" \
+    "$DL_DIR/val.$SRC.gz" "$DL_DIR/val.$TGT.gz"

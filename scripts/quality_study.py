@@ -8,10 +8,12 @@
 Every run trains with scripts/train.sh (RECIPE=multi30k_en_de or, with --pair en-fr, multi30k_en_fr: 256
 dims, 3+3 layers, joint 8k SentencePiece) at one shared budget: --max-update N (default 1,000) with --lr 0.001
 --warmup-updates 800 (the recipe's 4,000-update warm-up does not finish in a CPU budget), seed 1,
-then translates test_2016_flickr with scripts/generate.sh (beam 4, checkpoint_best.pt) and scores
-it with scripts/score.sh (sacreBLEU, chrF). One CSV row per (variant, budget, seed): valid loss after
-every epoch, the final and best valid loss, BLEU, chrF, training time and words/s, the decoding time
-fairseq-generate reports, the device and how many runs shared it. The CSV is rewritten whole after
+then translates test_2016_flickr and the valid split with scripts/generate.sh (beam 4, checkpoint_best.pt)
+and scores each with scripts/score.sh (sacreBLEU, chrF) against its published reference. One CSV row per
+(variant, budget, seed): valid loss after every epoch, the final and best valid loss, BLEU and chrF on
+test_2016_flickr and on valid (valid_bleu, valid_chrf: a second sample of the same distribution, since
+the gaps at stake are smaller than what one 1,000-sentence set moves), training time and words/s, the
+decoding time fairseq-generate reports for the test split, the device and how many runs shared it. The CSV is rewritten whole after
 every finished run (no half-written rows) and finished rows are skipped, so the study can be stopped
 and continued; an unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the
 furthest shorter run of the same variant and seed on disk (the inverse-sqrt schedule does not depend on
@@ -109,8 +111,11 @@ DEFAULT_MODEL_VARIANTS = {64: "hedgehog_gate_softmax_cross", 32: "hedgehog_gate_
 FIELDS = [
     "variant", "max_update", "seed", "bleu", "chrf", "valid_loss", "best_valid_loss", "valid_loss_by_epoch",
     "train_seconds", "train_wps", "decode_seconds", "device", "runs_sharing_device", "flags", "finished_utc",
-    "bleu_signature", "chrf_signature",
+    "bleu_signature", "chrf_signature", "valid_bleu", "valid_chrf",
 ]
+# the splits every row is translated and scored on: (fairseq subset, the reference prepare-multi30k.sh writes);
+# valid is a second sample of test_2016_flickr's distribution (checkpoint_best.pt is picked on its loss, not BLEU)
+SCORED_SPLITS = (("test", "test.raw.{tgt}"), ("valid", "valid.raw.{tgt}"))
 
 
 def recipe_of(pair):
@@ -213,20 +218,22 @@ def parse_train_log(text: str):
     return sorted(valid.items()), wps
 
 
-def translate_and_score(checkpoint, work, args, shared_env, tag="test"):
-    """Translate test_2016_flickr with `checkpoint` (beam 4) into work/<tag>.hyp.<tgt> and score it:
+def translate_and_score(checkpoint, work, args, shared_env, tag="test", subset="test", reference="test.raw.{tgt}"):
+    """Translate the fairseq `subset` (test: test_2016_flickr) with `checkpoint` (beam 4) into
+    work/<tag>.hyp.<tgt> and score it against args.prep/`reference`:
     {bleu, chrf, decode_seconds, bleu_signature, chrf_signature} as strings for a CSV row."""
     tgt = getattr(args, "pair", "en-de").split("-")[1]
     hyp = os.path.join(work, f"{tag}.hyp.{tgt}")
     gen = ["bash", os.path.join(REPO, "scripts", "generate.sh"), "--data-bin", os.path.join(args.prep, "data-bin"),
-           "--checkpoint", checkpoint, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192", "--output", hyp]
+           "--checkpoint", checkpoint, "--recipe", "multi30k", "--beam", "4", "--max-tokens", "8192",
+           "--subset", subset, "--output", hyp]
     if args.device == "cpu":
         gen.append("--cpu")
     run(gen, env=shared_env, log_path=os.path.join(work, f"{tag}.generate.log"), timeout_s=args.decode_timeout_h * 3600,
         limit_name="--decode-timeout-h")
     translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
     scores_json = os.path.join(work, f"{tag}.scores.json")
-    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, f"test.raw.{tgt}"),
+    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, reference.format(tgt=tgt)),
          "--json", scores_json], env=shared_env, log_path=os.path.join(work, f"{tag}.score.log"),
         timeout_s=args.decode_timeout_h * 3600, limit_name="--decode-timeout-h")
     scores = json.load(open(scores_json))
@@ -256,7 +263,10 @@ def train_and_score(name, args, shared_env, runs_sharing):
     if not valid:
         raise RuntimeError(f"{name}: no validation results in {train_log}")
 
-    scores = translate_and_score(os.path.join(work, "checkpoint_best.pt"), work, args, shared_env)
+    best = os.path.join(work, "checkpoint_best.pt")
+    by_split = {subset: translate_and_score(best, work, args, shared_env, tag=subset, subset=subset, reference=ref)
+                for subset, ref in SCORED_SPLITS}
+    scores, valid_scores = by_split["test"], by_split["valid"]
     return {
         "variant": name, "max_update": args.max_update, "seed": args.seed, "bleu": scores["bleu"], "chrf": scores["chrf"],
         "valid_loss": f"{valid[-1][1]:.3f}", "best_valid_loss": f"{min(v for _, v in valid):.3f}",
@@ -266,6 +276,7 @@ def train_and_score(name, args, shared_env, runs_sharing):
         "device": args.device_name, "runs_sharing_device": runs_sharing,
         "flags": " ".join(flags), "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"],
+        "valid_bleu": valid_scores["bleu"], "valid_chrf": valid_scores["chrf"],
     }
 
 
@@ -337,12 +348,17 @@ def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
     """The D rule's inputs: for each pair, budget and D of the default model, the mean BLEU over the seeds that
     both it and softmax have at that budget (paired seeds only), the gap, and each seed's gap (the seeds spread
     more than the D values do, so the table shows how far one seed moves the mean). Also the verdict: the smallest
-    (fastest) D whose gap is at most `tolerance` at each pair's longest budget with a paired D, or None."""
+    (fastest) D whose gap is at most `tolerance` at each pair's longest budget with a paired D, or None.
+    valid_gap: the same gap on the valid split over the paired seeds whose rows have its BLEU (None without)
+    and valid_seeds those seeds; shown beside the rule, which stays on test_2016_flickr."""
     table, longest = [], {}
     for pair, path in csv_by_pair.items():
-        bleu = {}  # (variant, budget) -> {seed: BLEU}
+        bleu, valid_bleu = {}, {}  # (variant, budget) -> {seed: BLEU}
         for r in read_rows(path):
-            bleu.setdefault((r["variant"], int(r["max_update"])), {})[int(r["seed"])] = float(r["bleu"])
+            at = (r["variant"], int(r["max_update"]))
+            bleu.setdefault(at, {})[int(r["seed"])] = float(r["bleu"])
+            if r.get("valid_bleu"):
+                valid_bleu.setdefault(at, {})[int(r["seed"])] = float(r["valid_bleu"])
         for d, variant in sorted(DEFAULT_MODEL_VARIANTS.items()):
             for budget in sorted({b for (v, b) in bleu if v == variant}):
                 seeds = sorted(set(bleu[(variant, budget)]) & set(bleu.get(("softmax", budget), {})))
@@ -351,8 +367,13 @@ def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
                 softmax = sum(bleu[("softmax", budget)][s] for s in seeds) / len(seeds)
                 default = sum(bleu[(variant, budget)][s] for s in seeds) / len(seeds)
                 seed_gaps = [bleu[(variant, budget)][s] - bleu[("softmax", budget)][s] for s in seeds]
+                on_valid = [valid_bleu.get(m, {}) for m in ((variant, budget), ("softmax", budget))]
+                valid_seeds = [s for s in seeds if all(s in v for v in on_valid)]
+                valid_gap = (sum(on_valid[0][s] - on_valid[1][s] for s in valid_seeds) / len(valid_seeds)
+                             if valid_seeds else None)
                 table.append(dict(pair=pair, max_update=budget, d=d, seeds=seeds, softmax=softmax, default=default,
-                                  gap=default - softmax, seed_gaps=seed_gaps, within=default - softmax >= -tolerance))
+                                  gap=default - softmax, seed_gaps=seed_gaps, within=default - softmax >= -tolerance,
+                                  valid_gap=valid_gap, valid_seeds=valid_seeds))
                 longest[pair] = max(longest.get(pair, 0), budget)
     table.sort(key=lambda r: (list(csv_by_pair).index(r["pair"]), r["max_update"], r["d"]))
     passing = None
@@ -367,11 +388,18 @@ def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
 
 def print_rule(csv_by_pair, tolerance=RULE_TOLERANCE):
     table, longest, passing = rule_table(csv_by_pair, tolerance)
-    print(f"{'pair':6s} {'updates':>7s} {'D':>3s} {'seeds':8s} {'softmax':>8s} {'default':>8s} {'gap':>6s}  gap per seed")
+    with_valid = any(r["valid_gap"] is not None for r in table)
+    valid_head = f" {'valid gap (seeds)':>17s}" if with_valid else ""
+    print(f"{'pair':6s} {'updates':>7s} {'D':>3s} {'seeds':8s} {'softmax':>8s} {'default':>8s} {'gap':>6s}{valid_head}"
+          f"  gap per seed")
     for r in table:
         mark = "  <- longest budget" if r["max_update"] == longest[r["pair"]] else ""
+        valid = ""
+        if with_valid:
+            valid = (f" {r['valid_gap']:+6.2f} ({','.join(map(str, r['valid_seeds']))})".ljust(18)
+                     if r["valid_gap"] is not None else f" {'—':>6s}".ljust(18))
         print(f"{r['pair']:6s} {r['max_update']:7d} {r['d']:3d} {','.join(map(str, r['seeds'])):8s} {r['softmax']:8.2f} "
-              f"{r['default']:8.2f} {r['gap']:+6.2f}  {' '.join(f'{g:+.2f}' for g in r['seed_gaps'])}{mark}")
+              f"{r['default']:8.2f} {r['gap']:+6.2f}{valid}  {' '.join(f'{g:+.2f}' for g in r['seed_gaps'])}{mark}")
     unmeasured = [pair for pair in csv_by_pair if pair not in longest]
     if unmeasured:
         print(f"no verdict: no budget with both softmax and the default model for {', '.join(unmeasured)} "
@@ -676,7 +704,8 @@ def main(argv=None):
     p.add_argument("--pair", choices=PAIRS, default="en-de",
                    help="Multi30k language pair (default en-de); en-fr trains RECIPE=multi30k_en_fr into its own CSV")
     p.add_argument("--prep", default=None,
-                   help="output of data-prep/prepare-multi30k.sh --pair PAIR (data-bin/, test.raw.<tgt>, spm.model); "
+                   help="output of data-prep/prepare-multi30k.sh --pair PAIR (data-bin/, test.raw.<tgt>, valid.raw.<tgt>, "
+                        "spm.model); "
                         "default outputs/multi30k (en-de), outputs/multi30k_en_fr (en-fr)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="names from --list (default: all)")
     p.add_argument("--max-update", type=int, default=1000)
@@ -751,9 +780,11 @@ def main(argv=None):
     except ValueError:
         p.error(f"--finetune-lr must be a positive number, got {args.finetune_lr!r}")
     src, tgt = args.pair.split("-")
-    for needed in (f"data-bin/dict.{src}.txt", f"data-bin/dict.{tgt}.txt", f"test.raw.{tgt}", "spm.model"):
+    references = [ref.format(tgt=tgt) for _, ref in SCORED_SPLITS]
+    for needed in (f"data-bin/dict.{src}.txt", f"data-bin/dict.{tgt}.txt", *references, "spm.model"):
         if not os.path.exists(os.path.join(args.prep, needed)):
-            p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh --pair {args.pair} first")
+            p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh --pair {args.pair} "
+                    f"--local-dir ... {args.prep} (again: it adds what a directory prepared earlier lacks)")
     import torch
 
     if args.device is None:

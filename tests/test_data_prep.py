@@ -416,6 +416,7 @@ def test_multi30k_real_data(tmp_path):
     # test.raw.* is the published test set itself.
     assert read(out / "test.raw.de") == [s.strip() for s in read_gz(SHARED_MULTI30K / "test_2016_flickr.de.gz")]
     assert read(out / "test.raw.en") == [s.strip() for s in read_gz(SHARED_MULTI30K / "test_2016_flickr.en.gz")]
+    assert read(out / "valid.raw.de") == [s.strip() for s in read_gz(SHARED_MULTI30K / "val.de.gz")]
     # Alignment: line i of the processed data is line i of the published data.
     for split, name in (("train", "train"), ("test", "test_2016_flickr")):
         for lang in ("en", "de"):
@@ -439,7 +440,16 @@ def test_multi30k_en_fr_from_env_local_dir(tmp_path):
         assert ids_of(en_text) == [row[0] for row in rows[name]]
         assert fr_text == [row[3] for row in rows[name]]
     assert read(out / "test.raw.fr") == [row[3] for row in rows["test_2016_flickr"]]
+    assert read(out / "valid.raw.fr") == [row[3] for row in rows["val"]]
     check_data_bin(out, "en", "fr")
+    # A directory prepared before valid.raw.* existed gets it alone: nothing it has is prepared again.
+    for name in ("valid.raw.en", "valid.raw.fr", ".done/valid-raw.done"):
+        (out / name).unlink()
+    binarized = {p.name: p.stat().st_mtime_ns for p in (out / "data-bin").iterdir()}
+    proc = run_prep("prepare-multi30k.sh", "--pair", "en-fr", "--no-checksum", "--vocab-size", FIXTURE_VOCAB, out, env=env)
+    assert re.findall(r"step (\S+)", proc.stdout + proc.stderr) == ["valid-raw"]
+    assert read(out / "valid.raw.fr") == [row[3] for row in rows["val"]]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "data-bin").iterdir()} == binarized
     # The directory belongs to en-fr now; en-de must not reuse its step markers.
     proc = run_prep("prepare-multi30k.sh", "--pair", "en-de", "--no-checksum", out, env=env, expect_ok=False)
     assert f"{out} was prepared for 'multi30k-task1 en-fr', not 'multi30k-task1 en-de'" in proc.stderr

@@ -120,13 +120,81 @@ def test_train_seconds_add_every_run_of_a_continued_and_resumed_log():
     assert quality_study.train_seconds_of("") == 0.0
 
 
+def _fake_prep(prep, leave_out=()):
+    for name in ("data-bin/dict.en.txt", "data-bin/dict.de.txt", "test.raw.de", "valid.raw.de", "spm.model"):
+        if name not in leave_out:
+            (prep / name).parent.mkdir(parents=True, exist_ok=True)
+            (prep / name).write_text("")
+
+
+def test_a_prep_dir_without_the_valid_reference_is_refused_with_the_command_that_adds_it(tmp_path, capsys):
+    _fake_prep(tmp_path, leave_out=("valid.raw.de",))
+    with pytest.raises(SystemExit) as exit_info:
+        quality_study.main(["--prep", str(tmp_path), "--device", "cpu", "--variants", "softmax",
+                            "--csv", str(tmp_path / "rows.csv"), "--work-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"--prep {tmp_path} has no valid.raw.de: run data-prep/prepare-multi30k.sh --pair en-de" in err
+
+
+def test_a_row_scores_test_2016_flickr_and_the_valid_split_each_against_its_own_reference(tmp_path, monkeypatch):
+    """Every row carries BLEU and chrF of both splits: each translated with --subset and scored against the
+    published reference prepare-multi30k.sh writes for it, the decoding time from the test split's log."""
+    prep, work = tmp_path / "prep", tmp_path / "work"
+    scores_by_reference = {"test.raw.de": (36.5, 60.1), "valid.raw.de": (37.25, 61.5)}
+    commands = []
+
+    def fake_run(cmd, env=None, log_path=None, **kwargs):
+        commands.append(cmd)
+        option = dict(zip(cmd[2::2], cmd[3::2]))
+        if cmd[1].endswith("generate.sh"):
+            open(option["--output"], "w").write("hyp\n")
+            seconds = "4.5" if option["--subset"] == "test" else "5.5"
+            open(option["--output"] + ".generate.log", "w").write(f"Translated 1,000 sentences (9 tokens) in {seconds}s\n")
+        else:
+            bleu, chrf = scores_by_reference[os.path.basename(option["--ref"])]
+            json_text = f'{{"bleu": {{"score": {bleu}, "signature": "b"}}, "chrf": {{"score": {chrf}, "signature": "c"}}}}'
+            open(option["--json"], "w").write(json_text)
+
+    def fake_train_to(env, extra, work_dir, updates, args):
+        open(os.path.join(work_dir, "train.log"), "w").write(
+            "valid on 'valid' subset | loss 4.100 | nll_loss 3 | num_updates 200\n")
+        return 12.0
+
+    monkeypatch.setattr(quality_study, "run", fake_run)
+    monkeypatch.setattr(quality_study, "_train_to", fake_train_to)
+    args = argparse.Namespace(prep=str(prep), work_dir=str(work), max_update=200, seed=1, train_args="", device="cpu",
+                              device_name="cpu (2 cores)", decode_timeout_h=1.0, pair="en-de")
+    row = quality_study.train_and_score("softmax", args, {}, 2)
+    assert (row["bleu"], row["chrf"], row["valid_bleu"], row["valid_chrf"]) == ("36.50", "60.10", "37.25", "61.50")
+    assert row["decode_seconds"] == "4.5" and set(row) == set(quality_study.FIELDS)
+    generated = [dict(zip(c[2::2], c[3::2])) for c in commands if c[1].endswith("generate.sh")]
+    assert [(g["--subset"], os.path.basename(g["--output"])) for g in generated] == \
+        [("test", "test.hyp.de"), ("valid", "valid.hyp.de")]
+
+
+def test_the_rule_shows_the_valid_splits_gap_over_the_seeds_that_have_it(tmp_path, capsys):
+    d16 = quality_study.DEFAULT_MODEL_VARIANTS[16]
+    rows = [dict(variant=v, max_update=1000, seed=s, bleu=b, valid_bleu=vb)
+            for v, s, b, vb in (("softmax", 1, 30.0, 31.0), (d16, 1, 29.0, 31.4), ("softmax", 2, 30.0, ""),
+                                (d16, 2, 30.4, ""))]
+    quality_study.write_rows(str(tmp_path / "de.csv"), rows)
+    quality_study.write_rows(str(tmp_path / "fr.csv"), [dict(r, valid_bleu="") for r in rows])
+    table, _, passing = quality_study.rule_table({"en-de": str(tmp_path / "de.csv"), "en-fr": str(tmp_path / "fr.csv")})
+    de, fr = table
+    assert de["gap"] == pytest.approx(-0.3) and de["valid_seeds"] == [1] and de["valid_gap"] == pytest.approx(0.4)
+    assert fr["valid_gap"] is None and fr["valid_seeds"] == []
+    assert passing == 16  # the verdict stays on test_2016_flickr
+    quality_study.print_rule({"en-de": str(tmp_path / "de.csv"), "en-fr": str(tmp_path / "fr.csv")})
+    out = capsys.readouterr().out.splitlines()
+    assert "valid gap (seeds)" in out[0] and " +0.40 (1) " in out[1] and " — " in out[2]
+
+
 @pytest.mark.parametrize("argv, sharing, threads", [([], 1, "2"), (["--runs-sharing-device", "2"], 2, "1")])
 def test_runs_sharing_device_sets_the_threads_and_the_row(tmp_path, monkeypatch, argv, sharing, threads):
     """Two studies started side by side on one CPU say so: each run gets its share of the cores and its row says 2."""
     prep = tmp_path / "prep"
-    for name in ("data-bin/dict.en.txt", "data-bin/dict.de.txt", "test.raw.de", "spm.model"):
-        (prep / name).parent.mkdir(parents=True, exist_ok=True)
-        (prep / name).write_text("")
+    _fake_prep(prep)
     seen = []
 
     def fake_train_and_score(name, args, shared_env, runs_sharing):
