@@ -13,8 +13,8 @@ and scores each with scripts/score.sh (sacreBLEU, chrF) against its published re
 (variant, budget, seed): valid loss after every epoch, the final and best valid loss, BLEU and chrF on
 test_2016_flickr and on valid (valid_bleu, valid_chrf: a second sample of the same distribution, since
 the gaps at stake are smaller than what one 1,000-sentence set moves), training time and words/s, the
-decoding time fairseq-generate reports for the test split, the device and how many runs shared it. The CSV is rewritten whole after
-every finished run (no half-written rows) and finished rows are skipped, so the study can be stopped
+decoding time fairseq-generate reports for the test split, the device and how many runs shared it. The CSV
+is rewritten whole after every finished run (no half-written rows) and finished rows are skipped, so the study can be stopped
 and continued; an unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the
 furthest shorter run of the same variant and seed on disk (the inverse-sqrt schedule does not depend on
 --max-update, so this is the run trained from scratch, without repeating its updates). Each pair has its own
@@ -113,9 +113,10 @@ FIELDS = [
     "train_seconds", "train_wps", "decode_seconds", "device", "runs_sharing_device", "flags", "finished_utc",
     "bleu_signature", "chrf_signature", "valid_bleu", "valid_chrf",
 ]
-# the splits every row is translated and scored on: (fairseq subset, the reference prepare-multi30k.sh writes);
-# valid is a second sample of test_2016_flickr's distribution (checkpoint_best.pt is picked on its loss, not BLEU)
-SCORED_SPLITS = (("test", "test.raw.{tgt}"), ("valid", "valid.raw.{tgt}"))
+# the fairseq subsets every row is translated and scored on, each against the <subset>.raw.<tgt> reference that
+# prepare-multi30k.sh writes; valid is a second sample of test_2016_flickr's distribution (checkpoint_best.pt
+# is picked on its loss, not on its BLEU)
+SCORED_SPLITS = ("test", "valid")
 
 
 def recipe_of(pair):
@@ -218,9 +219,9 @@ def parse_train_log(text: str):
     return sorted(valid.items()), wps
 
 
-def translate_and_score(checkpoint, work, args, shared_env, tag="test", subset="test", reference="test.raw.{tgt}"):
+def translate_and_score(checkpoint, work, args, shared_env, tag="test", subset="test"):
     """Translate the fairseq `subset` (test: test_2016_flickr) with `checkpoint` (beam 4) into
-    work/<tag>.hyp.<tgt> and score it against args.prep/`reference`:
+    work/<tag>.hyp.<tgt> and score it against args.prep/<subset>.raw.<tgt>:
     {bleu, chrf, decode_seconds, bleu_signature, chrf_signature} as strings for a CSV row."""
     tgt = getattr(args, "pair", "en-de").split("-")[1]
     hyp = os.path.join(work, f"{tag}.hyp.{tgt}")
@@ -233,7 +234,7 @@ def translate_and_score(checkpoint, work, args, shared_env, tag="test", subset="
         limit_name="--decode-timeout-h")
     translated = re.search(r"Translated [\d,]+ sentences .*? in ([\d.]+)s", open(hyp + ".generate.log").read())
     scores_json = os.path.join(work, f"{tag}.scores.json")
-    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, reference.format(tgt=tgt)),
+    run(["bash", os.path.join(REPO, "scripts", "score.sh"), "--hyp", hyp, "--ref", os.path.join(args.prep, f"{subset}.raw.{tgt}"),
          "--json", scores_json], env=shared_env, log_path=os.path.join(work, f"{tag}.score.log"),
         timeout_s=args.decode_timeout_h * 3600, limit_name="--decode-timeout-h")
     scores = json.load(open(scores_json))
@@ -264,8 +265,8 @@ def train_and_score(name, args, shared_env, runs_sharing):
         raise RuntimeError(f"{name}: no validation results in {train_log}")
 
     best = os.path.join(work, "checkpoint_best.pt")
-    by_split = {subset: translate_and_score(best, work, args, shared_env, tag=subset, subset=subset, reference=ref)
-                for subset, ref in SCORED_SPLITS}
+    by_split = {subset: translate_and_score(best, work, args, shared_env, tag=subset, subset=subset)
+                for subset in SCORED_SPLITS}
     scores, valid_scores = by_split["test"], by_split["valid"]
     return {
         "variant": name, "max_update": args.max_update, "seed": args.seed, "bleu": scores["bleu"], "chrf": scores["chrf"],
@@ -780,7 +781,7 @@ def main(argv=None):
     except ValueError:
         p.error(f"--finetune-lr must be a positive number, got {args.finetune_lr!r}")
     src, tgt = args.pair.split("-")
-    references = [ref.format(tgt=tgt) for _, ref in SCORED_SPLITS]
+    references = [f"{subset}.raw.{tgt}" for subset in SCORED_SPLITS]
     for needed in (f"data-bin/dict.{src}.txt", f"data-bin/dict.{tgt}.txt", *references, "spm.model"):
         if not os.path.exists(os.path.join(args.prep, needed)):
             p.error(f"--prep {args.prep} has no {needed}: run data-prep/prepare-multi30k.sh --pair {args.pair} "
