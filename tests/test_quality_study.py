@@ -250,6 +250,26 @@ def test_the_rule_compares_paired_seeds_at_each_pairs_longest_budget(tmp_path):
     assert quality_study.rule_table({"en-de": en_de, "en-fr": _rows(tmp_path / "empty.csv", [])})[2] is None
 
 
+def test_a_larger_d_is_measured_only_where_a_smaller_one_misses(tmp_path, capsys):
+    """The study trains D = 32 only at the budget where D = 16 misses: on the other pair D = 16's rows stand for it,
+    but never where D = 16 misses or where D = 32's own rows miss."""
+    d16, d32 = quality_study.DEFAULT_MODEL_VARIANTS[16], quality_study.DEFAULT_MODEL_VARIANTS[32]
+    en_fr = _rows(tmp_path / "fr.csv", [("softmax", 2000, 1, 54.0), (d16, 2000, 1, 54.2)])
+    de_rows = [("softmax", 4000, 1, 39.0), ("softmax", 4000, 2, 38.5), (d16, 4000, 1, 38.3), (d16, 4000, 2, 38.1)]
+    d32_holds = _rows(tmp_path / "de.csv", de_rows + [(d32, 4000, 1, 38.8), (d32, 4000, 2, 38.6)])
+    table, longest, passing = quality_study.rule_table({"en-de": d32_holds, "en-fr": en_fr})
+    assert passing == 32
+    assert [quality_study.holds_at_longest(table, longest, 32, p) for p in ("en-de", "en-fr")] == [32, 16]
+    assert quality_study.holds_at_longest(table, longest, 16, "en-de") is None
+    assert quality_study.print_rule({"en-de": d32_holds, "en-fr": en_fr}) == 32
+    assert "  en-fr: D = 32 has no row at 2000 updates; D = 16 holds there" in capsys.readouterr().out.splitlines()
+    d32_misses = _rows(tmp_path / "de2.csv", de_rows + [(d32, 4000, 1, 38.2), (d32, 4000, 2, 38.2)])
+    assert quality_study.rule_table({"en-de": d32_misses, "en-fr": en_fr})[2] is None
+    # D = 16 misses on EN-FR too: D = 32 without EN-FR rows does not hold there
+    fr_misses = _rows(tmp_path / "fr2.csv", [("softmax", 2000, 1, 54.0), (d16, 2000, 1, 53.0)])
+    assert quality_study.rule_table({"en-de": d32_holds, "en-fr": fr_misses})[2] is None
+
+
 def test_the_rule_names_the_pair_it_has_no_verdict_for(tmp_path, capsys):
     d16 = quality_study.DEFAULT_MODEL_VARIANTS[16]
     en_de = _rows(tmp_path / "de.csv", [("softmax", 1000, 1, 30.0), (d16, 1000, 1, 30.2)])
