@@ -44,6 +44,7 @@ import argparse
 import concurrent.futures
 import csv
 import datetime
+import fcntl
 import glob
 import json
 import os
@@ -297,6 +298,18 @@ def write_rows(path, rows, fields=None):
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)
+
+
+def put_row(path, row, row_key, fields=None):
+    """`row` into the CSV at `path`, replacing the row with its key, and the file's rows after. The read and the
+    write hold an exclusive lock on path + ".lock": studies started side by side on one CSV (one per core) finish
+    at about the same time, and a row read before the other's write would drop it."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = [r for r in read_rows(path) if row_key(r) != row_key(row)] + [row]
+        write_rows(path, rows, fields)
+    return rows
 
 
 def key(row):
@@ -579,8 +592,7 @@ def conversion_study(args, shared_env):
             row["num_features"] = features
         if row["method"] in CONVERTING and int(row["finetune_updates"]) > 0:
             row["finetune_lr"] = lr
-        rows = [r for r in read_rows(args.csv) if conversion_key(r) != conversion_key(row)] + [row]
-        write_rows(args.csv, rows, CONVERSION_FIELDS)
+        rows = put_row(args.csv, row, conversion_key, CONVERSION_FIELDS)
         log(f"teacher {row['teacher_updates']} {row['method']} D={features} +{row['finetune_updates']}: "
             f"BLEU {row['bleu']} chrF {row['chrf']}")
 
@@ -827,7 +839,6 @@ def main(argv=None):
         return conversion_study(args, shared_env)
     log(f"{len(args.variants) - len(todo)} of {len(args.variants)} variants already in {args.csv}; "
         f"training {len(todo)} on {args.device_name}, {args.parallel} at a time, {args.max_update} updates")
-    lock = threading.Lock()
     failures = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         futures = {pool.submit(train_and_score, v, args, shared_env, sharing): v for v in todo}
@@ -840,9 +851,7 @@ def main(argv=None):
                     failures.append(name)
                     log(f"{name} FAILED: {error}")
                     continue
-                with lock:
-                    rows = [r for r in read_rows(args.csv) if key(r) != key(row)] + [row]
-                    write_rows(args.csv, rows)
+                put_row(args.csv, row, key)
                 log(f"{name}: BLEU {row['bleu']} chrF {row['chrf']} valid {row['valid_loss']} "
                     f"({row['train_seconds']} s training)")
         except KeyboardInterrupt:  # the commands run in their own process groups: Ctrl-C does not reach them

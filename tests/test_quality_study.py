@@ -278,3 +278,24 @@ def test_the_rule_names_the_pair_it_has_no_verdict_for(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "+0.20  +0.20  <- longest budget" in out
     assert f"no verdict: no budget with both softmax and the default model for en-fr (in {en_fr})" in out
+
+
+def _put_rows(path, seed, count):
+    for update in range(count):
+        quality_study.put_row(path, dict(variant="softmax", max_update=update, seed=seed, bleu="1"), quality_study.key)
+
+
+def test_studies_side_by_side_on_one_csv_keep_every_row(tmp_path):
+    """Two studies writing one CSV at the same moments (they finish together) lose no row: put_row's lock covers
+    the read and the write. Without it, a row read before the other process's rename is dropped."""
+    import multiprocessing
+
+    path = str(tmp_path / "rows.csv")
+    processes = [multiprocessing.get_context("fork").Process(target=_put_rows, args=(path, seed, 60)) for seed in (1, 2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert [process.exitcode for process in processes] == [0, 0]
+    rows = quality_study.read_rows(path)
+    assert sorted((int(r["seed"]), int(r["max_update"])) for r in rows) == [(s, u) for s in (1, 2) for u in range(60)]
