@@ -14,8 +14,8 @@ and scores each with scripts/score.sh (sacreBLEU, chrF) against its published re
 test_2016_flickr and on valid (valid_bleu, valid_chrf: a second sample of the same distribution, since
 the gaps at stake are smaller than what one 1,000-sentence set moves), training time and words/s, the
 decoding time fairseq-generate reports for the test split, the device and how many runs shared it. The CSV
-is rewritten whole after every finished run (no half-written rows) and finished rows are skipped, so the study can be stopped
-and continued; an unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the
+is rewritten whole after every finished run (no half-written rows; under a lock, so studies side by side on one
+CSV keep each other's rows) and finished rows are skipped, so the study can be stopped and continued; an unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the
 furthest shorter run of the same variant and seed on disk (the inverse-sqrt schedule does not depend on
 --max-update, so this is the run trained from scratch, without repeating its updates). Each pair has its own
 CSV (EN-FR: the EN-DE name with _en_fr before the suffix). Two PNGs are drawn at the end: the valid-loss
@@ -394,7 +394,7 @@ def rule_table(csv_by_pair, tolerance=RULE_TOLERANCE):
     passing = None
     if len(longest) == len(csv_by_pair):
         for d in sorted(DEFAULT_MODEL_VARIANTS):
-            if all(holds_at_longest(table, longest, d, pair) for pair in longest):
+            if all(holds_at_longest(table, longest, d, pair) is not None for pair in longest):
                 passing = d
                 break
     return table, longest, passing
