@@ -15,11 +15,12 @@ test_2016_flickr and on valid (valid_bleu, valid_chrf: a second sample of the sa
 the gaps at stake are smaller than what one 1,000-sentence set moves), training time and words/s, the
 decoding time fairseq-generate reports for the test split, the device and how many runs shared it. The CSV
 is rewritten whole after every finished run (no half-written rows; under a lock, so studies side by side on one
-CSV keep each other's rows) and finished rows are skipped, so the study can be stopped and continued; an unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the
-furthest shorter run of the same variant and seed on disk (the inverse-sqrt schedule does not depend on
---max-update, so this is the run trained from scratch, without repeating its updates). Each pair has its own
-CSV (EN-FR: the EN-DE name with _en_fr before the suffix). Two PNGs are drawn at the end: the valid-loss
-curves of the CSV, and BLEU against updates per model and pair from both pairs' CSVs (--bleu-png).
+CSV keep each other's rows) and finished rows are skipped, so the study can be stopped and continued; an
+unfinished training resumes from its checkpoint_last.pt, and a longer budget continues the furthest shorter run
+of the same variant and seed on disk (the inverse-sqrt schedule does not depend on --max-update, so this is the
+run trained from scratch, without repeating its updates). Each pair has its own CSV (EN-FR: the EN-DE name
+with _en_fr before the suffix). Two PNGs are drawn at the end: the valid-loss curves of the CSV, and BLEU
+against updates per model and pair from both pairs' CSVs (--bleu-png).
 
 --conversion runs the conversion study instead (docs/quality.md, "Converting a softmax model"): the softmax
 recipe model trained for each --teacher-updates (the study's own softmax run) is converted into the default
