@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The CPU GEMM libraries torch offers, on the matrix products of one decoding step: which is fastest here.
 
-One step of the default rfa_transformer at Multi30k dimensions (3 layers, C = 256, FFN 1,024, 4 heads, D = 16:
-the fused input projection gives 2 x 64 feature pre-activations + 256 values + 4 gate logits = 388 columns)
+One step of the rfa_transformer at Multi30k dimensions (3 layers, C = 256, FFN 1,024, 4 heads, D = 16, the default
+when gemm_step_shapes_cpu.csv was measured: the fused input projection gives 2 x 64 feature pre-activations + 256
+values + 4 gate logits = 388 columns; the default D = 32 makes it 516)
 is 19 products x W^T + b: per layer the fused input projection, the self-attention output, the cross-attention
 query and output, fc1 and fc2, then the vocabulary projection (V = 7,997). Each library runs all 19 at each
 --rows (batch x beam), best of 200 after 10 warm-up runs:

@@ -45,11 +45,13 @@ from rfa_fairseq.modules.decoding import EAGER_STEP_ENV  # noqa: E402
 # model name -> (quality-study variant whose checkpoint it decodes, extra fairseq-generate flags)
 MODELS = {
     "softmax": ("softmax", []),
-    "rfa": ("hedgehog_gate_softmax_cross_d16", []),  # the default model (D = 16)
-    "rfa_torch": ("hedgehog_gate_softmax_cross_d16", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
+    "rfa": ("hedgehog_gate_softmax_cross_d32", []),  # the default model (D = 32)
+    "rfa_torch": ("hedgehog_gate_softmax_cross_d32", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
     # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
-    "rfa_eager": ("hedgehog_gate_softmax_cross_d16", []),
-    # the default model trained at other numbers of features D (the study's D variants; 64 was the default before)
+    "rfa_eager": ("hedgehog_gate_softmax_cross_d32", []),
+    # the default model trained at each number of features D (the study's D variants; rfa_d32 is rfa's checkpoint,
+    # named for the tables measured when D = 16, and 64 before it, was the default)
+    "rfa_d16": ("hedgehog_gate_softmax_cross_d16", []),
     "rfa_d32": ("hedgehog_gate_softmax_cross_d32", []),
     "rfa_d64": ("hedgehog_gate_softmax_cross", []),
 }
@@ -286,7 +288,13 @@ def main(argv=None):
     args.updates = {model: updates_of(path) for model, path in args.checkpoints.items()}
     args.ct2_models = {model: ct2_model_of(args, model) for model in args.models if model in CT2_MODELS}
     for model, updates in args.updates.items():
-        if updates < args.max_update:
+        if updates >= args.max_update:
+            continue
+        last = os.path.join(os.path.dirname(args.checkpoints[model]), "checkpoint_last.pt")
+        if os.path.exists(last) and updates_of(last) >= args.max_update:  # the best valid loss came at an earlier epoch
+            log(f"{args.checkpoints[model]} is from update {updates} of {args.max_update} (the epoch with the lowest "
+                f"valid loss, which the quality study decodes too); the rows say so in checkpoint_updates")
+        else:
             log(f"warning: {args.checkpoints[model]} has {updates} of {args.max_update} updates (its training stopped "
                 f"early; scripts/quality_study.py resumes it); the rows say so in checkpoint_updates")
     refs = open(os.path.join(args.prep, "test.raw.de")).read().splitlines()

@@ -9,7 +9,7 @@
 so that `benchmarks/benchmark_generate.py --prep .gpu/multi30k --study-dir .gpu/quality --device cuda --fp16`
 runs there as it runs here. Nothing is rewritten that exists (delete .gpu/ to pack again).
 
-    python benchmarks/gpu/pack_carry.py --prep outputs/multi30k --study-dir outputs/quality --max-update 2000 --seed 2
+    python benchmarks/gpu/pack_carry.py --prep outputs/multi30k --study-dir outputs/quality --max-update 4000 --seed 1
 """
 import argparse
 import os
@@ -20,10 +20,12 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+from benchmark_generate import MODELS  # noqa: E402
 from rfa_fairseq.checkpoints import safe_load  # noqa: E402
 
-VARIANTS = ["softmax", "hedgehog_gate_softmax_cross_d16"]  # benchmark_generate's softmax and rfa models
+VARIANTS = [MODELS["softmax"][0], MODELS["rfa"][0]]  # the study variants benchmark_generate decodes as softmax and rfa
 TIED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "decoder.output_projection.weight")
 
 

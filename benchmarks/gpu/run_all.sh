@@ -17,7 +17,7 @@
 # by RFA_GPU_BUDGET_S seconds (default 405): each stage gets what is left, a benchmark cut short keeps the points
 # it measured. RFA_GPU_STAGES picks stages (default "graph_tests decode_forced generate_real test_cuda").
 #
-#   python benchmarks/gpu/pack_carry.py --max-update 2000 --seed 2   # here: .gpu/ (checkpoints, test set)
+#   python benchmarks/gpu/pack_carry.py --max-update 4000 --seed 1   # here: .gpu/ (checkpoints, test set)
 #   OUT=/path bash benchmarks/gpu/run_all.sh                          # there, with .whl and .gpu carried
 #   RFA_GPU_STAGES="warm_fla decode_batch64" RFA_GPU_BUDGET_S=500 bash benchmarks/gpu/run_all.sh
 set -euo pipefail
@@ -97,7 +97,7 @@ stage decode_forced "$secs" python3 benchmarks/benchmark_decode.py --device cuda
     --time-budget $(( secs - GRACE )) --run-budget $(( (secs - GRACE - 30) / 6 ))
 
 stage generate_real "$(budget 40 150)" python3 benchmarks/benchmark_generate.py --device cuda --fp16 \
-    --prep .gpu/multi30k --study-dir .gpu/quality --max-update "${RFA_GPU_UPDATES:-2000}" --seed "${RFA_GPU_SEED:-2}" \
+    --prep .gpu/multi30k --study-dir .gpu/quality --max-update "${RFA_GPU_UPDATES:-4000}" --seed "${RFA_GPU_SEED:-1}" \
     --models softmax rfa rfa_eager --batch-sizes 32 128 512 --threads 1 --repeats 1 --train-timeout 1 \
     --csv "$OUT/generate_multi30k_cuda.csv"
 
