@@ -288,7 +288,7 @@ def test_unreasonable_number_of_features_is_refused_with_its_cost():
     assert str(error.value) == (
         "--rfa-num-features=1000000 is above the limit of 2048: every token would keep 2 x 1000000 fp32 features per "
         "head (30.5 MiB per token and layer with 4 heads, for queries and again for keys). The paper uses 64 and "
-        "docs/quality.md finds 16 enough; pick a value <= 2048")
+        "docs/quality.md finds 32 enough; pick a value <= 2048")
     build_model(["--rfa-num-features", "2048"])
 
 
