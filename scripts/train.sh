@@ -137,6 +137,11 @@ CMD=(
 )
 if [[ "$FP16" == 1 ]]; then CMD+=(--fp16); fi
 CMD+=("$@")
+# fairseq-train reads --bf16 as a TPU run; rfa-train's module is fairseq-train with bf16 on the GPU or CPU
+if [[ " $* " == *" --bf16 "* ]]; then
+    CMD=(env "PYTHONPATH=$(dirname "$USER_DIR")${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m rfa_fairseq.cli.train
+         "${CMD[@]:1}")
+fi
 
 if [[ "$DRY_RUN" == 1 ]]; then
     printf '%q ' "${CMD[@]}"

@@ -184,6 +184,19 @@ def test_train_sh_builds_the_config(name, fake_data):
     assert not mismatches, "\n".join(mismatches)
 
 
+def test_train_sh_bf16_trains_through_rfa_train(fake_data):
+    """fairseq-train reads --bf16 as a TPU run: train.sh hands such a run to rfa_fairseq.cli.train (rfa-train),
+    which keeps every other argument; without --bf16 the command is fairseq-train's."""
+    common = dict(DRY_RUN=1, DATA=fake_data, SRC_LANG="src", TGT_LANG="tgt", RECIPE="multi30k_en_de", MODEL="rfa")
+    plain = shlex.split(train_sh(**common).stdout)
+    bf16 = shlex.split(train_sh("--bf16", **common).stdout)
+    assert plain[0] == "fairseq-train"
+    start = bf16.index("-m")
+    assert bf16[0] == "env" and bf16[1] == f"PYTHONPATH={os.path.dirname(PLUGIN_DIR)}" + (
+        f":{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else "")
+    assert bf16[start + 1] == "rfa_fairseq.cli.train" and bf16[start + 2:] == plain[1:] + ["--bf16"]
+
+
 def test_train_sh_clear_errors(fake_data, tmp_path):
     cases = [
         ({}, "DATA is not set"),

@@ -4,10 +4,12 @@
     .gpu/quality/<variant>_u<updates>_s<seed>/checkpoint_best.pt   decode-only copies of the quality study's
         checkpoints: weights in fp16 (what `fairseq-generate --fp16` decodes with), the tied embeddings stored
         once, no optimizer state (14.5 MB instead of 87 MB for the Multi30k models)
-    .gpu/multi30k/data-bin/{dict.*, test.*}, .gpu/multi30k/test.raw.de   the test split and its references
+    .gpu/multi30k/{data-bin/, {test,valid}.raw.de, spm.model}   the binarized splits (2.9 MB), the references
+        and the SentencePiece model
 
 so that `benchmarks/benchmark_generate.py --prep .gpu/multi30k --study-dir .gpu/quality --device cuda --fp16`
-runs there as it runs here. Nothing is rewritten that exists (delete .gpu/ to pack again).
+and `scripts/quality_study.py --prep .gpu/multi30k` (benchmarks/gpu/train_precision.sh) run there as they
+run here. Nothing is rewritten that exists (delete .gpu/ to pack again).
 
     python benchmarks/gpu/pack_carry.py --prep outputs/multi30k --study-dir outputs/quality --max-update 4000 --seed 1
 """
@@ -63,14 +65,17 @@ def main() -> int:
         if not os.path.exists(dst):
             decode_only_copy(src, dst)
     bin_dir = os.path.join(args.prep, "data-bin")
-    names = [n for n in sorted(os.listdir(bin_dir)) if n.startswith(("dict.", "test."))]
-    if not any(n.startswith("test.") for n in names):
-        sys.exit(f"pack_carry: {bin_dir} has no test split (data-prep/prepare-multi30k.sh writes it)")
+    names = sorted(os.listdir(bin_dir))
+    for split in ("train", "valid", "test"):
+        if not any(n.startswith(split + ".") for n in names):
+            sys.exit(f"pack_carry: {bin_dir} has no {split} split (data-prep/prepare-multi30k.sh writes it)")
     os.makedirs(os.path.join(args.out, "multi30k", "data-bin"), exist_ok=True)
     for name in names:
         shutil.copyfile(os.path.join(bin_dir, name), os.path.join(args.out, "multi30k", "data-bin", name))
-    shutil.copyfile(os.path.join(args.prep, "test.raw.de"), os.path.join(args.out, "multi30k", "test.raw.de"))
-    print(f"{args.out}/multi30k: {', '.join(names)}, test.raw.de")
+    beside = ["test.raw.de", "valid.raw.de", "spm.model"]
+    for name in beside:
+        shutil.copyfile(os.path.join(args.prep, name), os.path.join(args.out, "multi30k", name))
+    print(f"{args.out}/multi30k: data-bin/ ({len(names)} files), {', '.join(beside)}")
     return 0
 
 

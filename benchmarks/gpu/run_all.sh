@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # The CUDA path on one GPU machine, in one command, most important results first:
-#   1. wheels from .whl/ (fairseq, hydra, omegaconf, antlr4, bitarray, fla-core) into /tmp/site
+#   1. wheels from .whl/ (fairseq, hydra, omegaconf, antlr4, bitarray, fla-core, sacrebleu, sacremoses) into /tmp/site
 #   2. graph_tests: the decoding step replayed as CUDA graphs == the eager step (every feature map, gated and
-#      ungated, fp32 and fp16, both beam searches) and no host synchronisation in the step (tests/test_cuda.py)
-#   3. decode_forced: forced output lengths 64 / 256 / 2,048, 8 and 64 sentences x beam 4, fp16, base model:
+#      ungated, fp32 and fp16, both beam searches), beam reorders, and no host synchronisation in the step
+#   3. warm_fla: fla's Triton kernels for F = 64, head dim 64 compiled in parallel (benchmarks/gpu/warm_fla.py);
+#      the tests, the recipe models and the benchmarks all use that set
+#   4. train_precision (in the background) beside 5. test_cuda: fairseq-train of the Multi30k recipe in
+#      fp32 / fp16 / bf16 to 1,000 updates and the softmax twin in fp16, scored on test_2016_flickr
+#      (benchmarks/gpu/train_precision.sh); the whole of tests/test_cuda.py
+#   6. decode_forced: forced output lengths 64 / 256 / 2,048, 8 and 64 sentences x beam 4, fp16, base model:
 #      softmax, rfa (the default, graphs) and rfa_eager (the same step uncaptured), one worker per batch size
-#   4. generate_real: fairseq-generate --fp16 on Multi30k test_2016_flickr (beam 4, batch 32 / 128 / 512):
+#   7. generate_real: fairseq-generate --fp16 on Multi30k test_2016_flickr (beam 4, batch 32 / 128 / 512):
 #      softmax, rfa, rfa_eager, from the decode-only checkpoints of .gpu/ (benchmarks/gpu/pack_carry.py)
-#   5. test_cuda: the whole of tests/test_cuda.py (fla == references, decoding, fairseq-train --fp16 / --bf16)
-#   and, named in RFA_GPU_STAGES only: warm_fla (fla's Triton kernels compiled in parallel,
-#   benchmarks/gpu/warm_fla.py), decode_batch8 / decode_batch64 (fp32 up to 4,096 tokens, the paper's maps
-#   too) and train_attention (causal attention fwd+bwd 512 ... 16,384 tokens).
-# Everything goes under ${OUT:-outputs/gpu}: progress.log, env.txt, the stage logs, CSVs and PNGs (file names
-# carry the GPU, e.g. decode_cuda_h200_base_fp16.csv), summary.txt; with RFA_GPU_ARCHIVE=path.tar.gz that
-# folder is also packed there after every stage (a run cut short keeps what it finished). The whole run stops
-# by RFA_GPU_BUDGET_S seconds (default 405): each stage gets what is left, a benchmark cut short keeps the points
-# it measured. RFA_GPU_STAGES picks stages (default "graph_tests decode_forced generate_real test_cuda").
+#   and, named in RFA_GPU_STAGES only: decode_batch8 / decode_batch64 (fp32 up to 4,096 tokens, the paper's
+#   maps too) and train_attention (causal attention fwd+bwd 512 ... 16,384 tokens).
+# Everything goes under ${OUT:-outputs/gpu}: progress.log, status.txt, env.txt, the stage logs, CSVs and PNGs
+# (file names carry the GPU, e.g. decode_cuda_h200_base_fp16.csv), summary.txt; with RFA_GPU_ARCHIVE=path.tar.gz
+# that folder is also packed there after every stage (a run cut short keeps what it finished). The whole run
+# stops by RFA_GPU_BUDGET_S seconds (default 540): each stage gets what is left, a benchmark cut short keeps the
+# points it measured. RFA_GPU_STAGES picks stages (default
+# "graph_tests warm_fla train_precision test_cuda decode_forced generate_real").
 #
-#   python benchmarks/gpu/pack_carry.py --max-update 4000 --seed 1   # here: .gpu/ (checkpoints, test set)
+#   python benchmarks/gpu/pack_carry.py --max-update 4000 --seed 1   # here: .gpu/ (checkpoints, Multi30k)
 #   OUT=/path bash benchmarks/gpu/run_all.sh                          # there, with .whl and .gpu carried
 #   RFA_GPU_STAGES="warm_fla decode_batch64" RFA_GPU_BUDGET_S=500 bash benchmarks/gpu/run_all.sh
 set -euo pipefail
@@ -25,10 +29,10 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 OUT="${OUT:-$REPO/outputs/gpu}"
 mkdir -p "$OUT"
-BUDGET_S="${RFA_GPU_BUDGET_S:-405}"
-STAGES=" ${RFA_GPU_STAGES:-graph_tests decode_forced generate_real test_cuda} "
+BUDGET_S="${RFA_GPU_BUDGET_S:-540}"
+STAGES=" ${RFA_GPU_STAGES:-graph_tests warm_fla train_precision test_cuda decode_forced generate_real} "
 START=$(date +%s)
-STATUS=()
+: > "$OUT/status.txt"  # a line per stage (stages in the background write here too)
 
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/progress.log"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
@@ -45,14 +49,14 @@ stage() {
     fi
     if [ "$seconds" -le 25 ]; then
         log "$name: skipped (time budget spent)"
-        STATUS+=("$name: skipped (time budget)")
+        echo "$name: skipped (time budget)" >> "$OUT/status.txt"
         return 0
     fi
     log "$name: start (at most ${seconds}s)"
     local rc=0
     timeout --signal=INT --kill-after=15 "$seconds" "$@" > >(tee "$OUT/$name.log") 2>&1 || rc=$?
     log "$name: exit code $rc$([ "$rc" = 124 ] && echo ' (time limit)')"
-    STATUS+=("$name: exit code $rc")
+    echo "$name: exit code $rc" >> "$OUT/status.txt"
     archive
 }
 
@@ -85,11 +89,24 @@ EOF
 } > "$OUT/env.txt" 2>&1 || true
 log "environment: $(tr '\n' ' ' < "$OUT/env.txt")"
 
-# ---------------------------------------------------------------- 2-4. the step as CUDA graphs
+# ---------------------------------------------------------------- 2. the step as CUDA graphs
 # first and short (about 35 s on an H200): no time is held back from it for the stages after it
 stage graph_tests "$(budget 0 150)" python3 -m pytest -q -s -p no:cacheprovider --junitxml="$OUT/graph_tests.xml" \
     tests/test_cuda.py -k "graph_replays or do_not_synchronize or beam_reorder or beam_grouped"
 
+# ---------------------------------------------------------------- 3. fla's kernels, then 4. training beside 5. the tests
+# up to 48 autotuning configurations per kernel and specialization: compiled in parallel here
+# (minutes one by one), then timed once; later processes find both on disk
+stage warm_fla "$(budget 330 150)" python3 benchmarks/gpu/warm_fla.py --phase-timeout-s 110
+
+secs=$(budget 30 330)
+stage train_precision "$secs" env OUT="$OUT" UPDATES="${RFA_GPU_TRAIN_UPDATES:-1000}" LIMIT_S=$(( secs - 20 )) \
+    bash benchmarks/gpu/train_precision.sh &
+TRAINING=$!
+stage test_cuda "$secs" python3 -m pytest -x -q -s -p no:cacheprovider --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+wait "$TRAINING" || true
+
+# ---------------------------------------------------------------- 6-7. decoding speed
 GRACE=20
 secs=$(budget 130 240)
 stage decode_forced "$secs" python3 benchmarks/benchmark_decode.py --device cuda --one-run --dims base --dtype fp16 \
@@ -100,15 +117,6 @@ stage generate_real "$(budget 40 150)" python3 benchmarks/benchmark_generate.py 
     --prep .gpu/multi30k --study-dir .gpu/quality --max-update "${RFA_GPU_UPDATES:-4000}" --seed "${RFA_GPU_SEED:-1}" \
     --models softmax rfa rfa_eager --batch-sizes 32 128 512 --threads 1 --repeats 1 --train-timeout 1 \
     --csv "$OUT/generate_multi30k_cuda.csv"
-
-# ---------------------------------------------------------------- 5. tests/test_cuda.py (fla's kernels first, if named)
-# up to 48 autotuning configurations per kernel and specialization: compiled in parallel here
-# (minutes one by one), then timed once; later processes find both on disk
-stage warm_fla "$(budget 280 150)" python3 benchmarks/gpu/warm_fla.py
-
-tests=$(budget 170 240)
-stage test_cuda $(( tests < 120 ? $(budget 10 120) : tests )) \
-    python3 -m pytest -x -q -s -p no:cacheprovider --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
 
 # ---------------------------------------------------------------- earlier benchmarks (named in RFA_GPU_STAGES)
 # each script stops itself by --time-budget (GRACE s before its stage's hard limit) and keeps what it
@@ -133,7 +141,7 @@ stage decode_batch64 "$secs" "${DECODE[@]}" --resume --batch-sizes 64 --lengths 
 # ---------------------------------------------------------------- summary
 {
     echo "elapsed: $(( $(date +%s) - START )) s of ${BUDGET_S} s"
-    printf '%s\n' ${STATUS[@]+"${STATUS[@]}"}
+    cat "$OUT/status.txt"
     grep -hE "passed|failed|skipped|error" "$OUT/test_cuda.log" 2>/dev/null | tail -n 3 || true
     ls -1 "$OUT"
 } > "$OUT/summary.txt"

@@ -21,7 +21,7 @@ The calls: causal_rfa_fla forward and backward, gated and ungated,
 with and without an initial state, in fla's fp32 (what the model, the tests and the
 benchmarks use at these shapes).
 
-    python3 benchmarks/gpu/warm_fla.py --workers 12 --heads 8 --features 128 --head-dim 64
+    python3 benchmarks/gpu/warm_fla.py --workers 12 --heads 8 --features 64 --head-dim 64
 """
 import argparse
 import os
@@ -131,7 +131,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--features", type=int, default=128)
+    p.add_argument("--features", type=int, default=64)  # the default map: 2 x 32
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--phase-timeout-s", type=float, default=3600,
                    help="kill a phase's processes still running after this many seconds (default 3600)")
