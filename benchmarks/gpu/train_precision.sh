@@ -26,20 +26,22 @@ DEFAULT=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import quality_
 from rfa_fairseq.config import RFA_DEFAULTS as d; print(q.DEFAULT_MODEL_VARIANTS[d['rfa_num_features']])")
 RUNS=4  # every run below shares the GPU: threads per run and the CSVs' runs_sharing_device
 
-study() {  # study PRECISION TRAIN_ARGS VARIANTS...
-    local precision="$1" train_args="$2"
-    shift 2
+study() {  # study PRECISION LOG TRAIN_ARGS VARIANTS...: one quality_study into that precision's CSV
+    local precision="$1" log="$2" train_args="$3"
+    shift 3
     python3 scripts/quality_study.py --device "${DEVICE:-cuda}" --prep "$PREP" --max-update "$UPDATES" --seed 1 \
         --variants "$@" --parallel $# --runs-sharing-device "$RUNS" --train-args="$train_args" \
         --train-timeout-h "$LIMIT_H" --decode-timeout-h "$LIMIT_H" \
         --work-dir "$WORK/$precision" --csv "$OUT/train_multi30k_cuda_$precision.csv" \
-        --bleu-png "$WORK/$precision.png" > "$OUT/train_$precision.log" 2>&1
+        --bleu-png "$WORK/$log.png" > "$OUT/train_$log.log" 2>&1
 }
 
+# RFA_ARGS: more flags for the rfa_transformer runs only (e.g. --rfa-sequence-kernel torch)
 pids=()
-study fp32 "" "$DEFAULT" & pids+=($!)
-study fp16 "--fp16" softmax "$DEFAULT" & pids+=($!)
-study bf16 "--bf16" "$DEFAULT" & pids+=($!)
+study fp32 fp32 "${RFA_ARGS:-}" "$DEFAULT" & pids+=($!)
+study fp16 fp16 "--fp16 ${RFA_ARGS:-}" "$DEFAULT" & pids+=($!)
+study fp16 fp16_softmax "--fp16" softmax & pids+=($!)
+study bf16 bf16 "--bf16 ${RFA_ARGS:-}" "$DEFAULT" & pids+=($!)
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 tail -n 4 "$OUT"/train_*.log

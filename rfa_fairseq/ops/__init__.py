@@ -17,7 +17,7 @@ from .feature_maps import (  # noqa: F401
     random_matrix_seed,
     scale_inputs,
 )
-from .fla_backend import causal_rfa_fla, fla_available, fla_import_error  # noqa: F401
+from .fla_backend import causal_rfa_fla, fla_available, fla_gated_backward_error, fla_import_error  # noqa: F401
 from .naive import (  # noqa: F401
     causal_rfa_recurrent,
     causal_rfa_reference,

@@ -32,6 +32,7 @@ fla is imported on the first CUDA call (importing it needs triton and a GPU driv
 (decode_step.py), not fla.
 """
 import functools
+import importlib.util
 import warnings
 from typing import Optional
 
@@ -67,6 +68,37 @@ def fla_available(tensor: Tensor) -> bool:
     if error is not None:
         _warn_once(error)
     return error is None
+
+
+@functools.lru_cache(maxsize=None)
+def fla_gated_backward_error() -> Optional[str]:
+    """Why fla cannot differentiate gated inputs here (None when it can): fla refuses its gated dq/dk/dg
+    kernel on Hopper GPUs (H100, H200) under Triton >= 3.4.0 and < 3.7.1, which computes it wrongly
+    (fla issue #640), unless tilelang is installed to run it instead."""
+    try:
+        import triton
+        from fla.utils import env, hardware
+    except Exception:  # no fla (fla_available says so) or an fla without these flags (and without the guard)
+        return None
+    refused = hardware.IS_NVIDIA_HOPPER and env.TRITON_ABOVE_3_4_0 and not getattr(env, "TRITON_ABOVE_3_7_1", False)
+    if not refused or importlib.util.find_spec("tilelang") is not None:
+        return None
+    return (f"fla's gated backward is wrong under Triton {triton.__version__} on Hopper GPUs (fla issue #640; "
+            f"Triton >= 3.7.1 or `pip install tilelang` lifts this)")
+
+
+def fla_differentiates_gated() -> bool:
+    """False (with one warning) where fla_gated_backward_error() names a reason."""
+    error = fla_gated_backward_error()
+    if error is not None:
+        _warn_gated_once(error)
+    return error is None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_gated_once(error: str) -> None:
+    warnings.warn(f"rfa_fairseq: {error}; gated causal RFA that needs gradients runs the chunked torch path "
+                  f"(same results, slower); passes without gradients (validation, scoring) still use fla.")
 
 
 @functools.lru_cache(maxsize=None)
