@@ -27,6 +27,7 @@ from rfa_fairseq.ops import (
     causal_rfa_fla,
     causal_rfa_recurrent,
     causal_rfa_reference,
+    fla_gated_backward_error,
     fla_import_error,
     gate_keys,
     step_kernels,
@@ -83,6 +84,8 @@ def test_fla_matches_reference_outputs_states_gradients(gated, dtype, with_state
     """fla's chunk_simple_gla through causal_rfa_fla == the O(T^2) reference in fp64: outputs, final
     state and gradients w.r.t. phi_q, phi_k, v, gate logits and the initial state; right padding
     folded in by gate_keys; lengths that are not a multiple of fla's 64-position chunks."""
+    if gated and fla_gated_backward_error():
+        pytest.skip(f"{fla_gated_backward_error()}: causal_rfa takes the torch path for these gradients")
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     B, T = 2, length

@@ -1,12 +1,14 @@
 """fla_backend's glue on the CPU: layout, packing into one sequence with cu_seqlens, the ones
 column, states and gradients, with fla's kernels replaced by a stand-in that computes fla's
 documented simple-GLA contract literally. The kernels themselves are tested on CUDA (test_cuda.py)."""
+import warnings
+
 import pytest
 import torch
 
 from rfa_fairseq.ops import causal_rfa, fla_available, fla_backend
 from rfa_fairseq.ops.naive import causal_rfa_reference
-from rfa_fairseq.ops.rfa import gate_keys
+from rfa_fairseq.ops.rfa import causal_rfa_chunked, gate_keys
 
 
 def simple_gla(q, k, v, g=None, scale=None, initial_state=None, cu_seqlens=None):
@@ -71,3 +73,34 @@ def test_packed_chunked_call_matches_reference_with_gradients(stand_in, gated, w
     for got, want in zip(*results):
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
     assert results[0][0].dtype == results[0][1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["fla_differentiates", "gated_backward_refused"])
+def test_gated_passes_with_gradients_leave_fla_where_its_backward_is_refused(monkeypatch, refused):
+    """Where fla refuses its gated backward (Hopper GPUs under Triton < 3.7.1), causal_rfa sends gated
+    passes that need gradients to the chunked torch path, with one warning; ungated passes and passes
+    without gradients (validation, scoring) still go to fla."""
+    from rfa_fairseq.ops import dispatch
+
+    calls = []
+    monkeypatch.setattr(dispatch, "fla_available", lambda tensor: True)
+    monkeypatch.setattr(dispatch, "causal_rfa_fla", lambda *args, **kwargs: calls.append("fla"))
+    monkeypatch.setattr(fla_backend, "fla_gated_backward_error", lambda: "fla's gated backward is wrong (test)" if refused else None)
+    fla_backend._warn_gated_once.cache_clear()
+    q, k = torch.rand(1, 2, 6, 4, requires_grad=True), torch.rand(1, 2, 6, 4)
+    v, log_gate = torch.randn(1, 2, 6, 3), -torch.rand(1, 2, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = causal_rfa(q, k, v, log_gate)
+        causal_rfa(q, k, v, log_gate)
+    messages = [str(w.message) for w in caught]
+    if refused:
+        assert calls == [] and torch.equal(out[0], causal_rfa_chunked(q, k, v, log_gate)[0])
+        assert len(messages) == 1 and "wrong (test)" in messages[0] and "chunked torch path" in messages[0]
+    else:
+        assert calls == ["fla", "fla"] and messages == []
+    calls.clear()
+    causal_rfa(q, k, v)  # ungated
+    with torch.no_grad():
+        causal_rfa(q, k, v, log_gate)  # no gradients
+    assert calls == ["fla", "fla"]
