@@ -42,18 +42,22 @@ from benchmark_common import EAGER_STEP_MODELS, REPO, PLUGIN_DIR, device_tag, py
 
 from rfa_fairseq.modules.decoding import EAGER_STEP_ENV  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from quality_study import DEFAULT_MODEL_VARIANTS  # noqa: E402
+
+from rfa_fairseq.config import RFA_DEFAULTS  # noqa: E402
+
+DEFAULT_VARIANT = DEFAULT_MODEL_VARIANTS[RFA_DEFAULTS["rfa_num_features"]]  # the default model's study variant
 # model name -> (quality-study variant whose checkpoint it decodes, extra fairseq-generate flags)
 MODELS = {
     "softmax": ("softmax", []),
-    "rfa": ("hedgehog_gate_softmax_cross_d32", []),  # the default model (D = 32)
-    "rfa_torch": ("hedgehog_gate_softmax_cross_d32", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
+    "rfa": (DEFAULT_VARIANT, []),  # the default model
+    "rfa_torch": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
     # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
-    "rfa_eager": ("hedgehog_gate_softmax_cross_d32", []),
-    # the default model trained at each number of features D (the study's D variants; rfa_d32 is rfa's checkpoint,
-    # named for the tables measured when D = 16, and 64 before it, was the default)
-    "rfa_d16": ("hedgehog_gate_softmax_cross_d16", []),
-    "rfa_d32": ("hedgehog_gate_softmax_cross_d32", []),
-    "rfa_d64": ("hedgehog_gate_softmax_cross", []),
+    "rfa_eager": (DEFAULT_VARIANT, []),
+    # the default model trained at each number of features D (the study's D variants; the default's is also
+    # rfa's checkpoint, named for the tables measured when another D was the default)
+    **{f"rfa_d{d}": (variant, []) for d, variant in sorted(DEFAULT_MODEL_VARIANTS.items())},
 }
 # CTranslate2 model name -> (quality-study variant it converts, ct2-fairseq-converter --quantization)
 CT2_MODELS = {
