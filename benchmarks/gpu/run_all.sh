@@ -62,7 +62,8 @@ stage() {
 
 archive() {
     if [ -n "${RFA_GPU_ARCHIVE:-}" ]; then
-        tar czf "$RFA_GPU_ARCHIVE.tmp" -C "$OUT" . && mv "$RFA_GPU_ARCHIVE.tmp" "$RFA_GPU_ARCHIVE" || log "archive failed"
+        local tmp="$RFA_GPU_ARCHIVE.$BASHPID.tmp"  # stages in the background archive too
+        tar czf "$tmp" -C "$OUT" --exclude='*.tmp' . && mv "$tmp" "$RFA_GPU_ARCHIVE" || log "archive failed"
     fi
 }
 
