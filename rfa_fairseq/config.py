@@ -38,7 +38,7 @@ class RFAConfig(FairseqDataclass):
         default=32,
         metadata=_meta("weights", "number D of random (or learned) vectors per head (sincos and hedgehog give 2D features); "
             "the decode state per head is 2D x (head_dim + 1) floats. 32 is the fastest D that kept the default "
-            "map within 0.5 BLEU of softmax on Multi30k EN-DE at 4,000 updates (docs/quality.md); "
+            "map within 0.5 BLEU of softmax on Multi30k EN-DE at 4,000 and EN-FR at 2,000 updates (docs/quality.md); "
             "the paper's MT setup uses 64 (default: 32)"),
     )
     rfa_random_matrix: ChoiceEnum(RANDOM_MATRIX_KINDS) = field(
