@@ -22,6 +22,9 @@
 #
 # Numbers and their sources are documented in the configs/*.yaml files.
 set -euo pipefail
+# The whole script is one block, read before it runs: a study's runs keep running the version they started
+# with when this file is edited under them (bash otherwise reads a script as it goes).
+{
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -163,3 +166,5 @@ if [[ -f "$SAVE_DIR/checkpoint_last.pt" ]]; then
 fi
 { printf 'train.sh: %s: ' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"; printf '%q ' "${CMD[@]}"; echo; } | tee -a "$SAVE_DIR/train.log"
 "${CMD[@]}" 2>&1 | tee -a "$SAVE_DIR/train.log"
+exit
+}

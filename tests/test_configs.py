@@ -11,6 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -195,6 +196,31 @@ def test_train_sh_bf16_trains_through_rfa_train(fake_data):
     assert bf16[0] == "env" and bf16[1] == f"PYTHONPATH={os.path.dirname(PLUGIN_DIR)}" + (
         f":{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else "")
     assert bf16[start + 1] == "rfa_fairseq.cli.train" and bf16[start + 2:] == plain[1:] + ["--bf16"]
+
+
+def test_train_sh_runs_to_its_end_when_edited_while_it_runs(fake_data, tmp_path):
+    """A study's trainings run train.sh for an hour; an edit of the file meanwhile must not change or break
+    the runs (bash reads a plain script as it goes: an edit used to end them with a syntax error)."""
+    script = tmp_path / "scripts" / "train.sh"
+    script.parent.mkdir()
+    script.write_text(open(TRAIN_SH).read())
+    stub = tmp_path / "bin" / "fairseq-train"  # stands in for training: long enough to edit the script under it
+    stub.parent.mkdir()
+    stub.write_text("#!/usr/bin/env bash\nsleep 3\necho stub-trained\n")
+    stub.chmod(0o755)
+    base = {k: v for k, v in env().items() if k not in TRAIN_SH_VARIABLES}
+    variables = dict(DATA=fake_data, SRC_LANG="src", TGT_LANG="tgt", RECIPE="multi30k_en_de", MODEL="rfa",
+                     USER_DIR=PLUGIN_DIR, SAVE_DIR=tmp_path / "save", CHECK_DATA=0)
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**base, **{k: str(v) for k, v in variables.items()},
+                                 "PATH": f"{stub.parent}{os.pathsep}{base['PATH']}"})
+    deadline = time.time() + 60
+    while not (tmp_path / "save" / "train.log").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    # an edit that leaves text after the point bash has read to (here: a line with an open quote)
+    script.write_text(open(TRAIN_SH).read() + 'echo "an edit\n')
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "stub-trained" in out, (proc.returncode, out[-2000:], err[-2000:])
 
 
 def test_train_sh_clear_errors(fake_data, tmp_path):
