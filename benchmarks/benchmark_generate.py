@@ -43,11 +43,9 @@ from benchmark_common import EAGER_STEP_MODELS, REPO, PLUGIN_DIR, device_tag, py
 from rfa_fairseq.modules.decoding import EAGER_STEP_ENV  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from quality_study import DEFAULT_MODEL_VARIANTS  # noqa: E402
+from quality_study import DEFAULT_MODEL_VARIANTS, default_model_variant  # noqa: E402
 
-from rfa_fairseq.config import RFA_DEFAULTS  # noqa: E402
-
-DEFAULT_VARIANT = DEFAULT_MODEL_VARIANTS[RFA_DEFAULTS["rfa_num_features"]]  # the default model's study variant
+DEFAULT_VARIANT = default_model_variant()
 # model name -> (quality-study variant whose checkpoint it decodes, extra fairseq-generate flags)
 MODELS = {
     "softmax": ("softmax", []),

@@ -110,6 +110,14 @@ VARIANTS = {
 DEFAULT_MODEL_VARIANTS = {64: "hedgehog_gate_softmax_cross", 32: "hedgehog_gate_softmax_cross_d32",
                           16: "hedgehog_gate_softmax_cross_d16"}
 
+
+def default_model_variant() -> str:
+    """The variant of rfa_transformer's default model: the default map at rfa_fairseq's default D."""
+    sys.path.insert(0, REPO)
+    from rfa_fairseq.config import RFA_DEFAULTS
+
+    return DEFAULT_MODEL_VARIANTS[RFA_DEFAULTS["rfa_num_features"]]
+
 FIELDS = [
     "variant", "max_update", "seed", "bleu", "chrf", "valid_loss", "best_valid_loss", "valid_loss_by_epoch",
     "train_seconds", "train_wps", "decode_seconds", "device", "runs_sharing_device", "flags", "finished_utc",

@@ -22,8 +22,7 @@ LIMIT_H=$(python3 -c "print(${LIMIT_S:-3600} / 3600)")
 [ -f "$PREP/data-bin/dict.en.txt" ] || { echo "train_precision.sh: no $PREP/data-bin (run benchmarks/gpu/pack_carry.py here, carry .gpu)" >&2; exit 1; }
 mkdir -p "$OUT" "$WORK"
 
-DEFAULT=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import quality_study as q; \
-from rfa_fairseq.config import RFA_DEFAULTS as d; print(q.DEFAULT_MODEL_VARIANTS[d['rfa_num_features']])")
+DEFAULT=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import quality_study; print(quality_study.default_model_variant())")
 RUNS=4  # every run below shares the GPU: threads per run and the CSVs' runs_sharing_device
 
 study() {  # study PRECISION LOG TRAIN_ARGS VARIANTS...: one quality_study into that precision's CSV
