@@ -3,9 +3,10 @@ kernels) against the full forward, and fairseq-train /
 fairseq-generate on a GPU. Every test is skipped, with the reason, where CUDA or fla is missing.
 
 Shapes: 8 heads of dim 64 (the base models), F = 64 features (the default's 2 x 32): fla compiles
-its Triton kernels per feature count and value size (its autotuning keys; the head count and length are
-run-time arguments), so tests, benchmarks and the recipe models' training share one compiled set. fla's matmuls on fp32 inputs run on TF32 tensor cores (~1e-3 relative per product), so
-tolerances are relative to each tensor's range, and the measured errors are printed.
+its Triton kernels per feature count and value size (its autotuning keys; the head count and length
+are run-time arguments), so tests, benchmarks and the recipe models' training share one compiled set.
+fla's matmuls on fp32 inputs run on TF32 tensor cores (~1e-3 relative per product), so tolerances
+are relative to each tensor's range, and the measured errors are printed.
 """
 import math
 import os

@@ -86,7 +86,7 @@ def test_gated_passes_with_gradients_leave_fla_where_its_backward_is_refused(mon
     monkeypatch.setattr(dispatch, "fla_available", lambda tensor: True)
     monkeypatch.setattr(dispatch, "causal_rfa_fla", lambda *args, **kwargs: calls.append("fla"))
     monkeypatch.setattr(fla_backend, "fla_gated_backward_error", lambda: "fla's gated backward is wrong (test)" if refused else None)
-    fla_backend._warn_gated_once.cache_clear()
+    fla_backend._warn_once.cache_clear()
     q, k = torch.rand(1, 2, 6, 4, requires_grad=True), torch.rand(1, 2, 6, 4)
     v, log_gate = torch.randn(1, 2, 6, 3), -torch.rand(1, 2, 6)
     with warnings.catch_warnings(record=True) as caught:

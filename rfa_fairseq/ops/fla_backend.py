@@ -66,7 +66,9 @@ def fla_available(tensor: Tensor) -> bool:
         return False
     error = fla_import_error()
     if error is not None:
-        _warn_once(error)
+        _warn_once(f"flash-linear-attention is not usable ({error}); causal RFA on CUDA runs the torch path (same "
+                   f"results, slower). Install it with `pip install rfa-fairseq[cuda]`, or pass --rfa-sequence-kernel "
+                   f"torch to silence this.")
     return error is None
 
 
@@ -91,22 +93,14 @@ def fla_differentiates_gated() -> bool:
     """False (with one warning) where fla_gated_backward_error() names a reason."""
     error = fla_gated_backward_error()
     if error is not None:
-        _warn_gated_once(error)
+        _warn_once(f"{error}; gated causal RFA that needs gradients runs the chunked torch path (same results, "
+                   f"slower); passes without gradients (validation, scoring) still use fla.")
     return error is None
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_gated_once(error: str) -> None:
-    warnings.warn(f"rfa_fairseq: {error}; gated causal RFA that needs gradients runs the chunked torch path "
-                  f"(same results, slower); passes without gradients (validation, scoring) still use fla.")
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(error: str) -> None:
-    warnings.warn(
-        f"rfa_fairseq: flash-linear-attention is not usable ({error}); causal RFA on CUDA runs the torch path "
-        f"(same results, slower). Install it with `pip install rfa-fairseq[cuda]`, or pass --rfa-sequence-kernel torch to silence this."
-    )
+def _warn_once(message: str) -> None:
+    warnings.warn(f"rfa_fairseq: {message}")
 
 
 def _fla_inputs(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_gate: Optional[Tensor]):
