@@ -36,6 +36,10 @@ MODELS = {
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
     "rfa_torch": ("rfa_transformer", ["--rfa-decode-kernel", "torch"]),  # the default with the torch step kernels
     "rfa_eager": ("rfa_transformer", []),  # the default, its step not captured as CUDA graphs (EAGER_STEP_MODELS)
+    # the default decoded by the static beam search (fairseq-generate's generator for it) instead of fairseq's
+    # SequenceGenerator: on CUDA its whole step one graph; _eager: not captured (STATIC_SEARCH_MODELS)
+    "rfa_static": ("rfa_transformer", []),
+    "rfa_static_eager": ("rfa_transformer", []),
     # the default map at a fixed number of features D (the speed/quality knob), whatever the default D is
     "rfa_d16": ("rfa_transformer", ["--rfa-num-features", "16"]),
     "rfa_d32": ("rfa_transformer", ["--rfa-num-features", "32"]),
@@ -49,6 +53,8 @@ MODELS = {
 
 # models decoded with RFA_FAIRSEQ_EAGER_STEP=1: the uncaptured step on CUDA, the reference of the graphs
 EAGER_STEP_MODELS = {"rfa_eager"}
+# models decoded by rfa_fairseq's StaticBeamSearchGenerator -> whether its steps are captured as CUDA graphs
+STATIC_SEARCH_MODELS = {"rfa_static": True, "rfa_static_eager": False}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of the decoding benchmarks
 
 

@@ -4,6 +4,10 @@
 Runs fairseq's real beam search (SequenceGenerator) with forced output lengths
 (min = max length) on random-weight models of identical size and vocabulary, one
 fresh process per configuration so that peak memory is that configuration's own.
+`rfa_static` / `rfa_static_eager` decode the default model with the static beam search
+instead (what fairseq-generate runs for an rfa_transformer; on CUDA its whole step one
+graph, or, _eager, not captured), each length a run of its own after a warm-up run of
+that length (graphs captured, kept by the generator).
 Reports per length: ms per decoding step, total time, tokens/s, peak memory (RSS on
 CPU, max allocated on CUDA), the attention state size (KV cache vs RFA state) and
 RFA / softmax ratios; writes CSV and a log-log PNG.
@@ -44,6 +48,7 @@ from benchmark_common import (  # noqa: E402
     DTYPES,
     MODELS,
     PLUGIN_DIR,
+    STATIC_SEARCH_MODELS,
     build_model,
     device_tag,
     machine_description,
@@ -142,10 +147,35 @@ def run_one_ct2(args) -> dict:
     }
 
 
+def make_generator(model_name: str, model, dictionary, beam: int, length: int):
+    """The beam search of a forced-length run: fairseq's SequenceGenerator, or for STATIC_SEARCH_MODELS the static
+    beam search (CUDA graphs on or off)."""
+    if model_name in STATIC_SEARCH_MODELS:
+        from rfa_fairseq.generation import StaticBeamSearchGenerator
+
+        return StaticBeamSearchGenerator(model, dictionary, beam_size=beam, min_len=length, max_len_a=0,
+                                         max_len_b=length, cuda_graphs=STATIC_SEARCH_MODELS[model_name])
+    from fairseq.sequence_generator import SequenceGenerator
+
+    return SequenceGenerator([model], dictionary, beam_size=beam, min_len=length, max_len_a=0, max_len_b=length)
+
+
+def grab_decoding_states(model) -> list:
+    """The static beam search's decoding states, as the decoder begins them (their attention tensors: the state's
+    size); -> the list they are appended to."""
+    states, begin = [], model.decoder.begin_state
+
+    def begin_and_keep(*args, **kwargs):
+        states.append(begin(*args, **kwargs))
+        return states[-1]
+
+    model.decoder.begin_state = begin_and_keep
+    return states
+
+
 def run_one(args) -> dict:
     """One (model, batch size, length) in this process."""
     import torch
-    from fairseq.sequence_generator import SequenceGenerator
 
     torch.set_num_threads(args.threads)
     device = args.device
@@ -165,9 +195,10 @@ def run_one(args) -> dict:
         return decoder_forward(*fargs, **fkwargs)
 
     model.decoder.forward = forward_and_grab_state
+    states = grab_decoding_states(model) if args.model in STATIC_SEARCH_MODELS else None
 
     def generate(length):
-        gen = SequenceGenerator([model], dictionary, beam_size=args.beam, min_len=length, max_len_a=0, max_len_b=length)
+        gen = make_generator(args.model, model, dictionary, args.beam, length)
         with torch.inference_mode():
             hyps = gen.generate([model], sample)
         if device.startswith("cuda"):
@@ -185,6 +216,8 @@ def run_one(args) -> dict:
     out_len = sum(len(h[0]["tokens"]) for h in hyps) / len(hyps)
     state = captured.get("state") or {}
     attn_state = {k: v for k, v in state.items() if k.endswith(ATTENTION_STATE_KEYS)}
+    if states:
+        attn_state = states[-1].attention_tensors()
     steps = args.length + 1  # the extra step is EOS
     return {
         "model": args.model,
@@ -220,7 +253,8 @@ def run_checkpoints(args) -> None:
     for run in args.runs:
         model_name, batch = run.rsplit(":", 1)
         try:
-            decode_with_checkpoints(args, model_name, int(batch))
+            decode = decode_static_lengths if model_name in STATIC_SEARCH_MODELS else decode_with_checkpoints
+            decode(args, model_name, int(batch))
         except RunBudgetSpent:
             print(f"# {model_name} batch {batch}: run budget spent", flush=True)
         except torch.cuda.OutOfMemoryError:
@@ -229,6 +263,47 @@ def run_checkpoints(args) -> None:
                 raise
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def decode_static_lengths(args, model_name: str, batch: int) -> None:
+    """The static beam search, one timed run per length of --checkpoints after a warm-up run of that length (its
+    graphs captured: fairseq-generate's later batches replay them); RESULT rows as decode_with_checkpoints'."""
+    import torch
+
+    args.batch_size = batch
+    free_mb = torch.cuda.mem_get_info()[0] / 2**20
+    src, dictionary = source_tokens(args)
+    lengths = sorted(set(args.checkpoints))
+    extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
+    model = build_model(model_name, args.dims, dictionary, max_positions=lengths[-1] + 8, device=args.device,
+                        extra=extra, dtype=args.dtype)
+    sample = {"net_input": {"src_tokens": src.to(args.device),
+                            "src_lengths": torch.full((batch,), args.src_len, device=args.device)}}
+    states = grab_decoding_states(model)
+    deadline = time.perf_counter() + args.run_budget if args.run_budget > 0 else math.inf
+    for length in lengths:
+        generator = make_generator(model_name, model, dictionary, args.beam, length)
+        with torch.inference_mode():
+            generator.generate([model], sample)  # warm-up: graphs captured
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            hyps = generator.generate([model], sample)
+            torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        out_lens = {len(h[0]["tokens"]) for h in hyps}
+        if out_lens != {length + 1}:
+            raise SystemExit(f"forced length not kept: output lengths {sorted(out_lens)}, expected {length + 1}")
+        row = {
+            "model": model_name, "dtype": args.dtype, "batch": batch, "length": length, "out_len": length + 1,
+            "total_s": total, "ms_per_step": 1000 * total / (length + 1), "ms_per_step_recent": 1000 * total / (length + 1),
+            "tokens_per_s": batch * length / total, "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20,
+            "attn_state_mb": tensor_bytes(states[-1].attention_tensors()) / 2**20, "free_mb": free_mb,
+        }
+        print("RESULT " + json.dumps(row), flush=True)
+        del generator
+        if time.perf_counter() > deadline:
+            raise RunBudgetSpent()
 
 
 def decode_with_checkpoints(args, model_name: str, batch: int) -> None:
@@ -509,7 +584,8 @@ def plot(rows, path, args):
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan",
               "rfa_torch": "tab:brown", "ct2": "tab:purple", "rfa_d16": "tab:olive", "rfa_d32": "tab:pink", "rfa_d64": "tab:gray",
-              "rfa_paper": "gold", "rfa_paper_gated": "darkkhaki", "rfa_rfa_cross": "navy"}
+              "rfa_paper": "gold", "rfa_paper_gated": "darkkhaki", "rfa_rfa_cross": "navy", "rfa_static": "black",
+              "rfa_static_eager": "dimgray", "rfa_eager": "tab:pink"}
     styles = ["-", "--", ":", "-."]
     batches = sorted({r["batch"] for r in rows})
     for (model, batch) in sorted({(r["model"], r["batch"]) for r in rows}):

@@ -49,12 +49,22 @@ class PartTimer:
         self.seconds, self.calls = collections.defaultdict(float), collections.Counter()
         self.in_decoder = False
 
-    def wrap(self, owner, name, part, before=None, decoder_only=False):
-        """decoder_only: count only calls made inside the decoder (the encoder runs the same kernels)."""
+    def wrap(self, owner, name, part, before=None, decoder_only=False, in_decoder=False):
+        """decoder_only: count only calls made inside the decoder (the encoder runs the same kernels);
+        in_decoder: the callable is the decoder's (the kernels it calls count as the decoder's)."""
         original = getattr(owner, name)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
+            if in_decoder:
+                self.in_decoder = True
+                try:
+                    return timed_call(*args, **kwargs)
+                finally:
+                    self.in_decoder = False
+            return timed_call(*args, **kwargs)
+
+        def timed_call(*args, **kwargs):
             if decoder_only and not self.in_decoder:
                 return original(*args, **kwargs)
             if before is not None:
@@ -102,18 +112,10 @@ def instrument(model):
 
     timer, rows = PartTimer(), []
     timer.wrap(model.encoder, "forward_torchscript", "encoder")
-    timer.wrap(model.decoder, "_step", "decoder step", before=lambda state, tokens, *_: rows.append(tokens.size(0)))
-    forward = model.decoder.forward
-
-    def decoder_forward(*args, **kwargs):  # a batch's first step prepares its K/V here (kernels.linear too)
-        timer.in_decoder = True
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            timer.in_decoder = False
-
-    model.decoder.forward = decoder_forward
-    timer.wrap(model.decoder, "forward", "decoder")
+    # a batch's decoding state (its K/V: kernels.linear too), then every step's layers
+    timer.wrap(model.decoder, "begin_state", "decoder", in_decoder=True)
+    timer.wrap(model.decoder, "step_layers", "decoder", in_decoder=True,
+               before=lambda state, tokens, *_: rows.append(tokens.size(0)))
     for name, part in STEP_KERNELS.items():
         timer.wrap(decode_step.CppKernels, name, part, decoder_only=True)
     timer.wrap(decode_step.CppKernels, "beam_candidates", "beam_candidates")
@@ -133,19 +135,18 @@ def profile_rfa(model, generator, batches, timer, rows):
             generator.generate([model], batch)
         total = time.perf_counter() - start
     seconds, calls = dict(timer.seconds), dict(timer.calls)
-    seconds.pop("decoder step")
-    calls["decoder: other"] = calls.pop("decoder step")  # steps
+    calls["decoder: other"] = len(rows)  # steps
     seconds["decoder: other"] = seconds.pop("decoder") - sum(seconds.get(p, 0.0) for p in STEP_KERNELS.values())
     calls.pop("decoder")
     seconds["search: other"] = total - sum(seconds.values())
     return seconds, calls, list(rows), total
 
 
-def gemm_floor(model, rows):
+def gemm_floor(model, generator, rows):
     """Seconds of the decoding steps' linear layers alone at each step's rows, on the same packed weights."""
     from rfa_fairseq.ops import step_kernels
 
-    workspace = model.decoder._workspace
+    workspace = generator.decoder_workspace
     kernels = step_kernels(model.decoder.rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32)
     # the linear layers of every step (the cross-attention's K/V projection runs once per batch)
     weights = [packed for name, (_, packed) in workspace.packed.items() if not name.endswith("kv_proj")]
@@ -197,7 +198,7 @@ def main():
                         "ms_per_step": f"{1e3 * s / steps:.3f}", "calls": calls.get(part, "")})
         out.append({"batch_size": batch_size, "threads": args.threads, "part": "rfa total", "seconds": f"{total:.3f}",
                     "ms_per_step": f"{1e3 * total / steps:.3f}", "calls": steps})
-        floor = gemm_floor(model, rows)
+        floor = gemm_floor(model, generator, rows)
         out.append({"batch_size": batch_size, "threads": args.threads, "part": "gemm_floor", "seconds": f"{floor:.3f}",
                     "ms_per_step": f"{1e3 * floor / steps:.3f}", "calls": steps})
         if args.ct2_model:

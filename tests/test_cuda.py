@@ -245,9 +245,11 @@ def graph_counts(monkeypatch):
                          ids=[f"{fm}-{'gated' if g else 'ungated'}" for fm, g, _ in GRAPH_VARIANTS])
 def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, rfa_cross, dtype, graph_counts,
                                                             monkeypatch):
-    """The static beam search and fairseq's SequenceGenerator (beam 4, hypotheses ending at different steps; where
-    a sentence finishes early the batch shrinks and graphs are captured again) with the step replayed as CUDA
-    graphs: the eager step's hypotheses, and its scores up to the last bits (the same kernels run, in one launch)."""
+    """The static beam search (its whole step one graph, kept across batches) and fairseq's SequenceGenerator (the
+    decoder's step a graph per batch; where a sentence finishes early the batch shrinks and graphs are captured
+    again), beam 4, hypotheses ending at different steps, two batches of other sources and sizes through the same
+    generator: the eager step's hypotheses, and its scores up to the last bits (the same kernels run, in one
+    launch)."""
     from fairseq.sequence_generator import SequenceGenerator
 
     from rfa_fairseq.generation import StaticBeamSearchGenerator
@@ -256,25 +258,33 @@ def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, r
     model, d = gpu_model(flags(feature_map, gate, rfa_cross=rfa_cross), seed=4)
     if dtype == "fp16":
         model.half()
-    src, src_lengths, _ = on_cuda(*random_batch(d, bsz=6, src_len=7, seed=9))
-    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+    samples = []
+    for bsz, src_len, seed in ((6, 7, 9), (6, 12, 10), (3, 7, 11)):
+        src, src_lengths, _ = on_cuda(*random_batch(d, bsz=bsz, src_len=src_len, seed=seed))
+        samples.append({"net_input": {"src_tokens": src, "src_lengths": src_lengths}})
 
-    def decode(make):
+    def decode(generator):
+        tokens, scores = [], []
         with torch.no_grad():
-            hyps = make().generate([model], sample)
-        return ([[h["tokens"].tolist() for h in sent] for sent in hyps],
-                torch.cat([h["positional_scores"].float() for sent in hyps for h in sent]))
+            for sample in samples:
+                hyps = generator.generate([model], sample)
+                tokens += [[h["tokens"].tolist() for h in sent] for sent in hyps]
+                scores += [h["positional_scores"].float().cpu() for sent in hyps for h in sent]
+        return tokens, torch.cat(scores)
 
-    makers = {"static": lambda: StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12),
-              "fairseq": lambda: SequenceGenerator([model], d, beam_size=4, max_len_b=12)}
-    for name, make in makers.items():
+    for name in ("static", "fairseq"):
+        if name == "static":
+            eager = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12, cuda_graphs=False)
+            graphed = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12)
+        else:
+            eager = graphed = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
         monkeypatch.setenv(EAGER_STEP_ENV, "1")
-        want_tokens, want_scores = decode(make)
+        want_tokens, want_scores = decode(eager)
         monkeypatch.setenv(EAGER_STEP_ENV, "0")
         graph_counts.clear()
-        got_tokens, got_scores = decode(make)
-        captures = sum(g.captures for g in graph_counts if g is not None)
-        replays = sum(g.replays for g in graph_counts if g is not None)
+        got_tokens, got_scores = decode(graphed)
+        graphs = [graphed.graphs] if name == "static" else [g for g in graph_counts if g is not None]
+        captures, replays = sum(g.captures for g in graphs), sum(g.replays for g in graphs)
         lengths = sorted({len(t) for sent in want_tokens for t in sent})
         print(f"{name}: lengths {lengths}, captures {captures}, replays {replays}, "
               f"max |score difference| {(got_scores - want_scores).abs().max().item():.1e}")

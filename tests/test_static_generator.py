@@ -96,13 +96,13 @@ def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch,
     hypotheses stay SequenceGenerator's."""
     model, d, sample, _ = model_and_batch
     sizes = []
-    keep_sentences = static_beam_search._SearchBuffers.keep_sentences
+    keep_sentences = static_beam_search._Search.keep_sentences
 
-    def recorded(self, kept, *candidates):
+    def recorded(self, state, kept):
         sizes.append((self.N, kept.numel()))
-        return keep_sentences(self, kept, *candidates)
+        return keep_sentences(self, state, kept)
 
-    monkeypatch.setattr(static_beam_search._SearchBuffers, "keep_sentences", recorded)
+    monkeypatch.setattr(static_beam_search._Search, "keep_sentences", recorded)
     want, got = _generate_both(model, d, sample, beam_size=beam)
     assert_same_hypotheses(want, got)
     assert sizes and sizes[0][0] == 8 and all(2 * kept <= places for places, kept in sizes), sizes

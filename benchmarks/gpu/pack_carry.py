@@ -12,6 +12,9 @@ and `scripts/quality_study.py --prep .gpu/multi30k` (benchmarks/gpu/train_precis
 run here. Nothing is rewritten that exists (delete .gpu/ to pack again).
 
     python benchmarks/gpu/pack_carry.py --prep outputs/multi30k --study-dir outputs/quality --max-update 4000 --seed 1
+    python benchmarks/gpu/pack_carry.py --prep outputs/multi30k_en_fr --pair en-fr     # the data alone
+
+`decode_only_copy` also brings a GPU machine's trained checkpoints back (benchmarks/gpu/run_all.sh).
 """
 import argparse
 import os
@@ -51,12 +54,14 @@ def decode_only_copy(src: str, dst: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"))
-    p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"))
+    p.add_argument("--pair", choices=["en-de", "en-fr"], default="en-de",
+                   help="the --prep directory's pair: its data goes to OUT/multi30k (en-de) or OUT/multi30k_en_fr")
+    p.add_argument("--study-dir", help="the quality study's checkpoints to carry (default: the data only)")
     p.add_argument("--max-update", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=os.path.join(REPO, ".gpu"))
     args = p.parse_args()
-    for variant in VARIANTS:
+    for variant in VARIANTS if args.study_dir else ():
         run = f"{variant}_u{args.max_update}_s{args.seed}"
         src = os.path.join(args.study_dir, run, "checkpoint_best.pt")
         dst = os.path.join(args.out, "quality", run, "checkpoint_best.pt")
@@ -69,13 +74,15 @@ def main() -> int:
     for split in ("train", "valid", "test"):
         if not any(n.startswith(split + ".") for n in names):
             sys.exit(f"pack_carry: {bin_dir} has no {split} split (data-prep/prepare-multi30k.sh writes it)")
-    os.makedirs(os.path.join(args.out, "multi30k", "data-bin"), exist_ok=True)
+    data = os.path.join(args.out, "multi30k" if args.pair == "en-de" else "multi30k_en_fr")
+    os.makedirs(os.path.join(data, "data-bin"), exist_ok=True)
     for name in names:
-        shutil.copyfile(os.path.join(bin_dir, name), os.path.join(args.out, "multi30k", "data-bin", name))
-    beside = ["test.raw.de", "valid.raw.de", "spm.model"]
+        shutil.copyfile(os.path.join(bin_dir, name), os.path.join(data, "data-bin", name))
+    target = args.pair.split("-")[1]
+    beside = [f"test.raw.{target}", f"valid.raw.{target}", "spm.model"]
     for name in beside:
-        shutil.copyfile(os.path.join(args.prep, name), os.path.join(args.out, "multi30k", name))
-    print(f"{args.out}/multi30k: data-bin/ ({len(names)} files), {', '.join(beside)}")
+        shutil.copyfile(os.path.join(args.prep, name), os.path.join(data, name))
+    print(f"{data}: data-bin/ ({len(names)} files), {', '.join(beside)}")
     return 0
 
 

@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 
+from ..modules.decoding import EAGER_STEP_ENV
 from .static_beam_search import StaticBeamSearchGenerator
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def wrap_build_generator(original):
             min_len=getattr(args, "min_len", 1), normalize_scores=not getattr(args, "unnormalized", False),
             len_penalty=getattr(args, "lenpen", 1), unk_penalty=getattr(args, "unkpen", 0),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
-            symbols_to_strip_from_output=(extra_gen_cls_kwargs or {}).get("symbols_to_strip_from_output"))
+            symbols_to_strip_from_output=(extra_gen_cls_kwargs or {}).get("symbols_to_strip_from_output"),
+            cuda_graphs=os.environ.get(EAGER_STEP_ENV) != "1")
 
     build_generator.rfa_fairseq_wrapper = True
     return build_generator

@@ -1,19 +1,23 @@
 """Beam search over fixed-shape buffers for one `rfa_transformer`: fairseq's SequenceGenerator with
-BeamSearch, step for step, with the batch's shape changing at most log2(N) times.
+BeamSearch, step for step, with the batch's shape changing at most log2(N) times, and on CUDA the whole
+step (decoder layers, log-softmax, masks, candidates, finalization, beam reorder) one CUDA graph.
 
 An RFA decoder's state has a fixed size, so nothing in a step needs to change shape when sentences
-finish: finished sentences stay in the batch, masked (they finalize nothing more), and the buffers of
-the search (tokens, cumulative scores, candidates) keep their shape from step to step. Only when half
-the sentences in the batch have finished does the batch halve (their rows would otherwise cost every
-later step: one long sentence keeps a batch going), so a batch sees at most log2(N) + 1 shapes where
-SequenceGenerator shrinks it at every step that finishes a sentence. The decoding itself is the model's
-one decoding path (`RFATransformerDecoder.forward` with an incremental state, then
-`get_normalized_probs`), called as fairseq's EnsembleModel calls it for a single model.
+finish: finished sentences stay in the batch, masked (they finalize nothing more), and every buffer of
+the search (tokens, cumulative scores, candidates, the finalized hypotheses) keeps its shape from step to
+step. Only when half the sentences in the batch have finished does the batch halve (their rows would
+otherwise cost every later step: one long sentence keeps a batch going), in place: the kept sentences move
+to the front of the same buffers. A step reads the step number from a device tensor and writes the
+finalized hypotheses into device buffers (`_Search`), so it reads nothing back to the host: on CUDA it is
+captured once per (rows, source-length bucket, buffer parity) and replayed at every later step of every
+batch of that shape (the buffers are the generator's, kept across batches). The host learns which
+sentences finished one step late (a copy into pinned memory that the next step overlaps), which is all
+it needs to stop or halve; on the CPU it reads them at once.
 
 The arithmetic follows SequenceGenerator._generate and search.BeamSearch.step operation by operation
 (same masks, same fp32 additions, same top-k over 2 * beam candidates, same finalization and length
 normalization), so hypotheses and scores agree with fairseq's. Shapes: N places (sentences still in the
-batch), K beams, R = N * K rows, V the vocabulary.
+batch), K beams, R = N * K rows, V the vocabulary, L the token buffer's length (max_len + 2).
 """
 import math
 from typing import Dict, List, Optional
@@ -22,17 +26,26 @@ import torch
 from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
-from ..modules.decoding import DecodeState
+from ..modules.decoding import StepGraphs, Workspace
+
+SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
 
 
 class StaticBeamSearchGenerator(nn.Module):
     """SequenceGenerator's beam search for a single RFATransformerModel (`generate` returns what
     SequenceGenerator.generate returns). Built by `generation.build_generator` only for options it
-    serves: plain beam search, lenpen, min/max length, unkpen, no-repeat n-grams, prefix tokens."""
+    serves: plain beam search, lenpen, min/max length, unkpen, no-repeat n-grams, prefix tokens.
+    cuda_graphs=False runs every CUDA step uncaptured (the reference the graphs are tested against)."""
+
+    # device types where reading the finished flags back would wait for the device: the host reads each step's one
+    # step later; and where K/V are padded to SOURCE_BUCKET (graphs shared by nearby source lengths)
+    LAGGED_READS_ON = ("cuda",)
+    BUCKETED_ON = ("cuda",)
+    GRAPHS_ON = ("cuda",)  # device types whose steps are captured as graphs (cuda_graphs=True)
 
     def __init__(self, model, tgt_dict, beam_size=1, max_len_a=0, max_len_b=200, max_len=0, min_len=1,
                  normalize_scores=True, len_penalty=1.0, unk_penalty=0.0, no_repeat_ngram_size=0,
-                 symbols_to_strip_from_output=None):
+                 symbols_to_strip_from_output=None, cuda_graphs: bool = True):
         super().__init__()
         self.model = model
         self.tgt_dict = tgt_dict
@@ -40,94 +53,117 @@ class StaticBeamSearchGenerator(nn.Module):
         self.symbols_to_strip_from_output = set(symbols_to_strip_from_output or ()) | {self.eos}
         self.vocab_size = len(tgt_dict)
         self.beam_size = min(beam_size, self.vocab_size - 1)  # pad is never chosen (as SequenceGenerator)
-        if self.beam_size > 1:
-            model.set_beam_size(self.beam_size)  # cross-attention K/V once per sentence
         self.max_len_a, self.max_len_b, self.min_len = max_len_a, max_len_b, min_len
         self.max_len = max_len or model.max_decoder_positions()
         self.normalize_scores, self.len_penalty, self.unk_penalty = normalize_scores, len_penalty, unk_penalty
         self.repeat_ngram_blocker = NGramRepeatBlock(no_repeat_ngram_size) if no_repeat_ngram_size > 0 else None
+        self.cuda_graphs = cuda_graphs
         self.model.eval()
+        # kept across batches: a batch of a shape seen before runs on the same addresses (and graphs)
+        self.decoder_workspace = model.decoder.new_workspace()
+        self.search_workspace = Workspace()
+        self.graphs: Optional[StepGraphs] = None
+        self._graph_generations = None  # the workspaces' generations the graphs were captured at
+        self._host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
         self._prepare_weights()
 
     @torch.no_grad()
     def _prepare_weights(self) -> None:
-        """The encoder and one decoding step on a one-token source: the layers pack their weights for the
-        kernels now, as the generator is built (CTranslate2 prepares its weights when it loads a model), not
-        inside the first batch's translation."""
-        weight = self.model.decoder.embed_tokens.weight
-        src_tokens = torch.full((1, 1), self.eos, dtype=torch.long, device=weight.device)
-        encoder_out = self.model.encoder.forward_torchscript(
-            {"src_tokens": src_tokens, "src_lengths": torch.ones(1, dtype=torch.long, device=weight.device)})
-        rows = torch.zeros(self.beam_size, dtype=torch.long, device=weight.device)
-        encoder_out = self.model.encoder.reorder_encoder_out(encoder_out, rows)
-        self._log_probs(torch.full((self.beam_size, 1), self.eos, dtype=torch.long, device=weight.device), encoder_out, {})
+        """One batch of one one-token sentence, one step: the layers pack their weights for the kernels now, as
+        the generator is built (CTranslate2 prepares its weights when it loads a model), not inside the first
+        batch's translation."""
+        device = self.model.decoder.embed_tokens.weight.device
+        src_tokens = torch.full((1, 1), self.eos, dtype=torch.long, device=device)
+        sample = {"net_input": {"src_tokens": src_tokens, "src_lengths": torch.ones(1, dtype=torch.long, device=device)}}
+        self.generate([self.model], sample, max_steps=1)
+
+    def _graphs_for(self, device) -> Optional[StepGraphs]:
+        """The CUDA graphs of the steps on `device` (None: every step eager), dropped when a buffer they read
+        moved (a larger batch, weights packed again): a graph replays the addresses it captured."""
+        if device.type not in self.GRAPHS_ON or not self.cuda_graphs:
+            return None
+        generations = (self.decoder_workspace.generation, self.search_workspace.generation)
+        if self.graphs is None:
+            self.graphs = StepGraphs(device)
+        elif generations != self._graph_generations:
+            self.graphs.clear()
+        self._graph_generations = generations
+        return self.graphs
+
+    def host_flags(self, N: int) -> List[Tensor]:
+        """Two pinned host buffers of (N,) bools, the same ones for every batch (a graph copies into them)."""
+        if not self._host_flags or self._host_flags[0].numel() < N:
+            pinned = torch.cuda.is_available()  # the device's copies into them then overlap the next step
+            self._host_flags = [torch.empty(N, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+            self.search_workspace.generation += 1  # graphs that copy into the old ones are stale
+        return [flags[:N] for flags in self._host_flags]
 
     @torch.no_grad()
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
-                 constraints: Optional[Tensor] = None, bos_token: Optional[int] = None) -> List[List[Dict[str, Tensor]]]:
-        """SequenceGenerator.generate's signature and result (`models` is ignored: the model is fixed)."""
+                 constraints: Optional[Tensor] = None, bos_token: Optional[int] = None,
+                 max_steps: Optional[int] = None) -> List[List[Dict[str, Tensor]]]:
+        """SequenceGenerator.generate's signature and result (`models` is ignored: the model is fixed).
+        max_steps stops the search early (warming the kernels only)."""
         if constraints is not None:
             raise NotImplementedError("the static beam search takes no constraints (build_generator falls back)")
         src_tokens = sample["net_input"]["src_tokens"]
         N, src_len = src_tokens.shape[:2]
-        K, V, device = self.beam_size, self.vocab_size, src_tokens.device
+        K, device = self.beam_size, src_tokens.device
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        bucketed = device.type in self.BUCKETED_ON  # on the CPU K/V keep their length (no padded positions to compute)
+        source_len = -(-src_len // SOURCE_BUCKET) * SOURCE_BUCKET if bucketed else src_len
+        buffer_len = max_len
+        if bucketed:  # the longest max_len of the bucket's source lengths: one token buffer length per bucket
+            buffer_len = max(max_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
 
+        decoder = self.model.decoder
         encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])
-        rows_of_sentences = torch.arange(N, device=device).repeat_interleave(K)  # (R,): each sentence K times
-        encoder_out = self.model.encoder.reorder_encoder_out(encoder_out, rows_of_sentences)
-        search = _SearchBuffers(N, K, V, max_len, self.pad, self.eos if bos_token is None else bos_token, device)
+        key = encoder_out["encoder_out"][0] if len(encoder_out.get("encoder_out", [])) else None
+        pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
+        if getattr(decoder.layers[0], "encoder_attn", None) is None:
+            key = pad = None
+        graphs = self._graphs_for(device)
+        state = decoder.begin_state(key, pad, N * K, K, self.decoder_workspace, source_len=source_len if key is not None else None)
+        search = _Search(self, state, N, buffer_len, self.eos if bos_token is None else bos_token, device,
+                         lagged=device.type in self.LAGGED_READS_ON)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
         sentence_ids = list(range(N))  # the batch's sentence at each place of the search (places only halve)
-        finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
-        incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
-        reorder: Optional[Tensor] = None
-        kernels = None
+        decided_at = -1  # flags of steps launched before the last halving describe other places: not read
+        last_step = max_len if max_steps is None else min(max_len, max_steps - 1)
 
-        for step in range(max_len + 1):  # one extra step for EOS
-            if reorder is not None:
-                # rows move within their sentence's beams or leave with it, and the decoder reads the
-                # encoder output at its first step only: the encoder output needs no reorder
-                self.model.decoder.reorder_incremental_state_scripting(incremental_state, reorder)
-            lprobs = self._log_probs(search.tokens[:, : step + 1], encoder_out, incremental_state)  # (R, V)
-            self._mask_log_probs(lprobs, step, max_len)
-            if prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len:
-                self._force_prefix(lprobs, step, prefix_tokens, search)
-            elif step < self.min_len:
-                lprobs[:, self.eos] = -math.inf  # minimum length (not with prefix tokens)
-            if self.repeat_ngram_blocker is not None:
-                lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, search.N, K, step)
-
-            if kernels is None:  # the kernels the decoder picked for this batch
-                kernels = incremental_state[DecodeState.KEY]["state"].kernels
-            cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, step, kernels)  # (N, 2K) each
-            eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
-            eos_mask[:, :K] &= ~search.cands_to_ignore
-            eos_mask &= ~finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
-            finalized_some = bool(eos_mask[:, :K].any())
-            if finalized_some:
-                self._finalize(step, eos_mask[:, :K], cand_rows[:, :K], cand_scores[:, :K], search, finalized,
-                               sentence_ids, finished, max_len)
-                if bool(finished.all()):
-                    break
-            if step >= max_len:
+        for step in range(last_step + 1):  # one extra step for EOS
+            prefix = prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len
+            plain = not (step == 0 or step >= max_len or prefix or self.repeat_ngram_blocker is not None)
+            if graphs is not None and plain:
+                graphs = self._graphs_for(device)  # a step that allocated (a new shape) makes the graphs stale
+                shape = (search.N, source_len, buffer_len)
+                graphs.run(shape + (search.parity,), shape,
+                           lambda: self._step(search, state, step, False, False, None))
+            else:
+                self._step(search, state, step, first=step == 0, last=step >= max_len,
+                           prefix_tokens=prefix_tokens if prefix else None)
+            search.after_step(state, step)
+            if step >= last_step:
                 break
-            kept_rows = None
-            if finalized_some and 2 * int((~finished).sum()) <= search.N:
+            flags = search.finished_at(step - 1 if search.lagged else step, decided_at)
+            if flags is None:
+                continue
+            unfinished = (~flags).nonzero().squeeze(1)  # (N',) places still translating
+            if unfinished.numel() == 0:
+                break
+            if 2 * unfinished.numel() <= search.N:
                 # half the places finished: halve the batch. Finished sentences otherwise cost every later
                 # step all their rows (fairseq-generate was 17-35 % slower than SequenceGenerator on Multi30k
                 # without this); halving keeps the shapes to log2(N) + 1 sizes
-                kept = (~finished).nonzero().squeeze(1)  # (N',)
-                eos_mask, cand_scores, cand_tokens, cand_rows, kept_rows = search.keep_sentences(
-                    kept, eos_mask, cand_scores, cand_tokens, cand_rows)
-                finished = finished.index_select(0, kept)
-                sentence_ids = [sentence_ids[n] for n in kept.tolist()]
+                search.collect(finalized, sentence_ids, places=flags.nonzero().squeeze(1).tolist())  # the dropped
+                kept = unfinished.to(device)
+                search.keep_sentences(state, kept)
+                sentence_ids = [sentence_ids[n] for n in unfinished.tolist()]
                 if prefix_tokens is not None:
                     prefix_tokens = prefix_tokens.index_select(0, kept)
-            reorder = search.advance(eos_mask, cand_scores, cand_tokens, cand_rows, step)
-            if kept_rows is not None:  # the decoder's rows are still the old places'
-                reorder = kept_rows.index_select(0, reorder)
+                decided_at = step
+        search.collect(finalized, sentence_ids, places=range(search.N))
 
         for n, hypos in enumerate(finalized):  # best first, as SequenceGenerator sorts them
             scores = torch.tensor([float(h["score"].item()) for h in hypos])
@@ -135,21 +171,38 @@ class StaticBeamSearchGenerator(nn.Module):
             finalized[n] = [hypos[i] for i in best_first]
         return finalized
 
-    def _log_probs(self, tokens: Tensor, encoder_out, incremental_state) -> Tensor:
-        """The decoder's step and fp32 log-softmax, as fairseq's EnsembleModel.forward_decoder does for one
-        model at temperature 1. -> (R, V), a buffer of the decoder's workspace."""
-        logits, extra = self.model.decoder.forward(tokens, encoder_out=encoder_out, incremental_state=incremental_state)
-        return self.model.get_normalized_probs((logits[:, -1:, :], extra), log_probs=True, sample=None)[:, -1, :]
-
-    def _mask_log_probs(self, lprobs: Tensor, step: int, max_len: int) -> None:
-        """Pad, unk penalty and the maximum length, in SequenceGenerator's order; in place."""
+    def _step(self, search: "_Search", state, step: int, first: bool, last: bool, prefix_tokens: Optional[Tensor]):
+        """One step of the search on the device, reading the step number from search.step (a CUDA graph captures
+        it whole when first, last and prefix_tokens are off: they are the host's only say). -> no outputs: every
+        result is in the search's buffers."""
+        N, K = search.N, self.beam_size
+        R, t = N * K, search.step  # t: (1,) the step number on the device
+        tokens = torch.index_select(search.tokens, 1, t).view(R)  # (R,) the last tokens
+        positions = torch.index_select(search.positions, 0, t) if search.positions is not None else None  # (1, C)
+        logits, _ = self.model.decoder.step_layers(state, tokens, positions, need_weights=False)  # (R, V)
+        # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32
+        lprobs = torch.log_softmax(logits.float(), dim=-1, out=search.lprobs)
         lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel
         lprobs[:, self.unk] -= self.unk_penalty
-        if step >= max_len:  # only EOS is left
+        if last:  # only EOS is left
             lprobs[:, : self.eos] = -math.inf
             lprobs[:, self.eos + 1:] = -math.inf
+        elif prefix_tokens is not None:
+            self._force_prefix(lprobs, step, prefix_tokens, search)
+        else:
+            lprobs[:, self.eos] += search.eos_bias.index_select(0, t)  # -inf before the minimum length
+        if self.repeat_ngram_blocker is not None:
+            lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, N, K, step)
 
-    def _force_prefix(self, lprobs: Tensor, step: int, prefix_tokens: Tensor, search: "_SearchBuffers") -> None:
+        cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, state.kernels)  # (N, 2K) each
+        eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
+        eos_mask[:, :K] &= ~search.cands_to_ignore
+        eos_mask &= ~search.finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
+        search.finalize(eos_mask[:, :K], cand_rows[:, :K], cand_scores[:, :K], last)
+        search.advance(eos_mask, cand_scores, cand_tokens, cand_rows)
+        return ()
+
+    def _force_prefix(self, lprobs: Tensor, step: int, prefix_tokens: Tensor, search: "_Search") -> None:
         """SequenceGenerator._prefix_tokens over the whole batch: a row whose prefix has a token at `step`
         may only choose it; a sentence whose prefix ends (EOS) gets its first beam copied to every beam."""
         K = self.beam_size
@@ -163,94 +216,191 @@ class StaticBeamSearchGenerator(nn.Module):
                 beams = tensor.view(-1, K, tensor.size(-1))
                 beams[ends] = beams[ends][:, :1, :]
 
-    def _finalize(self, step: int, eos_mask: Tensor, eos_rows: Tensor, eos_scores: Tensor,
-                  search: "_SearchBuffers", finalized, sentence_ids: List[int], finished: Tensor, max_len: int) -> None:
-        """SequenceGenerator.finalize_hypos: the hypotheses ending in EOS among each sentence's top K
-        candidates join `finalized` (at most K per sentence), with per-position and normalized scores.
-        eos_mask, eos_rows, eos_scores: (N, K); place n holds the batch's sentence sentence_ids[n]."""
-        rows = eos_rows.masked_select(eos_mask)  # (E,), sentence-major as SequenceGenerator's
-        scores = eos_scores.masked_select(eos_mask)  # (E,)
-        tokens = search.tokens.index_select(0, rows)[:, 1: step + 2]  # (E, step + 1), without the BOS
-        tokens[:, step] = self.eos
-        positional = search.scores.index_select(0, rows)[:, : step + 1]
-        positional[:, step] = scores
-        positional[:, 1:] = positional[:, 1:] - positional[:, :-1]  # cumulative -> per position
-        if self.normalize_scores:
-            scores /= (step + 1) ** self.len_penalty
-        places: List[int] = torch.div(rows, self.beam_size, rounding_mode="trunc").tolist()
-        # one view per hypothesis from one call each (indexing hypothesis by hypothesis costs more)
-        hypotheses = zip(places, tokens.unbind(0), scores.unbind(0), positional.unbind(0))
-        for place, hypo_tokens, score, hypo_positional in hypotheses:
-            n = sentence_ids[place]
-            if len(finalized[n]) < self.beam_size:
-                # no attention weights or alignment: fairseq's empty tensors, one shared (--print-alignment
-                # falls back to SequenceGenerator)
-                finalized[n].append({"tokens": hypo_tokens, "score": score, "attention": search.empty,
-                                     "alignment": search.empty, "positional_scores": hypo_positional})
-        for place in set(places):  # SequenceGenerator.is_finished
-            if len(finalized[sentence_ids[place]]) == self.beam_size or step == max_len:
-                finished[place] = True
 
+class _Search:
+    """One batch's search in the generator's workspace (the same buffers for every batch of the same shape):
+    tokens and cumulative scores (two of each, used in turn: a step's reorder reads one and writes the other),
+    candidates, the finalized hypotheses per place (K slots each, and one slot at the end that takes the
+    rejected ones), the step number, the beam order the decoder's next step applies, and the finished flags
+    (with their copies for the host on CUDA)."""
 
-class _SearchBuffers:
-    """Tokens, cumulative scores and candidates of one batch's beam search, allocated once per batch shape
-    (`keep_sentences` halves it). Two token and score buffers are used in turn: a step's reorder reads
-    one and writes the other."""
+    def __init__(self, gen: StaticBeamSearchGenerator, state, N: int, max_len: int, bos: int, device, lagged: bool):
+        self.gen, self.ws, self.device = gen, gen.search_workspace, device
+        self.K, self.V, self.L = gen.beam_size, gen.vocab_size, max_len + 2  # +2: BOS and EOS
+        self.cand_size = 2 * self.K  # 2 x beam in case half are EOS (SequenceGenerator)
+        self.lagged = lagged  # the host reads a step's flags one step later (CUDA: no wait for the device)
+        self.parity = 0  # which of each buffer pair holds the current tokens and scores
+        self.events = [torch.cuda.Event() for _ in range(2)] if lagged and device.type == "cuda" else None
+        self._views(N)
+        for tokens in self.token_pair:
+            tokens.fill_(gen.pad)
+            tokens[:, 0] = bos
+        for scores in self.score_pair:
+            scores.zero_()
+        self.cands_to_ignore.zero_()
+        self.finished.zero_()
+        self.fin_count.zero_()
+        self.step.zero_()
+        take = self.ws.take
+        self.cand_offsets = torch.arange(self.cand_size, out=take("cand_offsets", (self.cand_size,), torch.long, device))
+        # -inf on EOS before the minimum length
+        self.eos_bias = take("eos_bias", (max_len + 1,), torch.float32, device).zero_()
+        self.eos_bias[: gen.min_len] = -math.inf
+        positions = gen.model.decoder.step_positions(max_len + 1)  # (max_len + 1, C)
+        self.positions = None
+        if positions is not None:
+            self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)
+        state.order = self.order  # the causal layers read the pending beam order here
 
-    def __init__(self, N: int, K: int, V: int, max_len: int, pad: int, bos: int, device):
-        self.N, self.K, self.V = N, K, V
-        self.cand_size = 2 * K  # 2 x beam in case half are EOS (SequenceGenerator)
-        self.tokens = torch.full((N * K, max_len + 2), pad, dtype=torch.long, device=device)  # +2: BOS and EOS
-        self.tokens[:, 0] = bos
-        self.scores = torch.zeros(N * K, max_len + 1, device=device)  # +1 for EOS
-        self.spare_tokens, self.spare_scores = torch.empty_like(self.tokens), torch.empty_like(self.scores)
-        self.cand_scores = torch.empty(N * self.cand_size, device=device)  # (N, 2K) at most, flat
-        self.cand_indices = torch.empty(N * self.cand_size, dtype=torch.long, device=device)
-        self.row_offsets = (torch.arange(N, device=device) * K).unsqueeze(1)  # (N, 1): first row of a sentence
-        self.cand_offsets = torch.arange(self.cand_size, device=device)  # (2K,)
-        self.cands_to_ignore = torch.zeros(N, K, dtype=torch.bool, device=device)
-        self.empty = torch.empty(0)  # a finalized hypothesis' attention and alignment
+    def _views(self, N: int) -> None:
+        """The buffers for N places (prefixes of the workspace's: halving keeps their addresses)."""
+        K, L, device, take = self.K, self.L, self.device, self.ws.take
+        R = N * K
+        self.N = N
+        self.trash = R  # the finalized slot after the places', which takes what is not kept
+        self.token_pair = [take(f"tokens{i}", (R, L), torch.long, device) for i in range(2)]
+        self.score_pair = [take(f"scores{i}", (R, L - 1), torch.float32, device) for i in range(2)]
+        self.lprobs = take("lprobs", (R, self.V), torch.float32, device)
+        self.cand_scores = take("cand_scores", (N * self.cand_size,), torch.float32, device)
+        self.cand_indices = take("cand_indices", (N * self.cand_size,), torch.long, device)
+        self.row_offsets = torch.arange(N, out=take("row_offsets", (N,), torch.long, device)).mul_(K).unsqueeze(1)
+        self.cands_to_ignore = take("cands_to_ignore", (N, K), torch.bool, device)
+        self.finished = take("finished", (N,), torch.bool, device)
+        self.fin_count = take("fin_count", (N,), torch.long, device)
+        slots = self.trash + 1
+        self.fin_tokens = take("fin_tokens", (slots, L), torch.long, device)
+        self.fin_scores = take("fin_scores", (slots, L - 1), torch.float32, device)  # cumulative, EOS's at its step
+        self.fin_steps = take("fin_steps", (slots,), torch.long, device)
+        self.step = take("step", (1,), torch.long, device)
+        self.order = take("order", (R,), torch.long, device)
+        if self.lagged:
+            self.finished_host = self.gen.host_flags(N)
 
-    def candidates(self, lprobs: Tensor, step: int, kernels):
+    @property
+    def tokens(self) -> Tensor:
+        return self.token_pair[self.parity]
+
+    @property
+    def scores(self) -> Tensor:
+        return self.score_pair[self.parity]
+
+    def candidates(self, lprobs: Tensor, first: bool, kernels):
         """search.BeamSearch.step: the top 2K (cumulative score, token, row) per sentence, best first
         (kernels.beam_candidates). lprobs (R, V)."""
         N, K, V = self.N, self.K, self.V
-        k = min(self.cand_size, (V if step == 0 else K * V) - 1)  # -1: never pad (SequenceGenerator)
+        k = min(self.cand_size, (V if first else K * V) - 1)  # -1: never pad (SequenceGenerator)
         cand_scores, flat = self.cand_scores[: N * k].view(N, k), self.cand_indices[: N * k].view(N, k)
-        prev_scores = self.scores[:, step - 1] if step > 0 else None  # (R,)
+        prev_scores = None if first else torch.index_select(self.scores, 1, self.step - 1).view(-1)  # (R,)
         kernels.beam_candidates(lprobs, prev_scores, K, cand_scores, flat)
         cand_beams = torch.div(flat, V, rounding_mode="trunc")
         return cand_scores, flat.fmod(V), cand_beams + self.row_offsets
 
-    def keep_sentences(self, kept: Tensor, eos_mask: Tensor, cand_scores: Tensor, cand_tokens: Tensor,
-                       cand_rows: Tensor):
-        """Keep only the places `kept` (N',): the buffers shrink, and this step's candidates follow.
-        -> the candidates of the kept places, and the old rows of the new rows (N' * K,)."""
-        K = self.K
-        old_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
-        cand_beams = (cand_rows - self.row_offsets).index_select(0, kept)
-        self.N = kept.numel()
-        self.tokens, self.scores = self.tokens.index_select(0, old_rows), self.scores.index_select(0, old_rows)
-        self.spare_tokens, self.spare_scores = torch.empty_like(self.tokens), torch.empty_like(self.scores)
-        self.row_offsets = self.row_offsets[: self.N]
-        self.cands_to_ignore = self.cands_to_ignore.index_select(0, kept)
-        return (eos_mask.index_select(0, kept), cand_scores.index_select(0, kept), cand_tokens.index_select(0, kept),
-                cand_beams + self.row_offsets, old_rows)
+    def finalize(self, eos_mask: Tensor, eos_rows: Tensor, eos_scores: Tensor, last: bool) -> None:
+        """SequenceGenerator.finalize_hypos on the device: the hypotheses ending in EOS among each sentence's top
+        K candidates take the sentence's next free slots (at most K per sentence, in candidate order), with their
+        tokens and cumulative scores; a sentence whose K slots are full (or any at the last step) is finished.
+        eos_mask, eos_rows, eos_scores: (N, K)."""
+        N, K, t = self.N, self.K, self.step
+        if not self.lagged and not bool(eos_mask.any()):
+            return  # the host can look (the CPU): nothing ends at this step
+        slot = eos_mask.long().cumsum(1) - 1 + self.fin_count.unsqueeze(1)  # (N, K) within the sentence
+        accepted = eos_mask & slot.lt(K)
+        slots = torch.where(accepted, self.row_offsets + slot, self.trash).view(-1)  # (N * K,)
+        rows = eos_rows.reshape(-1)
+        tokens = self.tokens.index_select(0, rows)  # (N * K, L)
+        tokens.index_fill_(1, t + 1, self.gen.eos)
+        self.fin_tokens.index_copy_(0, slots, tokens)
+        scores = self.scores.index_select(0, rows)  # (N * K, L - 1) cumulative
+        scores.index_copy_(1, t, eos_scores.reshape(-1, 1))
+        self.fin_scores.index_copy_(0, slots, scores)
+        self.fin_steps.index_copy_(0, slots, t.expand(N * K))
+        self.fin_count.add_(accepted.sum(1))
+        done = self.fin_count.eq(K)  # SequenceGenerator.is_finished
+        if last:
+            done |= eos_mask.any(1)
+        self.finished.logical_or_(done)
 
-    def advance(self, eos_mask: Tensor, cand_scores: Tensor, cand_tokens: Tensor, cand_rows: Tensor, step: int) -> Tensor:
+    def advance(self, eos_mask: Tensor, cand_scores: Tensor, cand_tokens: Tensor, cand_rows: Tensor) -> None:
         """Continue each sentence with its K best candidates that do not end in EOS (SequenceGenerator's
-        active hypotheses): tokens and scores follow their rows. -> the rows' new order (R,)."""
-        K, cand = self.K, eos_mask.size(1)
+        active hypotheses): tokens and scores follow their rows into the other buffer of each pair, and the
+        rows' new order is what the decoder's next step reads."""
+        K, cand, t = self.K, eos_mask.size(1), self.step
         eos_mask[:, :K] |= self.cands_to_ignore
         # EOS candidates sort after every other: the K smallest are the best non-EOS ones
         active_key = eos_mask.long() * self.cand_size + self.cand_offsets[:cand]  # (N, 2K)
         ignored_key, active = torch.topk(active_key, k=K, dim=1, largest=False)  # (N, K)
-        self.cands_to_ignore = ignored_key.ge(self.cand_size)
-        order = torch.gather(cand_rows, 1, active).view(-1)  # (R,)
-        torch.index_select(self.tokens, 0, order, out=self.spare_tokens)
-        torch.index_select(self.scores, 0, order, out=self.spare_scores)
-        self.tokens, self.spare_tokens = self.spare_tokens, self.tokens
-        self.scores, self.spare_scores = self.spare_scores, self.scores
-        self.tokens.view(self.N, K, -1)[:, :, step + 1] = torch.gather(cand_tokens, 1, active)
-        self.scores.view(self.N, K, -1)[:, :, step] = torch.gather(cand_scores, 1, active)
-        return order
+        torch.ge(ignored_key, self.cand_size, out=self.cands_to_ignore)
+        torch.gather(cand_rows, 1, active, out=self.order.view(self.N, K))  # (R,) as (N, K)
+        tokens, scores = self.token_pair[1 - self.parity], self.score_pair[1 - self.parity]
+        torch.index_select(self.tokens, 0, self.order, out=tokens)
+        torch.index_select(self.scores, 0, self.order, out=scores)
+        tokens.index_copy_(1, t + 1, torch.gather(cand_tokens, 1, active).view(-1, 1))
+        scores.index_copy_(1, t, torch.gather(cand_scores, 1, active).view(-1, 1))
+        t.add_(1)
+
+    def after_step(self, state, step: int) -> None:
+        """What a step changes on the host side (a replayed graph runs no Python): the buffer pairs turn; the
+        finished flags start on their way to the host, which reads them one step later (lagged)."""
+        self.parity = 1 - self.parity
+        state.swap_causal_states()
+        state.first = False
+        if self.lagged:  # outside the graph: a copy into pinned memory is queued after it, waited for later
+            self.finished_host[self.parity].copy_(self.finished, non_blocking=True)
+        if self.events is not None:
+            self.events[step % 2].record()
+
+    def finished_at(self, step: int, decided_at: int) -> Optional[Tensor]:
+        """(N,) bool on the host: which places had finished after `step`; None when that step's flags are not
+        to be read (before the first step, or launched before the last halving)."""
+        if step < 0 or step <= decided_at:
+            return None
+        if not self.lagged:
+            return self.finished
+        if self.events is not None:
+            self.events[step % 2].synchronize()  # the step before the one just launched: the device is past it
+        # step s copied into the buffer that the parity names after it; one step later that is the other one
+        return self.finished_host[1 - self.parity]
+
+    def keep_sentences(self, state, kept: Tensor) -> None:
+        """Halve in place: the places `kept` (N',) become the first N' of every buffer; the decoder's state follows
+        (its pending order applied there)."""
+        K = self.K
+        kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
+        state.keep_sentences(kept, self.order.index_select(0, kept_rows))
+        compacted = {"tokens": self.tokens, "scores": self.scores, "cands_to_ignore": self.cands_to_ignore,
+                     "finished": self.finished, "fin_count": self.fin_count}
+        moved = {name: value.index_select(0, kept_rows if value.size(0) == self.N * K else kept)
+                 for name, value in compacted.items()}
+        fin_moved = [value.index_select(0, kept_rows) for value in (self.fin_tokens, self.fin_scores, self.fin_steps)]
+        parity = self.parity
+        self._views(kept.numel())
+        self.parity = parity
+        self.tokens[:] = moved["tokens"]
+        self.scores[:] = moved["scores"]
+        self.cands_to_ignore[:] = moved["cands_to_ignore"]
+        self.finished[:] = moved["finished"]
+        self.fin_count[:] = moved["fin_count"]
+        for value, new in zip((self.fin_tokens, self.fin_scores, self.fin_steps), fin_moved):
+            value[: new.size(0)] = new
+        torch.arange(self.N * K, out=self.order)  # the pending order was applied to the state
+        state.order = self.order
+
+    def collect(self, finalized: List[List[Dict[str, Tensor]]], sentence_ids: List[int], places) -> None:
+        """Append the finalized hypotheses of `places` that `finalized` does not hold yet (read from the device
+        once), as SequenceGenerator.finalize_hypos makes them: tokens without the BOS, per-position scores,
+        the score normalized by length ** lenpen."""
+        gen, K = self.gen, self.K
+        counts = self.fin_count.tolist()
+        tokens, scores, steps = self.fin_tokens.cpu(), self.fin_scores.cpu(), self.fin_steps.tolist()
+        empty = torch.empty(0)  # a finalized hypothesis' attention and alignment (fairseq's empty tensors, one shared)
+        for n in places:
+            hypos = finalized[sentence_ids[n]]
+            for slot in range(n * K, n * K + counts[n]):
+                step = steps[slot]
+                positional = scores[slot, : step + 1].clone()
+                score = positional[step: step + 1].clone()
+                positional[1:] = positional[1:] - positional[:-1]  # cumulative -> per position
+                if gen.normalize_scores:
+                    score /= (step + 1) ** gen.len_penalty
+                hypos.append({"tokens": tokens[slot, 1: step + 2].clone(), "score": score[0], "attention": empty,
+                              "alignment": empty, "positional_scores": positional})

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
-from ..modules.decoding import DecodeState, Workspace, follow_rows, step_graphs_for
+from ..modules.decoding import DecodeState, HeldWorkspaces, Workspace, follow_rows, step_graphs_for
 from ..ops import cpp_can_run, step_kernels
 
 logger = logging.getLogger(__name__)
@@ -158,15 +158,17 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
 
     # ------------------------------------------------------------ the decoding step
 
-    def prepare_step(self, state: DecodeState, index: int, key, key_padding_mask) -> None:
-        """A batch's first step: the attentions' buffers. key: (S, sentences, C) encoder output, or None."""
+    def prepare_step(self, state: DecodeState, index: int, key, key_padding_mask, source_len=None) -> None:
+        """A batch's first step: the attentions' buffers. key: (S, sentences, C) encoder output, or None;
+        source_len: the cross-attention's K/V length (>= S: padded, masked; None: S)."""
         for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"):  # fairseq's --scale-* options
             if getattr(self, name, None) is not None:
                 raise ValueError(f"RFA incremental decoding does not support decoder layers with {name} (--scale-*)")
         buffers = state.layers[index]
         self.self_attn.prepare_step(buffers["self"], state, name=f"layer{index}.self")
         if self.encoder_attn is not None and key is not None:
-            self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask, name=f"layer{index}.cross")
+            self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask, name=f"layer{index}.cross",
+                                           source_len=source_len)
         buffers["ffn"] = {name: state.packed_linear(f"layer{index}.{name}", getattr(self, name))
                           for name in ("fc1", "fc2")}
 
@@ -239,6 +241,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
         self._workspace = None
         self._trainings = 0  # train() calls: a workspace a batch in flight returns after one has stale packed weights
+        self._held_workspaces = HeldWorkspaces()  # new_workspace()'s: their packed weights are dropped by train()
         self._logged_kernels = None
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
@@ -247,9 +250,15 @@ class RFATransformerDecoder(TransformerDecoderBase):
     def train(self, mode: bool = True):
         if mode:  # a training step changes the weights through .data, which the packed weights' key cannot see
             self._trainings += 1
-            if self._workspace is not None:
-                self._workspace.forget_packed()
+            for workspace in [self._workspace, *self._held_workspaces]:
+                if workspace is not None:
+                    workspace.forget_packed()
         return super().train(mode)
+
+    def new_workspace(self) -> Workspace:
+        """A workspace that a caller keeps across batches (the static beam search): its packed weights are
+        dropped whenever the decoder trains, as the decoder's own are."""
+        return self._held_workspaces.add(Workspace())
 
     def set_beam_size(self, beam_size: int) -> None:
         super().set_beam_size(beam_size)
@@ -267,18 +276,22 @@ class RFATransformerDecoder(TransformerDecoderBase):
             return super().forward(prev_output_tokens, encoder_out=encoder_out, features_only=features_only,
                                    alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                                    src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
-        unsupported = self._step_unsupported(features_only, alignment_layer, alignment_heads, return_all_hiddens)
-        if unsupported is not None:
-            raise ValueError(f"RFA incremental decoding does not support {unsupported}")
-        if self.training or torch.is_grad_enabled():
-            raise RuntimeError("RFA incremental decoding runs the decoding step, without autograd and in eval mode: "
-                               "call model.eval() and decode under torch.no_grad() (fairseq's generators do)")
+        self._check_can_decode(features_only, alignment_layer, alignment_heads, return_all_hiddens)
         entry = incremental_state.get(DecodeState.KEY)
         if entry is None:
             entry = incremental_state[DecodeState.KEY] = {"state": self._start(prev_output_tokens, encoder_out)}
         return self._step(entry["state"], prev_output_tokens, incremental_state)
 
-    def _step_unsupported(self, features_only, alignment_layer, alignment_heads, return_all_hiddens):
+    def _check_can_decode(self, *call_options) -> None:
+        unsupported = self._step_unsupported(*call_options)
+        if unsupported is not None:
+            raise ValueError(f"RFA incremental decoding does not support {unsupported}")
+        if self.training or torch.is_grad_enabled():
+            raise RuntimeError("RFA incremental decoding runs the decoding step, without autograd and in eval mode: "
+                               "call model.eval() and decode under torch.no_grad() (fairseq's generators do)")
+
+    def _step_unsupported(self, features_only=False, alignment_layer=None, alignment_heads=None,
+                          return_all_hiddens=False):
         """What of this call or model the decoding step cannot serve (None: everything)."""
         for name, value in (("features_only", features_only), ("alignment_heads", alignment_heads is not None),
                             ("return_all_hiddens", return_all_hiddens),
@@ -293,25 +306,49 @@ class RFATransformerDecoder(TransformerDecoderBase):
 
     def _start(self, prev_output_tokens, encoder_out) -> DecodeState:
         """A batch's first step: its kernels, its workspace, which rows read which sentence, the layers' buffers."""
-        weight = self.embed_tokens.weight
         rows = prev_output_tokens.size(0)
-        key = pad = None
-        if encoder_out is not None and len(encoder_out.get("encoder_out", [])) and self.layers[0].encoder_attn is not None:
-            key = encoder_out["encoder_out"][0]  # (S, rows, C)
-            pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
+        key, pad = self._encoder_keys(encoder_out)
         beam = self._beam_of(key, pad, rows)
+        if key is not None:
+            key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
         workspace, self._workspace = self._workspace or Workspace(), None
-        state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
-                            len(self.layers), weight.device, weight.dtype, graphs=step_graphs_for(weight.device))
+        state = self.begin_state(key, pad, rows, beam, workspace, graphs=step_graphs_for(self.embed_tokens.weight.device))
         weakref.finalize(state, self._return_workspace, workspace, self._trainings)  # the next batch reuses it
+        return state
+
+    def _encoder_keys(self, encoder_out):
+        """The encoder output (S, rows, C) and its padding mask (rows, S) that cross-attention reads, or Nones."""
+        if encoder_out is None or not len(encoder_out.get("encoder_out", [])) or self.layers[0].encoder_attn is None:
+            return None, None
+        pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
+        return encoder_out["encoder_out"][0], pad
+
+    def begin_state(self, key: Optional[Tensor], key_padding_mask: Optional[Tensor], rows: int, beam: int,
+                    workspace: Workspace, graphs=None, source_len: Optional[int] = None) -> DecodeState:
+        """The decoding state of a batch: key (S, sentences, C) the encoder output once per sentence (or None),
+        key_padding_mask (sentences, S) or None, rows = sentences x beam; every buffer is taken from `workspace`
+        (by name: a workspace kept across batches hands the same addresses to batches of the same shapes).
+        source_len >= S pads the cross-attention's K/V to that length (masked), so that batches of nearby
+        source lengths share shapes. The layers' buffers are filled here; the first step reads no causal state."""
+        self._check_can_decode()
+        weight = self.embed_tokens.weight
+        state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
+                            len(self.layers), weight.device, weight.dtype, graphs=graphs)
         if self._logged_kernels != state.kernels.name:  # once per decoder (and when the choice changes)
             self._logged_kernels = state.kernels.name
             logger.info(f"rfa_fairseq: decoding step kernels: {state.kernels.name}; linear layers: {state.kernels.gemm}")
-        if key is not None:
-            key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
         for i, layer in enumerate(self.layers):
-            layer.prepare_step(state, i, key, pad)
+            layer.prepare_step(state, i, key, key_padding_mask, source_len=source_len)
         return state
+
+    @torch.no_grad()
+    def step_positions(self, length: int) -> Optional[Tensor]:
+        """(length, C): the position embeddings that incremental decoding adds at steps 0 .. length - 1 (those of
+        target positions 1 .. length), or None without position embeddings."""
+        if self.embed_positions is None:
+            return None
+        tokens = torch.full((1, length), self.dictionary.eos(), dtype=torch.long, device=self.embed_tokens.weight.device)
+        return self.embed_positions(tokens)[0]
 
     def _return_workspace(self, workspace: Workspace, trainings: int) -> None:
         if trainings != self._trainings:
@@ -335,7 +372,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
 
     def _step(self, state: DecodeState, prev_output_tokens, incremental_state):
         """One decoding step of every row: its inputs (the last tokens and their position embeddings), then the
-        layers' steps (`_layers_step`), eagerly or as a CUDA graph's replay (DecodeState.graphs)."""
+        layers' steps (`step_layers`), eagerly or as a CUDA graph's replay (DecodeState.graphs)."""
         R = prev_output_tokens.size(0)
         if R != state.rows:
             raise RuntimeError(f"RFA decoding: {R} rows for a state of {state.rows} (reorder missing?)")
@@ -344,7 +381,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         if self.embed_positions is not None:
             positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1]
         if state.graphs is None or state.first:  # the first step fills the buffers that a graph would read
-            logits, attn = self._layers_step(state, tokens, positions)
+            logits, attn = self.step_layers(state, tokens, positions)
         else:
             # a graph reads its inputs from fixed buffers, the beam order included (identity when none is pending)
             tokens = state.buffer("step.tokens", R, dtype=torch.long).copy_(tokens)
@@ -357,7 +394,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
                 torch.arange(R, out=order)
             state.order = order
             shape, key = state.graph_key()
-            replayed, attn = state.graphs.run(key, shape, lambda: self._layers_step(state, tokens, positions))
+            replayed, attn = state.graphs.run(key, shape, lambda: self.step_layers(state, tokens, positions))
             # a graph writes the same logits buffer at every replay, and a caller may still hold the last step's:
             # handed out as the eager step hands them out, in a buffer no caller views
             logits = state.buffer("logits.replayed", *replayed.shape, returned=True).copy_(replayed)
@@ -366,10 +403,12 @@ class RFATransformerDecoder(TransformerDecoderBase):
         return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
                                      DecodeState.KEY: state}
 
-    def _layers_step(self, state: DecodeState, tokens: Tensor, positions: Optional[Tensor]):
-        """Embeddings, the layers' steps, the logits into the workspace: tokens (R,), positions (R, C) or None
-        -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S) or None. Reads and writes
-        only the state's buffers and launches no host synchronization: a CUDA graph can capture it."""
+    def step_layers(self, state: DecodeState, tokens: Tensor, positions: Optional[Tensor], need_weights: bool = True):
+        """Embeddings, the layers' steps, the logits into the workspace: tokens (R,), positions (R, C), (1, C) or
+        None -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S) (need_weights) or None.
+        Reads state.order as the pending beam order, reads and writes only the state's buffers and launches no host
+        synchronization: a CUDA graph can capture it. The caller turns the causal states after it
+        (state.swap_causal_states)."""
         R, C, kernels = tokens.size(0), self.embed_dim, state.kernels
         x = torch.index_select(self.embed_tokens.weight, 0, tokens, out=state.buffer("x", R, C))
         if self.embed_scale != 1.0:
@@ -382,7 +421,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         key_pad = torch.eq(tokens, self.padding_idx, out=state.buffer("key_pad", R, dtype=torch.bool))
         attn = None  # fairseq returns the last layer's head-averaged cross-attention weights
         for i, layer in enumerate(self.layers):
-            weights = layer.step(x, state, i, key_pad, need_weights=i == len(self.layers) - 1)
+            weights = layer.step(x, state, i, key_pad, need_weights=need_weights and i == len(self.layers) - 1)
             attn = weights if weights is not None else attn
         if self.layer_norm is not None:
             kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)

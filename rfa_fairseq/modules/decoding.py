@@ -24,6 +24,7 @@ encoder's reorder_encoder_out both follow beam search's reorders with it.
 """
 import math
 import os
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +38,9 @@ class Workspace:
         self.buffers: Dict[str, Tensor] = {}
         self.packed: Dict[str, tuple] = {}  # name -> (key of the parameters and kernels, packed weight)
         self.kernels = None  # (where, kernels) for a module that picks its kernels once (SoftmaxEncoderLayer)
+        # bumped whenever a buffer or a packed weight is (re)allocated: a CUDA graph captured over this workspace
+        # is valid while it stays the same (the addresses it captured are still the buffers')
+        self.generation = 0
 
     # a cache: copies and pickles of a model start with an empty one (oneDNN's packed tensors cannot be copied,
     # nor can the kernels' C++ module)
@@ -64,6 +68,7 @@ class Workspace:
             target = key
             break
         buf = self.buffers[target] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        self.generation += 1
         return buf[:numel].view(shape)
 
     def tensors(self) -> List[Tensor]:
@@ -79,12 +84,14 @@ class Workspace:
         if cached is None or cached[0] != key:
             with torch.no_grad():
                 cached = self.packed[name] = (key, kernels.pack_linear(*build()))
+            self.generation += 1
         return cached[1]
 
     def forget_packed(self) -> None:
         """Drop the packed weights (packed again at their next use). For what the key above cannot see: fairseq's
         optimizers update parameters through `.data`, which leaves their version counters alone."""
         self.packed.clear()
+        self.generation += 1
 
     def packed_linears(self, name: str, kernels, linears: Sequence[torch.nn.Linear]):
         """packed_linear of nn.Linear layers that read the same input, as one product (their outputs side
@@ -101,6 +108,27 @@ class Workspace:
             return torch.cat([m.weight for m in linears]), bias
 
         return self.packed_linear(name, kernels, [p for m in linears for p in (m.weight, m.bias) if p is not None], build)
+
+
+class HeldWorkspaces:
+    """The workspaces a module handed to callers that keep them across batches (weakly: a generator that is gone
+    holds none). A cache, as a workspace is: copies and pickles of a model start with none."""
+
+    def __init__(self):
+        self._held = weakref.WeakSet()
+
+    def add(self, workspace: Workspace) -> Workspace:
+        self._held.add(workspace)
+        return workspace
+
+    def __iter__(self):
+        return iter(list(self._held))
+
+    def __deepcopy__(self, memo):
+        return HeldWorkspaces()
+
+    def __reduce__(self):
+        return (HeldWorkspaces, ())
 
 
 def _viewed_elsewhere(buf: Tensor) -> bool:
@@ -205,6 +233,24 @@ class DecodeState:
         if resized and self.graphs is not None:
             self.graphs.clear()
         self.sentences = kept.numel()
+        self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
+
+    def keep_sentences(self, kept: Tensor, row_sources: Tensor) -> None:
+        """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
+        sentences of every buffer (same addresses: the CUDA graphs of the smaller shape read them there). Causal
+        row i' takes the state that the pending beam order gives it, row_sources[i'] of the current state buffer
+        (the order is applied here: it is none afterwards); per-sentence tensors keep their kept sentences."""
+        rows = row_sources.numel()
+        for layer in self.layers:
+            states = layer["self"].get("states")
+            if states is not None:
+                states[0][:rows].copy_(states[0].index_select(0, row_sources))  # index_select copies first
+            cross = layer["cross"]
+            for name, value in cross.items():
+                if isinstance(value, Tensor):
+                    moved = value.index_select(0, kept)
+                    cross[name] = value.view(-1)[: moved.numel()].view(moved.shape).copy_(moved)  # a prefix view
+        self.rows, self.sentences, self.order = rows, kept.numel(), None
         self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
 
     def attention_tensors(self) -> List[Tensor]:

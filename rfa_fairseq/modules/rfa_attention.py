@@ -247,17 +247,20 @@ class RFAAttention(nn.Module):
     # ------------------------------------------------------------ the decoding step
 
     def prepare_step(self, buffers: dict, state, key: Optional[Tensor] = None,
-                     key_padding_mask: Optional[Tensor] = None, name: str = "rfa") -> None:
+                     key_padding_mask: Optional[Tensor] = None, name: str = "rfa", source_len: Optional[int] = None) -> None:
         """A batch's first step: what every step reads, into `buffers`; linear layers packed for the kernels
         under `name`. Causal: the fused input projection and two fp32 state buffers (rows, H, F, d + 1) used
-        in turn. Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence."""
+        in turn. Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence, in the state's
+        workspace (its size does not depend on S: source_len, the padded length of softmax K/V, changes nothing)."""
         C = self.embed_dim
         buffers["out_proj"] = state.packed_linear(f"{name}.out_proj", self.out_proj)
         if not self.causal:
             phi_k = self.features(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
             if key_padding_mask is not None:
                 phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-            buffers["rfa_state"] = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))
+            sentence_states = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))  # (n, H, F, d + 1)
+            buffers["rfa_state"] = state.buffer(f"{name}.rfa_state", *sentence_states.shape,
+                                                dtype=sentence_states.dtype).copy_(sentence_states)
             buffers["q_proj"] = state.packed_linear(f"{name}.q_proj", self.q_proj)
             return
         H, d = self.num_heads, self.head_dim

@@ -7,27 +7,38 @@ row r), and returns the head-averaged weights that fairseq reports as the alignm
 """
 from typing import Optional, Tuple
 
-import torch
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 
 class SoftmaxCrossAttention(MultiheadAttention):
-    def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor], name: str) -> None:
-        """A batch's first step: K, V of key (S, sentences, C), the padding as an additive (sentences, S) bias and
-        the query and output projections packed for the kernels (under `name`)."""
+    def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor], name: str,
+                     source_len: Optional[int] = None) -> None:
+        """A batch's first step: K, V of key (S, sentences, C) in the state's workspace (under `name`), the padding as
+        an additive (sentences, S) bias and the query and output projections packed for the kernels. source_len
+        (>= S): K and V padded to that length with zeros that the bias masks, and the bias always present, so
+        that batches of other source lengths up to it run on the same buffers and shapes (CUDA graphs)."""
         if self.bias_k is not None or self.add_zero_attn:
             raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
         S, n, _ = key.shape
         H, d = self.num_heads, self.head_dim
+        length = S if source_len is None else source_len
+        if length < S:
+            raise ValueError(f"source_len {source_len} is shorter than the source ({S} positions)")
         kv_weights = state.packed_linear(f"{name}.kv_proj", self.k_proj, self.v_proj)
         kv = state.kernels.linear(key.reshape(S * n, -1), kv_weights, key.new_empty(S * n, 2 * self.embed_dim))
         kv = kv.view(S, n, 2, H, d).permute(2, 1, 3, 0, 4)  # (2, n, H, S, d)
-        buffers["key"], buffers["value"] = kv[0].contiguous(), kv[1].contiguous()
+        for i, role in enumerate(("key", "value")):
+            buffer = state.buffer(f"{name}.{role}", n, H, length, d)  # the workspace's: the same address every batch
+            buffer[:, :, :S].copy_(kv[i])
+            buffer[:, :, S:].zero_()
+            buffers[role] = buffer
         bias = None
-        if key_padding_mask is not None and bool(key_padding_mask.any()):
-            bias = torch.zeros(key_padding_mask.shape, dtype=key.dtype, device=key.device)
-            bias.masked_fill_(key_padding_mask, float("-inf"))
+        if source_len is not None or (key_padding_mask is not None and bool(key_padding_mask.any())):
+            bias = state.buffer(f"{name}.key_bias", n, length).zero_()
+            if key_padding_mask is not None:
+                bias[:, :S].masked_fill_(key_padding_mask, float("-inf"))
+            bias[:, S:] = float("-inf")
         buffers["key_bias"] = bias
         buffers["q_proj"] = state.packed_linear(f"{name}.q_proj", self.q_proj)
         buffers["out_proj"] = state.packed_linear(f"{name}.out_proj", self.out_proj)
