@@ -9,7 +9,7 @@
 #      RFA_GPU_BASE=1 (default) the base architecture's RFA and softmax in fp16, each scored on test_2016_flickr
 #      and valid (benchmarks/gpu/train_precision.sh); the rest of tests/test_cuda.py (fla against the
 #      references, decoding on CUDA, fairseq-train/generate); then the fp16 recipe checkpoints as decode-only
-#      copies into the output folder (rfa_fp16.pt, softmax_fp16.pt)
+#      copies into RFA_GPU_CHECKPOINT_DIR (default: the output folder): rfa_fp16.pt, softmax_fp16.pt
 #   5. decode_forced: forced output lengths 64 / 256 / 2,048, 8 and 64 sentences x beam 4, fp16, base model:
 #      softmax and rfa through fairseq's SequenceGenerator, rfa_static through the static beam search (the
 #      generator fairseq-generate gives an rfa_transformer: its whole step one graph)
@@ -129,7 +129,7 @@ for pair in "rfa $DEFAULT" "softmax softmax"; do
     src="$TRAIN_WORK/fp16/${2}_u${RFA_GPU_TRAIN_UPDATES:-1000}_s1/checkpoint_best.pt"
     if [ -f "$src" ]; then
         python3 -c "import sys; sys.path.insert(0, 'benchmarks/gpu'); from pack_carry import decode_only_copy; decode_only_copy(*sys.argv[1:])" \
-            "$src" "$OUT/${1}_fp16.pt" >> "$OUT/progress.log" 2>&1 || log "decode-only copy of $src failed"
+            "$src" "${RFA_GPU_CHECKPOINT_DIR:-$OUT}/${1}_fp16.pt" >> "$OUT/progress.log" 2>&1 || log "decode-only copy of $src failed"
     fi
 done
 
