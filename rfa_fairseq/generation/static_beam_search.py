@@ -179,7 +179,9 @@ class StaticBeamSearchGenerator(nn.Module):
         R, t = N * K, search.step  # t: (1,) the step number on the device
         tokens = torch.index_select(search.tokens, 1, t).view(R)  # (R,) the last tokens
         positions = torch.index_select(search.positions, 0, t) if search.positions is not None else None  # (1, C)
-        logits, _ = self.model.decoder.step_layers(state, tokens, positions, need_weights=False)  # (R, V)
+        # pad is never chosen (its log-probability is -inf), so no input is padding
+        logits, _ = self.model.decoder.step_layers(state, tokens, positions, need_weights=False,
+                                                   padded_inputs=False)  # (R, V)
         # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32
         lprobs = torch.log_softmax(logits.float(), dim=-1, out=search.lprobs)
         lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel

@@ -173,22 +173,22 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
                           for name in ("fc1", "fc2")}
 
     def step(self, x, state: DecodeState, index: int, key_pad, need_weights: bool):
-        """x (R, C) <- the layer's output, in place; -> the cross-attention weights (R, S) or None."""
+        """x (R, C) the layer's input -> its output (in x, or a tensor of the torch kernels' own), the
+        cross-attention weights (R, S) or None."""
         buffers = state.layers[index]
         y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, state), buffers["self"], state, key_pad,
                                    residual=x)
-        self._residual(self.self_attn_layer_norm, y, x, state)
+        x = self._residual(self.self_attn_layer_norm, y, x, state)
         weights = None
         if buffers["cross"]:
             h = self._input(self.encoder_attn_layer_norm, x, state)
             y, weights = self.encoder_attn.step(h, buffers["cross"], state, need_weights=need_weights, residual=x)
-            self._residual(self.encoder_attn_layer_norm, y, x, state)
+            x = self._residual(self.encoder_attn_layer_norm, y, x, state)
         R, C = x.shape
         y = feed_forward(state.kernels, self._input(self.final_layer_norm, x, state), buffers["ffn"]["fc1"],
                          buffers["ffn"]["fc2"], self.activation_fn, state.buffer("ffn", R, self.fc1.out_features),
                          state.buffer("y", R, C), residual=x)
-        self._residual(self.final_layer_norm, y, x, state)
-        return weights
+        return self._residual(self.final_layer_norm, y, x, state), weights
 
     def _input(self, norm, x, state: DecodeState):
         """What a sublayer reads: x, or its layer norm (pre-norm) in a workspace buffer."""
@@ -196,13 +196,13 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
             return x
         return state.kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, state.buffer("h", *x.shape))
 
-    def _residual(self, norm, y, x, state: DecodeState) -> None:
-        """x <- y, a sublayer's output with x already added, then the layer norm when the layer normalizes
-        after (post-norm)."""
+    def _residual(self, norm, y, x, state: DecodeState) -> Tensor:
+        """The residual stream after a sublayer: y, its output with x already added (into x: the next sublayer
+        writes y's buffer again), then the layer norm when the layer normalizes after (post-norm: in x, or a
+        tensor of the torch kernels' own)."""
         if self.normalize_before:
-            x.copy_(y)
-        else:
-            state.kernels.add_layer_norm(y, None, norm.weight, norm.bias, norm.eps, x)
+            return x.copy_(y)
+        return state.kernels.add_layer_norm(y, None, norm.weight, norm.bias, norm.eps, x)
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
@@ -403,9 +403,11 @@ class RFATransformerDecoder(TransformerDecoderBase):
         return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
                                      DecodeState.KEY: state}
 
-    def step_layers(self, state: DecodeState, tokens: Tensor, positions: Optional[Tensor], need_weights: bool = True):
+    def step_layers(self, state: DecodeState, tokens: Tensor, positions: Optional[Tensor], need_weights: bool = True,
+                    padded_inputs: bool = True):
         """Embeddings, the layers' steps, the logits into the workspace: tokens (R,), positions (R, C), (1, C) or
         None -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S) (need_weights) or None.
+        padded_inputs=False: no token is padding (a beam search never feeds pad), so no key is masked.
         Reads state.order as the pending beam order, reads and writes only the state's buffers and launches no host
         synchronization: a CUDA graph can capture it. The caller turns the causal states after it
         (state.swap_causal_states)."""
@@ -417,14 +419,16 @@ class RFATransformerDecoder(TransformerDecoderBase):
             x.add_(positions)
         if self.layernorm_embedding is not None:
             norm = self.layernorm_embedding
-            kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, x)
-        key_pad = torch.eq(tokens, self.padding_idx, out=state.buffer("key_pad", R, dtype=torch.bool))
+            x = kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, x)
+        key_pad = None
+        if padded_inputs:
+            key_pad = torch.eq(tokens, self.padding_idx, out=state.buffer("key_pad", R, dtype=torch.bool))
         attn = None  # fairseq returns the last layer's head-averaged cross-attention weights
         for i, layer in enumerate(self.layers):
-            weights = layer.step(x, state, i, key_pad, need_weights=need_weights and i == len(self.layers) - 1)
+            x, weights = layer.step(x, state, i, key_pad, need_weights=need_weights and i == len(self.layers) - 1)
             attn = weights if weights is not None else attn
         if self.layer_norm is not None:
-            kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
+            x = kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
         out = self.output_projection
         logits = kernels.linear(x, state.packed_linear("output_projection", out),
                                 state.buffer("logits", R, out.weight.size(0), returned=True))

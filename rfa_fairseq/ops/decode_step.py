@@ -11,8 +11,8 @@
     kernels.softmax_cross_step(q, key, value, key_bias, beam, scaling, out, weights)
         q: (R, H * d) rows n * beam .. n * beam + beam - 1 read sentence n   key, value: (N, H, S, d)
         key_bias: (N, S) (0 or -inf) or None   out: (R, H * d)   weights: (R, S) head-averaged, or None
-    kernels.add_layer_norm(x, residual, weight, bias, eps, out): out = LayerNorm(x + residual) (residual may be
-        None); out may be x or residual
+    kernels.add_layer_norm(x, residual, weight, bias, eps, out) -> LayerNorm(x + residual) (residual may be
+        None): in out (the C++ kernels; out may be x or residual) or a tensor of its own (torch): use what it returns
     kernels.pack_linear(weight, bias) -> packed: a (O, I) weight and (O,) bias (or None) prepared once for `linear`
     kernels.linear(x, packed, out, activation=None, residual=None) -> y = act(x W^T + b) + residual
         x: (R, I)   out: (R, O), where the torch kernel writes y (oneDNN returns y in a tensor of its own)
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .extension import load_fused_extension, require_fused_extension
-from .feature_maps import activate_learned
+from .feature_maps import activate_learned_pair
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 
@@ -74,31 +74,35 @@ class TorchKernels:
     def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
                           key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
                           state_out: Tensor, out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
+        # few, whole-tensor operations: on a GPU each is a kernel launch (or a node of the step's graph) costing
+        # more than its arithmetic at decoding's row counts
         _, H, F_, D1 = state_out.shape
         R = v.size(0)
         d = D1 - 1
         if activation is not None:
-            phi_q = activate_learned(phi_q.reshape(R, H, -1).float(), activation)
-            phi_k = activate_learned(phi_k.reshape(R, H, -1).float(), activation)
-        new = state_out[:R]
-        k = phi_k.reshape(R, H, F_).float()
+            q, k = activate_learned_pair(phi_q.reshape(R, H, -1), phi_k.reshape(R, H, -1), activation)  # (R, H, F) fp32
+        else:
+            q, k = phi_q.reshape(R, H, F_).float(), phi_k.reshape(R, H, F_).float()
+        decay = None
         if gate_logits is not None:
             logits = gate_logits.float()
             decay = torch.sigmoid(logits)  # (R, H)
             k = k * torch.sigmoid(-logits).unsqueeze(-1)
-        else:
-            decay = None
         if key_pad is not None:
             k = k.masked_fill(key_pad.view(R, 1, 1), 0.0)
             if decay is not None:
                 decay = decay.masked_fill(key_pad.view(R, 1), 1.0)
-        v_aug = torch.cat([v.reshape(R, H, d).float(), v.new_ones(R, H, 1, dtype=torch.float32)], dim=-1)  # (R, H, d + 1)
-        torch.mul(k.unsqueeze(-1), v_aug.unsqueeze(-2), out=new)  # the new term
+        new = state_out[:R]  # (R, H, F, d + 1): the new term k (x) [v, 1], then the state carried over
+        torch.mul(k.unsqueeze(-1), v.reshape(R, H, 1, d), out=new[..., :d])
+        new[..., d].copy_(k)
         if state_in is not None:
             previous = state_in.index_select(0, order) if order is not None else state_in[:R]
-            new.add_(previous if decay is None else previous * decay[..., None, None])
-        acc = torch.matmul(phi_q.reshape(R, H, 1, F_).float(), new).squeeze(-2)  # (R, H, d + 1)
-        out.view(R, H, d).copy_(acc[..., :d] / acc[..., d:].clamp_min(eps))
+            if decay is None:
+                new.add_(previous)
+            else:
+                new.addcmul_(previous, decay[..., None, None])
+        acc = torch.matmul(q.unsqueeze(-2), new).squeeze(-2)  # (R, H, d + 1)
+        torch.div(acc[..., :d], acc[..., d:].clamp_min(eps), out=out.view(R, H, d))
         return out
 
     @staticmethod
@@ -106,6 +110,14 @@ class TorchKernels:
                            scaling: float, out: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         N, H, S, d = key.shape
         R = q.size(0)
+        if weights is None and R % beam == 0:
+            # the sentence's beams as one query block: one fused attention over its K/V, no copies of them
+            n = R // beam
+            query = q.view(n, beam, H, d).transpose(1, 2)  # (n, H, beam, d)
+            mask = key_bias[:n].view(n, 1, 1, S) if key_bias is not None else None
+            o = F.scaled_dot_product_attention(query, key[:n], value[:n], attn_mask=mask, scale=scaling)
+            out.view(n, beam, H, d).copy_(o.transpose(1, 2))
+            return out
         rows = torch.arange(R, device=q.device) // beam  # the sentence each row reads
         qh = (q * scaling).view(R, H, 1, d)
         scores = torch.matmul(qh, key[rows].transpose(-1, -2)).squeeze(-2).float()  # (R, H, S)
@@ -121,8 +133,7 @@ class TorchKernels:
     def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float,
                        out: Tensor) -> Tensor:
         y = x if residual is None else x + residual
-        out.copy_(F.layer_norm(y, (y.size(-1),), weight, bias, eps))
-        return out
+        return F.layer_norm(y, (y.size(-1),), weight, bias, eps)  # not copied into out: a kernel less
 
     @staticmethod
     def beam_candidates(lprobs: Tensor, prev_scores: Optional[Tensor], beam: int, scores_out: Tensor,

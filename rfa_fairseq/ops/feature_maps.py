@@ -21,7 +21,7 @@ weight with a learned (H, D) bias, shared by queries and keys (so phi(q).phi(k) 
 """
 import hashlib
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,19 @@ def learned_feature_map(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], kin
 
 # learned maps whose phi is activate(W x + b): the decoding step folds W, b into its projection
 AFFINE_FEATURE_MAPS = ("hedgehog", "relu")
+
+
+def activate_learned_pair(p_q: Tensor, p_k: Tensor, kind: str) -> Tuple[Tensor, Tensor]:
+    """activate_learned of two pre-activations of one shape (a decoding step's q and k), in fp32, in a few
+    whole-tensor operations (a decoding step on a GPU pays per operation).   p_q, p_k: (..., D) -> (..., F) each."""
+    if kind != "hedgehog":
+        return activate_learned(p_q.float(), kind), activate_learned(p_k.float(), kind)
+    both = torch.empty((2,) + p_q.shape[:-1] + (2, p_q.size(-1)), dtype=torch.float32, device=p_q.device)  # (2, ..., 2, D)
+    both[0, ..., 0, :].copy_(p_q)
+    both[1, ..., 0, :].copy_(p_k)
+    torch.neg(both[..., 0, :], out=both[..., 1, :])
+    features = torch.softmax(both, dim=-1).flatten(-2)  # (2, ..., 2D): [softmax(p), softmax(-p)] as activate_learned
+    return features[0], features[1]
 
 
 def activate_learned(p: Tensor, kind: str) -> Tensor:
