@@ -35,7 +35,7 @@ MODELS = {
     "rfa": ("rfa_transformer", []),  # the default: hedgehog map, gate, softmax cross-attention
     "rfa_gated": ("rfa_transformer", ["--rfa-gate"]),
     "rfa_torch": ("rfa_transformer", ["--rfa-decode-kernel", "torch"]),  # the default with the torch step kernels
-    "rfa_eager": ("rfa_transformer", []),  # the default, its step not captured as CUDA graphs (EAGER_STEP_MODELS)
+    "rfa_eager": ("rfa_transformer", ["--no-rfa-cuda-graphs"]),  # the default, its step not captured as CUDA graphs
     # the default decoded by the static beam search (fairseq-generate's generator for it) instead of fairseq's
     # SequenceGenerator: on CUDA its whole step one graph; _eager: not captured (STATIC_SEARCH_MODELS)
     "rfa_static": ("rfa_transformer", []),
@@ -51,18 +51,9 @@ MODELS = {
     "floor_proj": ("transformer", []),  # attention replaced by ProjectionsOnly below
 }
 
-# models decoded with RFA_FAIRSEQ_EAGER_STEP=1: the uncaptured step on CUDA, the reference of the graphs
-EAGER_STEP_MODELS = {"rfa_eager"}
 # models decoded by rfa_fairseq's StaticBeamSearchGenerator -> whether its steps are captured as CUDA graphs
 STATIC_SEARCH_MODELS = {"rfa_static": True, "rfa_static_eager": False}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of the decoding benchmarks
-
-
-def use_eager_step(name: str) -> None:
-    """Set RFA_FAIRSEQ_EAGER_STEP for model `name` (read when a batch starts decoding)."""
-    from rfa_fairseq.modules.decoding import EAGER_STEP_ENV
-
-    os.environ[EAGER_STEP_ENV] = "1" if name in EAGER_STEP_MODELS else "0"
 
 
 def make_dictionary(vocab: int):
@@ -101,7 +92,6 @@ def build_model(name: str, dims: str, dictionary, max_positions: int, device: st
             layer.self_attn = stand_in(layer.self_attn)
             layer.encoder_attn = stand_in(layer.encoder_attn)
     model.build_args = args  # the parsed fairseq args (the CTranslate2 conversion saves them)
-    use_eager_step(name)
     return model.to(device=device, dtype=getattr(torch, DTYPES[dtype])).eval()
 
 
@@ -147,7 +137,7 @@ def peak_memory_mb(device: str) -> float:
 def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
-    if hasattr(obj, "attention_tensors"):  # RFA's DecodeState: causal states and cross K/V
+    if hasattr(obj, "attention_tensors"):  # RFA's IncrementalDecoder: causal states and cross K/V
         return tensor_bytes(obj.attention_tensors())
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())

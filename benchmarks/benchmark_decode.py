@@ -63,9 +63,9 @@ from benchmark_common import (  # noqa: E402
 )
 
 DEFAULT_LENGTHS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
-# incremental-state entries that hold attention state: fairseq's MultiheadAttention and RFA's decoding
-# state (its causal states and cross-attention K/V, not its activations)
-ATTENTION_STATE_KEYS = ("attn_state", "rfa_decoding")
+# incremental-state entries that hold attention state: fairseq's MultiheadAttention and RFA's
+# IncrementalDecoder (its KEY; its causal states and cross-attention K/V, not its activations)
+ATTENTION_STATE_KEYS = ("attn_state", "rfa_incremental_decoder")
 MODEL_CHOICES = sorted(MODELS) + ["ct2"]
 CT2_PIN = "ctranslate2==4.8.5"
 
@@ -161,15 +161,15 @@ def make_generator(model_name: str, model, dictionary, beam: int, length: int):
 
 
 def grab_decoding_states(model) -> list:
-    """The static beam search's decoding states, as the decoder begins them (their attention tensors: the state's
-    size); -> the list they are appended to."""
-    states, begin = [], model.decoder.begin_state
+    """The static beam search's IncrementalDecoders, as the decoder makes them (their attention tensors: the
+    state's size); -> the list they are appended to."""
+    states, make = [], model.decoder.incremental_decoder
 
-    def begin_and_keep(*args, **kwargs):
-        states.append(begin(*args, **kwargs))
+    def make_and_keep(*args, **kwargs):
+        states.append(make(*args, **kwargs))
         return states[-1]
 
-    model.decoder.begin_state = begin_and_keep
+    model.decoder.incremental_decoder = make_and_keep
     return states
 
 

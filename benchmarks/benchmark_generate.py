@@ -38,9 +38,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import EAGER_STEP_MODELS, REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
-
-from rfa_fairseq.modules.decoding import EAGER_STEP_ENV  # noqa: E402
+from benchmark_common import REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from quality_study import DEFAULT_MODEL_VARIANTS, default_model_variant  # noqa: E402
@@ -52,7 +50,7 @@ MODELS = {
     "rfa": (DEFAULT_VARIANT, []),  # the default model
     "rfa_torch": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
     # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
-    "rfa_eager": (DEFAULT_VARIANT, []),
+    "rfa_eager": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_cuda_graphs': False}"]),
     # the default model trained at each number of features D (the study's D variants; the default's is also
     # rfa's checkpoint, named for the tables measured when another D was the default)
     **{f"rfa_d{d}": (variant, []) for d, variant in sorted(DEFAULT_MODEL_VARIANTS.items())},
@@ -142,7 +140,6 @@ def generate(args, model, batch_size, threads, hyp_path):
             cmd.append("--fp16")
     # CT2_VERBOSE: CTranslate2 logs the GEMM backend it picked for this CPU (the CSV's gemm_backend)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CT2_VERBOSE="1")
-    env[EAGER_STEP_ENV] = "1" if model in EAGER_STEP_MODELS else "0"
     with open(hyp_path + ".log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:

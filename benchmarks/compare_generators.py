@@ -2,7 +2,7 @@
 """fairseq-generate with the plugin's static beam search vs fairseq's SequenceGenerator, same checkpoint.
 
 Runs fairseq-generate on one split at each --batch-sizes, the two generators alternating within each of
---repeats (SequenceGenerator forced by the tests' RFA_FAIRSEQ_TEST_SEQUENCE_GENERATOR=1), and prints per
+--repeats (SequenceGenerator by --model-overrides "{'rfa_static_beam_search': False}"), and prints per
 batch size the fastest sentences/s of each (fairseq-generate's own timer: generation only), how many
 hypotheses are identical, the largest score difference of identical ones (H- and P- lines) and, with
 --ref, sacreBLEU of both.
@@ -19,15 +19,15 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_common import PLUGIN_DIR  # noqa: E402
 
-GENERATORS = {"static": "0", "fairseq": "1"}  # name -> RFA_FAIRSEQ_TEST_SEQUENCE_GENERATOR
+GENERATORS = {"static": True, "fairseq": False}  # name -> --rfa-static-beam-search
 
 
-def generate(args, batch_size, force_sequence_generator):
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "RFA_FAIRSEQ_TEST_SEQUENCE_GENERATOR": force_sequence_generator}
+def generate(args, batch_size, static_beam_search):
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     command = ["fairseq-generate", args.data, "--user-dir", PLUGIN_DIR, "--path", args.path, "--gen-subset", args.subset,
                "--beam", str(args.beam), "--batch-size", str(batch_size), "--max-len-b", str(args.max_len_b),
-               "--required-batch-size-multiple", "1", *args.extra]
+               "--required-batch-size-multiple", "1", "--model-overrides",
+               f"{{'rfa_static_beam_search': {static_beam_search}}}", *args.extra]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     speed = re.search(r"Translated .* \(([\d.]+) sentences/s", proc.stdout + proc.stderr)
     return float(speed.group(1)), proc.stdout

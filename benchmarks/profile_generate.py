@@ -23,6 +23,7 @@ CTranslate2's Python API has none). Writes one CSV row per (batch size, part).
 import argparse
 import collections
 import functools
+import inspect
 import os
 import re
 import subprocess
@@ -53,6 +54,7 @@ class PartTimer:
         """decoder_only: count only calls made inside the decoder (the encoder runs the same kernels);
         in_decoder: the callable is the decoder's (the kernels it calls count as the decoder's)."""
         original = getattr(owner, name)
+        static = isinstance(owner, type) and isinstance(inspect.getattr_static(owner, name), staticmethod)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
@@ -76,7 +78,7 @@ class PartTimer:
                 self.seconds[part] += time.perf_counter() - start
                 self.calls[part] += 1
 
-        setattr(owner, name, timed)
+        setattr(owner, name, staticmethod(timed) if static else timed)
 
 
 def load(args):
@@ -112,13 +114,17 @@ def instrument(model):
 
     timer, rows = PartTimer(), []
     timer.wrap(model.encoder, "forward_torchscript", "encoder")
-    # a batch's decoding state (its K/V: kernels.linear too), then every step's layers
-    timer.wrap(model.decoder, "begin_state", "decoder", in_decoder=True)
+    from rfa_fairseq.modules.decoding import IncrementalDecoder
+
+    # a batch's start (its K/V: kernels.linear too), then every step's layers
+    timer.wrap(IncrementalDecoder, "start", "decoder", in_decoder=True)
     timer.wrap(model.decoder, "step_layers", "decoder", in_decoder=True,
                before=lambda state, tokens, *_: rows.append(tokens.size(0)))
+    # the class of the kernel set the decoder picks here (its linear layers' library included)
+    kernels = type(decode_step.step_kernels(model.decoder.rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32))
     for name, part in STEP_KERNELS.items():
-        timer.wrap(decode_step.CppKernels, name, part, decoder_only=True)
-    timer.wrap(decode_step.CppKernels, "beam_candidates", "beam_candidates")
+        timer.wrap(kernels, name, part, decoder_only=True)
+    timer.wrap(kernels, "beam_candidates", "beam_candidates")
     timer.wrap(torch, "log_softmax", "log_softmax")
     return timer, rows
 

@@ -82,6 +82,19 @@ class RFAConfig(FairseqDataclass):
             "(no C++ build); cpp = the C++ kernels, an error where they cannot run (not CPU fp32) or cannot be built. "
             "Same results, other speeds (default: auto)", speed_only=True),
     )
+    rfa_cuda_graphs: bool = field(
+        default=True,
+        metadata=_meta("decoding", "on a GPU, capture the incremental decoding step as CUDA graphs and replay them (one "
+            "launch per step); --no-rfa-cuda-graphs runs every step uncaptured (same results, slower: for "
+            "comparisons and debugging) (default: on)", speed_only=True),
+    )
+    rfa_static_beam_search: bool = field(
+        default=True,
+        metadata=_meta("decoding", "fairseq-generate / fairseq-interactive decode a single rfa_transformer with the plugin's "
+            "beam search over fixed-shape buffers (fairseq's hypotheses and scores; on a GPU its whole step one CUDA "
+            "graph) where it serves the generation options; --no-rfa-static-beam-search: fairseq's SequenceGenerator "
+            "(default: on)", speed_only=True),
+    )
     rfa_sequence_kernel: ChoiceEnum(SEQUENCE_KERNELS) = field(
         default="auto",
         metadata=_meta("training", "causal RFA over whole sequences (training, scoring): auto = flash-linear-attention on CUDA when "

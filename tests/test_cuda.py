@@ -118,11 +118,13 @@ def test_dispatch_takes_fla_for_cuda_and_torch_when_disabled_or_fp64():
     torch.manual_seed(1)
     q, k, v = features(2, H, 100, F_), features(2, H, 100, F_), torch.randn(2, H, 100, D, device="cuda")
     log_gate = -torch.rand(2, H, 100, device="cuda")
-    assert torch.equal(causal_rfa(q, k, v, log_gate)[0], causal_rfa_fla(q, k, v, log_gate)[0])
-    torch_path = causal_rfa(q, k, v, log_gate, sequence_kernel="torch")[0]
+    assert torch.equal(causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="auto")[0],
+                       causal_rfa_fla(q, k, v, log_gate)[0])
+    torch_path = causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="torch")[0]
     assert torch.equal(torch_path, causal_rfa_chunked(q, k, v, log_gate)[0])
     q64, k64, v64 = q.double(), k.double(), v.double()
-    assert torch.equal(causal_rfa(q64, k64, v64)[0], causal_rfa_chunked(q64, k64, v64)[0])
+    assert torch.equal(causal_rfa(q64, k64, v64, chunk_size=64, sequence_kernel="auto")[0],
+                       causal_rfa_chunked(q64, k64, v64)[0])
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
@@ -232,8 +234,8 @@ def graph_counts(monkeypatch):
 
     made, original = [], rfa_transformer.step_graphs_for
 
-    def spy(device):
-        made.append(original(device))
+    def spy(device, enabled):
+        made.append(original(device, enabled))
         return made[-1]
 
     monkeypatch.setattr(rfa_transformer, "step_graphs_for", spy)
@@ -253,7 +255,6 @@ def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, r
     from fairseq.sequence_generator import SequenceGenerator
 
     from rfa_fairseq.generation import StaticBeamSearchGenerator
-    from rfa_fairseq.modules.decoding import EAGER_STEP_ENV
 
     model, d = gpu_model(flags(feature_map, gate, rfa_cross=rfa_cross), seed=4)
     if dtype == "fp16":
@@ -278,9 +279,9 @@ def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, r
             graphed = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12)
         else:
             eager = graphed = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
-        monkeypatch.setenv(EAGER_STEP_ENV, "1")
+        model.decoder.rfa.rfa_cuda_graphs = False  # --no-rfa-cuda-graphs (the SequenceGenerator path's switch)
         want_tokens, want_scores = decode(eager)
-        monkeypatch.setenv(EAGER_STEP_ENV, "0")
+        model.decoder.rfa.rfa_cuda_graphs = True
         graph_counts.clear()
         got_tokens, got_scores = decode(graphed)
         graphs = [graphed.graphs] if name == "static" else [g for g in graph_counts if g is not None]

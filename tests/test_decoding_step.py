@@ -11,7 +11,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from helpers import build_model, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 
-from rfa_fairseq.modules.decoding import DecodeState
+from rfa_fairseq.modules.decoding import IncrementalDecoder
 from rfa_fairseq.ops import AFFINE_FEATURE_MAPS, activate_learned, causal_rfa_recurrent, gate_keys, load_fused_extension
 from rfa_fairseq.ops import step_kernels
 
@@ -194,7 +194,7 @@ def test_bf16_decoding_step_is_as_close_to_fp32_as_the_bf16_full_forward(feature
         full = log_probs(model(src, src_lengths, prev)[0])
         state = {}
         incremental = log_probs(_decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state))
-    assert state[DecodeState.KEY]["state"].kernels.name == "torch"
+    assert state[IncrementalDecoder.KEY].kernels.name == "torch"
     full_error, step_error = (full - want).abs().max().item(), (incremental - want).abs().max().item()
     print(f"max |log p - fp32 full|: bf16 full forward {full_error:.3f}, bf16 decoding step {step_error:.3f}")
     assert step_error <= 4 * full_error + 0.02
@@ -225,7 +225,7 @@ def assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengt
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state, rows = {}, torch.arange(9, device=device)
         _decode_incrementally(model, encoder_out, prev[:, :k], state)
-        decoding = state[DecodeState.KEY]["state"]
+        decoding = state[IncrementalDecoder.KEY]
         assert (decoding.beam, decoding.sentences) == (beam, 3)
         for step, order in enumerate(orders):
             order = order.to(device)
@@ -331,7 +331,7 @@ def test_step_reuses_its_buffers_and_never_overwrites_what_the_caller_keeps():
                 logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
                 if t < 2:
                     kept.append((logits, logits.clone()))  # the caller keeps these: never overwritten
-            workspace = state[DecodeState.KEY]["state"].workspace
+            workspace = state[IncrementalDecoder.KEY].workspace
             pointers.append({name: buf.data_ptr() for name, buf in workspace.buffers.items() if "logits" not in name})
             for held, copy in kept:
                 assert torch.equal(held, copy)
@@ -351,8 +351,8 @@ def test_fp32_and_bf16_decode_through_the_same_state_and_what_the_step_cannot_se
         state = {}
         with torch.no_grad():
             model.decoder(prev[:, :1], encoder_out=model.encoder(src, src_lengths=src_lengths), incremental_state=state)
-        kinds[dtype] = {key: {type(v).__name__ for v in entry.values()} for key, entry in state.items()}
-    assert kinds[torch.float32] == kinds[torch.bfloat16] == {DecodeState.KEY: {"DecodeState"}}
+        kinds[dtype] = {key: type(entry).__name__ for key, entry in state.items()}  # one reference, nothing else
+    assert kinds[torch.float32] == kinds[torch.bfloat16] == {IncrementalDecoder.KEY: "IncrementalDecoder"}
     model.float()
     with torch.no_grad(), pytest.raises(ValueError, match="does not support alignment_layer other than the last"):
         model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state={}, alignment_layer=0)
@@ -427,10 +427,10 @@ def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kerne
 
 @pytest.mark.parametrize("cross", ["softmax", "rfa"])
 def test_reorders_that_read_nothing_back_still_move_kv_kept_per_row(cross, monkeypatch):
-    """On CUDA a reorder reads no rows back (DecodeState.NO_HOST_READS_ON; here the CPU stands in): K/V kept
+    """On CUDA a reorder reads no rows back (IncrementalDecoder.NO_HOST_READS_ON; here the CPU stands in): K/V kept
     once per row (beam 1) must follow orders that move rows between sentences, K/V kept once per sentence
     stay through within-beam reorders and compact when a sentence leaves."""
-    monkeypatch.setattr(DecodeState, "NO_HOST_READS_ON", ("cpu",))
+    monkeypatch.setattr(IncrementalDecoder, "NO_HOST_READS_ON", ("cpu",))
     model, d = build_model(_flags("hedgehog", True, cross, "post"))
     model.eval()
     batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
@@ -449,8 +449,8 @@ def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():
     with torch.no_grad():
         state = {}
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :2], state)
-        decoding = state[DecodeState.KEY]["state"]
-        cross = [t for layer in decoding.layers for t in layer["cross"].values() if isinstance(t, torch.Tensor)]
+        decoding = state[IncrementalDecoder.KEY]
+        cross = [t for layer in decoding.layers for t in layer.cross.tensors()]
         before = [(t.data_ptr(), t.clone()) for t in cross]
         order = torch.tensor([2, 0, 3, 1])
         model.decoder.reorder_incremental_state_scripting(state, order)

@@ -45,7 +45,7 @@ def stand_in(monkeypatch):
 def test_cpu_tensors_take_the_torch_path():
     x = torch.rand(1, 1, 3, 4)
     assert not fla_available(x)
-    out, state = causal_rfa(x, x, torch.rand(1, 1, 3, 2))
+    out, state = causal_rfa(x, x, torch.rand(1, 1, 3, 2), chunk_size=64, sequence_kernel="auto")
     assert out.shape == (1, 1, 3, 2) and state.shape == (1, 1, 4, 3)
 
 
@@ -91,8 +91,8 @@ def test_gated_passes_with_gradients_leave_fla_where_its_backward_is_refused(mon
     v, log_gate = torch.randn(1, 2, 6, 3), -torch.rand(1, 2, 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = causal_rfa(q, k, v, log_gate)
-        causal_rfa(q, k, v, log_gate)
+        out = causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="auto")
+        causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="auto")
     messages = [str(w.message) for w in caught]
     if refused:
         assert calls == [] and torch.equal(out[0], causal_rfa_chunked(q, k, v, log_gate)[0])
@@ -100,7 +100,7 @@ def test_gated_passes_with_gradients_leave_fla_where_its_backward_is_refused(mon
     else:
         assert calls == ["fla", "fla"] and messages == []
     calls.clear()
-    causal_rfa(q, k, v)  # ungated
+    causal_rfa(q, k, v, chunk_size=64, sequence_kernel="auto")  # ungated
     with torch.no_grad():
-        causal_rfa(q, k, v, log_gate)  # no gradients
+        causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="auto")  # no gradients
     assert calls == ["fla", "fla"]

@@ -8,7 +8,7 @@ from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, r
 from rfa_fairseq.conversion import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.modules.decoding import DecodeState
+from rfa_fairseq.modules.decoding import IncrementalDecoder
 from rfa_fairseq.ops import num_feature_dims
 
 VARIANTS = [
@@ -57,9 +57,10 @@ def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders
 
 
 def _state_tensors(incremental_state):
-    """Every tensor of the incremental state, those inside the DecodeState too."""
-    return [t for buf in incremental_state.values() for value in buf.values() if value is not None
-            for t in (value.tensors() if isinstance(value, DecodeState) else [value])]
+    """Every tensor of the incremental state: fairseq's attention buffers, or the IncrementalDecoder's."""
+    return [t for entry in incremental_state.values()
+            for t in (entry.tensors() if isinstance(entry, IncrementalDecoder)
+                      else [value for value in entry.values() if value is not None])]
 
 
 
@@ -135,7 +136,7 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
     F_ = num_feature_dims(feature_map, attn.num_features, attn.head_dim)
-    causal = state[DecodeState.KEY]["state"].layers[0]["self"]["states"][0]
+    causal = state[IncrementalDecoder.KEY].layers[0].self_attn.states[0]
     assert causal.shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
@@ -146,10 +147,9 @@ def test_cross_attention_state_is_computed_once_per_source(cross):
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=5)
     cross = model.decoder.layers[0].encoder_attn
     prepared, read = [], []  # the K/V (softmax) or S (RFA) that each step reads
-    prepare_step, step = cross.prepare_step, cross.step
-    cross.prepare_step = lambda buffers, *a, **k: prepared.append(1) or prepare_step(buffers, *a, **k)
-    cross.step = lambda h, buffers, *a, **k: read.append(
-        [buffers[n] for n in ("key", "value", "rfa_state") if n in buffers]) or step(h, buffers, *a, **k)
+    start_step, step = cross.start_step, cross.step
+    cross.start_step = lambda *a, **k: prepared.append(1) or start_step(*a, **k)
+    cross.step = lambda h, cache, *a, **k: read.append(cache.tensors()) or step(h, cache, *a, **k)
     with torch.no_grad():
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
     assert len(prepared) == 1 and len(read) == prev.size(1)
@@ -228,7 +228,7 @@ def test_bf16_model_keeps_fp32_states_and_finite_outputs():
         full, _ = model(src, src_lengths, prev)
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert full.dtype == torch.bfloat16 and torch.isfinite(full.float()).all()
-    assert all(t.dtype == torch.float32 for t in state[DecodeState.KEY]["state"].attention_tensors())
+    assert all(t.dtype == torch.float32 for t in state[IncrementalDecoder.KEY].attention_tensors())
 
 
 @pytest.mark.parametrize(
@@ -385,7 +385,7 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
             with torch.no_grad():
                 outputs[kernel] = _decode_incrementally(model, encoder_out, prev, state)
         assert len(builds) == (kernel == "auto"), "the kernels are chosen once per batch; torch never loads C++"
-        assert state[DecodeState.KEY]["state"].kernels.name == ("torch" if kernel == "torch" else "cpp")
+        assert state[IncrementalDecoder.KEY].kernels.name == ("torch" if kernel == "torch" else "cpp")
     for kernel, out in outputs.items():
         torch.testing.assert_close(out, outputs["torch"], rtol=1e-5, atol=1e-5)
     with pytest.raises(SystemExit):
@@ -400,17 +400,18 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
 
 
 def test_a_run_set_to_decode_in_cpp_validates_where_cpp_cannot_run():
-    """fairseq-train validates in eval mode without autograd, which runs the encoder's inference path: a run
-    configured with --rfa-decode-kernel cpp (to decode on the CPU) that trains in another dtype or on a GPU
-    validates on the torch kernels instead of failing at its first validation (bf16 stands in for CUDA here)."""
-    outputs = {}
-    for kernel in ("cpp", "torch"):
-        model, d = build_model(["--rfa-decode-kernel", kernel])
-        model.eval().to(torch.bfloat16)
-        src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=4)
-        with torch.no_grad():
-            outputs[kernel] = model(src, src_lengths, prev)[0]
-    torch.testing.assert_close(outputs["cpp"], outputs["torch"], rtol=0, atol=0)
+    """fairseq-train validates in eval mode without autograd, which runs the encoder's inference path on the
+    decoding step's kernels: a run configured with --rfa-decode-kernel cpp (to decode on the CPU) that trains in
+    another dtype or on a GPU, where those kernels cannot run, validates through fairseq's forward instead of
+    failing at its first validation (bf16 stands in for CUDA here): the training forward's outputs."""
+    model, d = build_model(["--rfa-decode-kernel", "cpp"])
+    model.eval().to(torch.bfloat16)
+    src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=4)
+    with torch.no_grad():
+        validated = model(src, src_lengths, prev)[0]
+    with torch.enable_grad():
+        trained = model(src, src_lengths, prev)[0].detach()
+    torch.testing.assert_close(validated, trained, rtol=0, atol=0)
 
 
 def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_fla(monkeypatch):

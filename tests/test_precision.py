@@ -10,7 +10,7 @@ from helpers import build_model, random_batch
 
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.modules.decoding import DecodeState
+from rfa_fairseq.modules.decoding import IncrementalDecoder
 from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, noncausal_rfa, step_kernels
 
 LONG = 8192
@@ -110,12 +110,15 @@ def test_bf16_model_forward_backward_on_8192_tokens():
 
 def _decoding_state_tensors(model, state):
     """(key, tensor) of the attention state the decoder keeps between steps: every causal layer's state
-    buffers and the cross-attention's per-sentence tensors (fp32 and bf16 models alike)."""
-    decoding = state[DecodeState.KEY]["state"]
-    return [(f"layer{i}.{role}.{name}", t) for i, layer in enumerate(decoding.layers)
-            for role, buffers in layer.items() for name, value in buffers.items()
-            for t in (value if isinstance(value, list) else [value]) if isinstance(t, torch.Tensor)
-            and name in ("states", "rfa_state", "key", "value")]
+    buffers and the cross-attention's per-sentence K/V or states (fp32 and bf16 models alike)."""
+    decoding = state[IncrementalDecoder.KEY]
+    out = []
+    for i, layer in enumerate(decoding.layers):
+        out += [(f"layer{i}.self.states{j}", t) for j, t in enumerate(layer.self_attn.states)]
+        if layer.cross is not None:
+            out += [(f"layer{i}.cross.{name}", getattr(layer.cross, name)) for name in layer.cross.SENTENCE_TENSORS
+                    if name != "key_bias" and getattr(layer.cross, name) is not None]
+    return out
 
 
 @pytest.mark.slow

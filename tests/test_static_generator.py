@@ -16,7 +16,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks import FairseqTask
 from helpers import build_model, random_batch
 
-from rfa_fairseq.generation import FORCE_SEQUENCE_GENERATOR_ENV, StaticBeamSearchGenerator, static_beam_search
+from rfa_fairseq.generation import StaticBeamSearchGenerator, static_beam_search
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +162,12 @@ def test_an_ensemble_falls_back_with_a_log_line(model_and_batch, caplog):
     assert "not the static beam search: an ensemble of 2 models" in caplog.text
 
 
-def test_the_test_environment_variable_forces_sequence_generator(model_and_batch, monkeypatch):
-    model, d, _, _ = model_and_batch
-    monkeypatch.setenv(FORCE_SEQUENCE_GENERATOR_ENV, "1")
-    assert type(_build([model], d)) is SequenceGenerator
+def test_no_rfa_static_beam_search_gives_sequence_generator(caplog):
+    model, d = build_model(["--no-rfa-static-beam-search"])
+    model.eval()
+    with caplog.at_level(logging.INFO, logger="rfa_fairseq.generation"):
+        assert type(_build([model], d)) is SequenceGenerator
+    assert "not the static beam search: --no-rfa-static-beam-search" in caplog.text
 
 
 # ---------------------------------------------------------------- fairseq-generate
@@ -176,12 +178,12 @@ def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_f
     checkpoint = train_generate_model(data, tmp_path_factory.mktemp("static_generator_generate"), max_update=30)
     for options in (["--beam", "1"], ["--beam", "5", "--lenpen", "0.6", "--prefix-size", "1", "--min-len", "2"]):
         outputs = {}
-        for name, forced in (("static", "0"), ("fairseq", "1")):
+        for name, static in (("static", True), ("fairseq", False)):
             proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint,
                        "--gen-subset", "test", "--batch-size", "16", "--max-len-b", "25", "--required-batch-size-multiple",
-                       "1", "--cpu", *options, **{FORCE_SEQUENCE_GENERATOR_ENV: forced})
+                       "1", "--cpu", *options, "--model-overrides", f"{{'rfa_static_beam_search': {static}}}")
             expected_log = ("static beam search generator" if name == "static"
-                            else f"not the static beam search: {FORCE_SEQUENCE_GENERATOR_ENV}=1")
+                            else "not the static beam search: --no-rfa-static-beam-search")
             assert expected_log in proc.stdout + proc.stderr
             assert "rfa_fairseq: decoding step kernels: " in proc.stdout + proc.stderr  # once, with the GEMM used
             outputs[name] = [line.split("\t") for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "D-")]

@@ -48,7 +48,7 @@ def rerun_graphs(monkeypatch):
     """Every batch decodes through RerunStepGraphs; -> the list of them."""
     made = []
 
-    def factory(device):
+    def factory(device, enabled):
         made.append(RerunStepGraphs(torch.device(device)))
         return made[-1]
 
@@ -85,7 +85,7 @@ def test_graph_replays_give_the_eager_steps_hypotheses(rerun_graphs, monkeypatch
         return SequenceGenerator([model], d, beam_size=3, max_len_b=12)
 
     with monkeypatch.context() as eager:
-        eager.setattr(rfa_transformer, "step_graphs_for", lambda device: None)
+        eager.setattr(rfa_transformer, "step_graphs_for", lambda device, enabled: None)
         want = _hypotheses(make(), model, sample)
     rerun_graphs.clear()
     got = _hypotheses(make(), model, sample)
@@ -118,14 +118,27 @@ def test_two_graphs_per_shape_one_per_state_buffer(rerun_graphs, monkeypatch):
     assert (graphs.captures, graphs.replays) == (2, prev.size(1) - 2)
     assert len({key[-1] for key in graphs.graphs}) == 2  # the two state buffers
     rerun_graphs.clear()
-    monkeypatch.setattr(rfa_transformer, "step_graphs_for", lambda device: None)
+    monkeypatch.setattr(rfa_transformer, "step_graphs_for", lambda device, enabled: None)
     torch.testing.assert_close(graphed, decode(), rtol=0, atol=0)
 
 
-def test_graphs_only_on_cuda_and_off_by_env(monkeypatch):
-    assert step_graphs_for("cpu") is None
-    monkeypatch.setenv("RFA_FAIRSEQ_EAGER_STEP", "1")
-    assert step_graphs_for("cuda") is None
+def test_graphs_only_on_cuda_and_when_enabled():
+    assert step_graphs_for("cpu", True) is None
+    assert step_graphs_for("cuda", False) is None
+    assert type(step_graphs_for("cuda", True)) is StepGraphs  # made without touching the device
+
+
+def test_no_rfa_cuda_graphs_reaches_the_decoder(monkeypatch):
+    """--no-rfa-cuda-graphs (a model override at decoding) is what the decoder asks graphs for."""
+    asked = []
+    monkeypatch.setattr(rfa_transformer, "step_graphs_for", lambda device, enabled: asked.append(enabled))
+    for flag in ("--rfa-cuda-graphs", "--no-rfa-cuda-graphs"):
+        model, d = build_model(FLAGS + [flag], seed=5)
+        model.eval()
+        src, src_lengths, prev = random_batch(d, bsz=2, src_len=6, tgt_len=2, seed=2)
+        with torch.no_grad():
+            model.decoder(prev[:, :1], encoder_out=model.encoder(src, src_lengths=src_lengths), incremental_state={})
+    assert asked == [True, False]
 
 
 def test_replayed_logits_stay_as_handed_out_and_reorders_apply_inside_the_graph(rerun_graphs):

@@ -2,20 +2,15 @@
 
 `build_generator` wraps `FairseqTask.build_generator` (installed by fairseq_compat.apply_patches): a
 single RFATransformerModel with plain beam-search options gets the StaticBeamSearchGenerator (same
-hypotheses and scores, fixed-shape buffers); anything else gets what fairseq builds, with one log
-line naming the reason.
+hypotheses and scores, fixed-shape buffers) unless its --rfa-static-beam-search is off; anything else gets
+what fairseq builds, with one log line naming the reason.
 """
 import functools
 import logging
-import os
 
-from ..modules.decoding import EAGER_STEP_ENV
 from .static_beam_search import StaticBeamSearchGenerator
 
 logger = logging.getLogger(__name__)
-
-# tests only: set to 1 to get fairseq's SequenceGenerator for comparison (no user flag)
-FORCE_SEQUENCE_GENERATOR_ENV = "RFA_FAIRSEQ_TEST_SEQUENCE_GENERATOR"
 
 # generation options the static beam search does not serve, with the value that leaves them off
 UNSUPPORTED_OPTIONS = {
@@ -31,12 +26,12 @@ def fallback_reason(models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, p
     """Why these models and options need fairseq's generator; None when the static one serves them."""
     from ..models.rfa_transformer import RFATransformerModel
 
-    if os.environ.get(FORCE_SEQUENCE_GENERATOR_ENV) == "1":
-        return f"{FORCE_SEQUENCE_GENERATOR_ENV}=1"
     if len(models) != 1:
         return f"an ensemble of {len(models)} models"
     if not isinstance(models[0], RFATransformerModel):
         return f"the model is a {type(models[0]).__name__}, not an rfa_transformer"
+    if not models[0].rfa_config.rfa_static_beam_search:
+        return "--no-rfa-static-beam-search"
     if seq_gen_cls is not None:
         return f"the task asks for {seq_gen_cls.__name__}"
     if prefix_allowed_tokens_fn is not None:
@@ -75,7 +70,7 @@ def wrap_build_generator(original):
             len_penalty=getattr(args, "lenpen", 1), unk_penalty=getattr(args, "unkpen", 0),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
             symbols_to_strip_from_output=(extra_gen_cls_kwargs or {}).get("symbols_to_strip_from_output"),
-            cuda_graphs=os.environ.get(EAGER_STEP_ENV) != "1")
+            cuda_graphs=models[0].rfa_config.rfa_cuda_graphs)
 
     build_generator.rfa_fairseq_wrapper = True
     return build_generator

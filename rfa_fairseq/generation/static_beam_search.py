@@ -35,7 +35,7 @@ class StaticBeamSearchGenerator(nn.Module):
     """SequenceGenerator's beam search for a single RFATransformerModel (`generate` returns what
     SequenceGenerator.generate returns). Built by `generation.build_generator` only for options it
     serves: plain beam search, lenpen, min/max length, unkpen, no-repeat n-grams, prefix tokens.
-    cuda_graphs=False runs every CUDA step uncaptured (the reference the graphs are tested against)."""
+    cuda_graphs=False runs every CUDA step uncaptured (--no-rfa-cuda-graphs: the graphs' reference)."""
 
     # device types where reading the finished flags back would wait for the device: the host reads each step's one
     # step later; and where K/V are padded to SOURCE_BUCKET (graphs shared by nearby source lengths)
@@ -117,15 +117,12 @@ class StaticBeamSearchGenerator(nn.Module):
         if bucketed:  # the longest max_len of the bucket's source lengths: one token buffer length per bucket
             buffer_len = max(max_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
 
-        decoder = self.model.decoder
         encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])
-        key = encoder_out["encoder_out"][0] if len(encoder_out.get("encoder_out", [])) else None
-        pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
-        if getattr(decoder.layers[0], "encoder_attn", None) is None:
-            key = pad = None
+        key, pad = self.model.decoder.encoder_keys(encoder_out)  # once per sentence: no copies for the beams
         graphs = self._graphs_for(device)
-        state = decoder.begin_state(key, pad, N * K, K, self.decoder_workspace, source_len=source_len if key is not None else None)
-        search = _Search(self, state, N, buffer_len, self.eos if bos_token is None else bos_token, device,
+        decoder = self.model.decoder.incremental_decoder(N * K, K, self.decoder_workspace)
+        decoder.start(key, pad, source_len=source_len if key is not None else None)
+        search = _Search(self, decoder, N, buffer_len, self.eos if bos_token is None else bos_token, device,
                          lagged=device.type in self.LAGGED_READS_ON)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
         sentence_ids = list(range(N))  # the batch's sentence at each place of the search (places only halve)
@@ -139,11 +136,11 @@ class StaticBeamSearchGenerator(nn.Module):
                 graphs = self._graphs_for(device)  # a step that allocated (a new shape) makes the graphs stale
                 shape = (search.N, source_len, buffer_len)
                 graphs.run(shape + (search.parity,), shape,
-                           lambda: self._step(search, state, step, False, False, None))
+                           lambda: self._step(search, decoder, step, False, False, None))
             else:
-                self._step(search, state, step, first=step == 0, last=step >= max_len,
+                self._step(search, decoder, step, first=step == 0, last=step >= max_len,
                            prefix_tokens=prefix_tokens if prefix else None)
-            search.after_step(state, step)
+            search.after_step(decoder, step)
             if step >= last_step:
                 break
             flags = search.finished_at(step - 1 if search.lagged else step, decided_at)
@@ -158,7 +155,7 @@ class StaticBeamSearchGenerator(nn.Module):
                 # without this); halving keeps the shapes to log2(N) + 1 sizes
                 search.collect(finalized, sentence_ids, places=flags.nonzero().squeeze(1).tolist())  # the dropped
                 kept = unfinished.to(device)
-                search.keep_sentences(state, kept)
+                search.keep_sentences(decoder, kept)
                 sentence_ids = [sentence_ids[n] for n in unfinished.tolist()]
                 if prefix_tokens is not None:
                     prefix_tokens = prefix_tokens.index_select(0, kept)
@@ -171,7 +168,7 @@ class StaticBeamSearchGenerator(nn.Module):
             finalized[n] = [hypos[i] for i in best_first]
         return finalized
 
-    def _step(self, search: "_Search", state, step: int, first: bool, last: bool, prefix_tokens: Optional[Tensor]):
+    def _step(self, search: "_Search", decoder, step: int, first: bool, last: bool, prefix_tokens: Optional[Tensor]):
         """One step of the search on the device, reading the step number from search.step (a CUDA graph captures
         it whole when first, last and prefix_tokens are off: they are the host's only say). -> no outputs: every
         result is in the search's buffers."""
@@ -180,8 +177,7 @@ class StaticBeamSearchGenerator(nn.Module):
         tokens = torch.index_select(search.tokens, 1, t).view(R)  # (R,) the last tokens
         positions = torch.index_select(search.positions, 0, t) if search.positions is not None else None  # (1, C)
         # pad is never chosen (its log-probability is -inf), so no input is padding
-        logits, _ = self.model.decoder.step_layers(state, tokens, positions, need_weights=False,
-                                                   padded_inputs=False)  # (R, V)
+        logits, _ = decoder.compute(tokens, positions, need_weights=False, padded_inputs=False)  # (R, V)
         # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32
         lprobs = torch.log_softmax(logits.float(), dim=-1, out=search.lprobs)
         lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel
@@ -196,7 +192,7 @@ class StaticBeamSearchGenerator(nn.Module):
         if self.repeat_ngram_blocker is not None:
             lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, N, K, step)
 
-        cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, state.kernels)  # (N, 2K) each
+        cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, decoder.kernels)  # (N, 2K) each
         eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
         eos_mask[:, :K] &= ~search.cands_to_ignore
         eos_mask &= ~search.finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
@@ -226,7 +222,7 @@ class _Search:
     rejected ones), the step number, the beam order the decoder's next step applies, and the finished flags
     (with their copies for the host on CUDA)."""
 
-    def __init__(self, gen: StaticBeamSearchGenerator, state, N: int, max_len: int, bos: int, device, lagged: bool):
+    def __init__(self, gen: StaticBeamSearchGenerator, decoder, N: int, max_len: int, bos: int, device, lagged: bool):
         self.gen, self.ws, self.device = gen, gen.search_workspace, device
         self.K, self.V, self.L = gen.beam_size, gen.vocab_size, max_len + 2  # +2: BOS and EOS
         self.cand_size = 2 * self.K  # 2 x beam in case half are EOS (SequenceGenerator)
@@ -252,7 +248,7 @@ class _Search:
         self.positions = None
         if positions is not None:
             self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)
-        state.order = self.order  # the causal layers read the pending beam order here
+        decoder.use_order_buffer(self.order)  # the causal layers read the pending beam order here
 
     def _views(self, N: int) -> None:
         """The buffers for N places (prefixes of the workspace's: halving keeps their addresses)."""
@@ -340,12 +336,11 @@ class _Search:
         scores.index_copy_(1, t, torch.gather(cand_scores, 1, active).view(-1, 1))
         t.add_(1)
 
-    def after_step(self, state, step: int) -> None:
+    def after_step(self, decoder, step: int) -> None:
         """What a step changes on the host side (a replayed graph runs no Python): the buffer pairs turn; the
         finished flags start on their way to the host, which reads them one step later (lagged)."""
         self.parity = 1 - self.parity
-        state.swap_causal_states()
-        state.first = False
+        decoder.step_done()
         if self.lagged:  # outside the graph: a copy into pinned memory is queued after it, waited for later
             self.finished_host[self.parity].copy_(self.finished, non_blocking=True)
         if self.events is not None:
@@ -363,12 +358,12 @@ class _Search:
         # step s copied into the buffer that the parity names after it; one step later that is the other one
         return self.finished_host[1 - self.parity]
 
-    def keep_sentences(self, state, kept: Tensor) -> None:
+    def keep_sentences(self, decoder, kept: Tensor) -> None:
         """Halve in place: the places `kept` (N',) become the first N' of every buffer; the decoder's state follows
         (its pending order applied there)."""
         K = self.K
         kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
-        state.keep_sentences(kept, self.order.index_select(0, kept_rows))
+        decoder.keep_sentences(kept, self.order.index_select(0, kept_rows))
         compacted = {"tokens": self.tokens, "scores": self.scores, "cands_to_ignore": self.cands_to_ignore,
                      "finished": self.finished, "fin_count": self.fin_count}
         moved = {name: value.index_select(0, kept_rows if value.size(0) == self.N * K else kept)
@@ -385,7 +380,7 @@ class _Search:
         for value, new in zip((self.fin_tokens, self.fin_scores, self.fin_steps), fin_moved):
             value[: new.size(0)] = new
         torch.arange(self.N * K, out=self.order)  # the pending order was applied to the state
-        state.order = self.order
+        decoder.use_order_buffer(self.order)
 
     def collect(self, finalized: List[List[Dict[str, Tensor]]], sentence_ids: List[int], places) -> None:
         """Append the finalized hypotheses of `places` that `finalized` does not hold yet (read from the device

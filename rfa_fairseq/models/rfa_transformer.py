@@ -10,6 +10,7 @@ softmax encoder self-attention unless --rfa-encoder-self-attn.
 import argparse
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,8 +37,16 @@ from omegaconf import OmegaConf
 
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
-from ..modules.decoding import DecodeState, HeldWorkspaces, Workspace, follow_rows, step_graphs_for
-from ..ops import cpp_can_run, step_kernels
+from ..modules.decoding import (
+    CausalCache,
+    HeldWorkspaces,
+    IncrementalDecoder,
+    SentenceCache,
+    Workspace,
+    follow_rows,
+    step_graphs_for,
+)
+from ..ops import step_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +95,23 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         return super().train(mode)
 
     def forward(self, x, encoder_padding_mask, attn_mask=None):
-        if self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc or not self._plain():
+        kernels = None
+        if not (self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc) and self._plain():
+            kernels = self._step_kernels(x)
+        if kernels is None:
             return super().forward(x, encoder_padding_mask, attn_mask)
-        return self._infer(x, encoder_padding_mask, self._step_kernels(x))
+        return self._infer(x, encoder_padding_mask, kernels)
 
     def _step_kernels(self, x):
-        """ops.step_kernels for x's device and dtype, picked once per layer (not at every batch)."""
+        """ops.step_kernels for x's device and dtype (the decoding step's choice), picked once per layer; None
+        where --rfa-decode-kernel cannot run here (cpp on a GPU, validating while training): fairseq's forward."""
         where = (x.device, x.dtype)
         if self._packed.kernels is None or self._packed.kernels[0] != where:
-            choice = self.rfa.rfa_decode_kernel
-            if choice == "cpp" and not cpp_can_run(x.device, x.dtype):
-                # a run set to decode on the CPU, validated on a GPU while it trains: the encoder is not the decoding
-                # step, so torch serves it here; decoding itself still refuses (the decoder's DecodeState)
-                choice = "torch"
-            self._packed.kernels = (where, step_kernels(choice, x.device, x.dtype))
+            try:
+                kernels = step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype)
+            except ValueError:
+                kernels = None
+            self._packed.kernels = (where, kernels)
         return self._packed.kernels[1]
 
     def _plain(self) -> bool:
@@ -145,7 +157,7 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
                             rfa=getattr(cfg, RFA_CONFIG))
 
     def build_encoder_attention(self, embed_dim, cfg):
-        if cfg.rfa_softmax_cross_attn:
+        if getattr(cfg, RFA_CONFIG).rfa_softmax_cross_attn:
             return SoftmaxCrossAttention(embed_dim, cfg.decoder.attention_heads, kdim=cfg.encoder.embed_dim,
                                          vdim=cfg.encoder.embed_dim, dropout=cfg.attention_dropout,
                                          encoder_decoder_attention=True, q_noise=self.quant_noise,
@@ -158,51 +170,62 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
 
     # ------------------------------------------------------------ the decoding step
 
-    def prepare_step(self, state: DecodeState, index: int, key, key_padding_mask, source_len=None) -> None:
-        """A batch's first step: the attentions' buffers. key: (S, sentences, C) encoder output, or None;
-        source_len: the cross-attention's K/V length (>= S: padded, masked; None: S)."""
+    def start_step(self, decoder: IncrementalDecoder, index: int, key, key_padding_mask,
+                   source_len=None) -> "DecoderLayerCache":
+        """A batch's start: this layer's cache. key: (S, sentences, C) encoder output, or None; source_len: the
+        cross-attention's K/V length (>= S: padded, masked; None: S)."""
         for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"):  # fairseq's --scale-* options
             if getattr(self, name, None) is not None:
                 raise ValueError(f"RFA incremental decoding does not support decoder layers with {name} (--scale-*)")
-        buffers = state.layers[index]
-        self.self_attn.prepare_step(buffers["self"], state, name=f"layer{index}.self")
+        name = f"layer{index}"
+        cross = None
         if self.encoder_attn is not None and key is not None:
-            self.encoder_attn.prepare_step(buffers["cross"], state, key, key_padding_mask, name=f"layer{index}.cross",
-                                           source_len=source_len)
-        buffers["ffn"] = {name: state.packed_linear(f"layer{index}.{name}", getattr(self, name))
-                          for name in ("fc1", "fc2")}
+            cross = self.encoder_attn.start_step(decoder, f"{name}.cross", key, key_padding_mask, source_len=source_len)
+        return DecoderLayerCache(self.self_attn.start_step(decoder, f"{name}.self"), cross,
+                                 decoder.packed_linear(f"{name}.fc1", self.fc1),
+                                 decoder.packed_linear(f"{name}.fc2", self.fc2))
 
-    def step(self, x, state: DecodeState, index: int, key_pad, need_weights: bool):
+    def step(self, x, cache: "DecoderLayerCache", decoder: IncrementalDecoder, key_pad, need_weights: bool):
         """x (R, C) the layer's input -> its output (in x, or a tensor of the torch kernels' own), the
         cross-attention weights (R, S) or None."""
-        buffers = state.layers[index]
-        y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, state), buffers["self"], state, key_pad,
-                                   residual=x)
-        x = self._residual(self.self_attn_layer_norm, y, x, state)
+        y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, decoder), cache.self_attn, decoder,
+                                   key_pad, residual=x)
+        x = self._residual(self.self_attn_layer_norm, y, x, decoder)
         weights = None
-        if buffers["cross"]:
-            h = self._input(self.encoder_attn_layer_norm, x, state)
-            y, weights = self.encoder_attn.step(h, buffers["cross"], state, need_weights=need_weights, residual=x)
-            x = self._residual(self.encoder_attn_layer_norm, y, x, state)
+        if cache.cross is not None:
+            h = self._input(self.encoder_attn_layer_norm, x, decoder)
+            y, weights = self.encoder_attn.step(h, cache.cross, decoder, need_weights=need_weights, residual=x)
+            x = self._residual(self.encoder_attn_layer_norm, y, x, decoder)
         R, C = x.shape
-        y = feed_forward(state.kernels, self._input(self.final_layer_norm, x, state), buffers["ffn"]["fc1"],
-                         buffers["ffn"]["fc2"], self.activation_fn, state.buffer("ffn", R, self.fc1.out_features),
-                         state.buffer("y", R, C), residual=x)
-        return self._residual(self.final_layer_norm, y, x, state), weights
+        y = feed_forward(decoder.kernels, self._input(self.final_layer_norm, x, decoder), cache.fc1, cache.fc2,
+                         self.activation_fn, decoder.buffer("ffn", R, self.fc1.out_features), decoder.buffer("y", R, C),
+                         residual=x)
+        return self._residual(self.final_layer_norm, y, x, decoder), weights
 
-    def _input(self, norm, x, state: DecodeState):
+    def _input(self, norm, x, decoder: IncrementalDecoder):
         """What a sublayer reads: x, or its layer norm (pre-norm) in a workspace buffer."""
         if not self.normalize_before:
             return x
-        return state.kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, state.buffer("h", *x.shape))
+        return decoder.kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, decoder.buffer("h", *x.shape))
 
-    def _residual(self, norm, y, x, state: DecodeState) -> Tensor:
+    def _residual(self, norm, y, x, decoder: IncrementalDecoder) -> Tensor:
         """The residual stream after a sublayer: y, its output with x already added (into x: the next sublayer
         writes y's buffer again), then the layer norm when the layer normalizes after (post-norm: in x, or a
         tensor of the torch kernels' own)."""
         if self.normalize_before:
             return x.copy_(y)
-        return state.kernels.add_layer_norm(y, None, norm.weight, norm.bias, norm.eps, x)
+        return decoder.kernels.add_layer_norm(y, None, norm.weight, norm.bias, norm.eps, x)
+
+
+@dataclass
+class DecoderLayerCache:
+    """A decoder layer's decoding cache: its self-attention's, its cross-attention's (None without a source) and
+    its FFN's linear layers packed for the kernels."""
+
+    self_attn: CausalCache
+    cross: Optional[SentenceCache]
+    fc1: tuple
+    fc2: tuple
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
@@ -210,7 +233,7 @@ class RFATransformerEncoder(TransformerEncoderBase):
     ROW_SOURCE = "rfa_row_source"
 
     def build_encoder_layer(self, cfg):
-        if not cfg.rfa_encoder_self_attn:
+        if not getattr(cfg, RFA_CONFIG).rfa_encoder_self_attn:
             return _wrap_layer(SoftmaxEncoderLayer(cfg, return_fc=self.return_fc), cfg)
         return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
@@ -232,7 +255,7 @@ class RFATransformerEncoder(TransformerEncoderBase):
 
 class RFATransformerDecoder(TransformerDecoderBase):
     """fairseq's decoder with RFA layers. Incremental decoding runs the decoding step: the batch's
-    DecodeState is built at its first step, and every step runs in place from its buffers."""
+    IncrementalDecoder is made at its first step, and every step runs in place from its buffers."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
@@ -277,10 +300,14 @@ class RFATransformerDecoder(TransformerDecoderBase):
                                    alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                                    src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
         self._check_can_decode(features_only, alignment_layer, alignment_heads, return_all_hiddens)
-        entry = incremental_state.get(DecodeState.KEY)
-        if entry is None:
-            entry = incremental_state[DecodeState.KEY] = {"state": self._start(prev_output_tokens, encoder_out)}
-        return self._step(entry["state"], prev_output_tokens, incremental_state)
+        decoder = incremental_state.get(IncrementalDecoder.KEY)
+        if decoder is None:
+            decoder = incremental_state[IncrementalDecoder.KEY] = self._start(prev_output_tokens, encoder_out)
+        positions = None  # (R, C)
+        if self.embed_positions is not None:
+            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1]
+        logits, attn = decoder.step(prev_output_tokens[:, -1], positions)
+        return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None}
 
     def _check_can_decode(self, *call_options) -> None:
         unsupported = self._step_unsupported(*call_options)
@@ -304,42 +331,38 @@ class RFATransformerDecoder(TransformerDecoderBase):
                 return name
         return None
 
-    def _start(self, prev_output_tokens, encoder_out) -> DecodeState:
-        """A batch's first step: its kernels, its workspace, which rows read which sentence, the layers' buffers."""
+    def _start(self, prev_output_tokens, encoder_out) -> IncrementalDecoder:
+        """A batch's first step (fairseq's generators): its IncrementalDecoder, which rows read which sentence."""
         rows = prev_output_tokens.size(0)
-        key, pad = self._encoder_keys(encoder_out)
+        key, pad = self.encoder_keys(encoder_out)
         beam = self._beam_of(key, pad, rows)
         if key is not None:
             key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
         workspace, self._workspace = self._workspace or Workspace(), None
-        state = self.begin_state(key, pad, rows, beam, workspace, graphs=step_graphs_for(self.embed_tokens.weight.device))
-        weakref.finalize(state, self._return_workspace, workspace, self._trainings)  # the next batch reuses it
-        return state
+        graphs = step_graphs_for(self.embed_tokens.weight.device, self.rfa.rfa_cuda_graphs)
+        decoder = self.incremental_decoder(rows, beam, workspace, graphs=graphs)
+        weakref.finalize(decoder, self._return_workspace, workspace, self._trainings)  # the next batch reuses it
+        return decoder.start(key, pad)
 
-    def _encoder_keys(self, encoder_out):
+    def encoder_keys(self, encoder_out):
         """The encoder output (S, rows, C) and its padding mask (rows, S) that cross-attention reads, or Nones."""
         if encoder_out is None or not len(encoder_out.get("encoder_out", [])) or self.layers[0].encoder_attn is None:
             return None, None
         pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
         return encoder_out["encoder_out"][0], pad
 
-    def begin_state(self, key: Optional[Tensor], key_padding_mask: Optional[Tensor], rows: int, beam: int,
-                    workspace: Workspace, graphs=None, source_len: Optional[int] = None) -> DecodeState:
-        """The decoding state of a batch: key (S, sentences, C) the encoder output once per sentence (or None),
-        key_padding_mask (sentences, S) or None, rows = sentences x beam; every buffer is taken from `workspace`
-        (by name: a workspace kept across batches hands the same addresses to batches of the same shapes).
-        source_len >= S pads the cross-attention's K/V to that length (masked), so that batches of nearby
-        source lengths share shapes. The layers' buffers are filled here; the first step reads no causal state."""
+    def incremental_decoder(self, rows: int, beam: int, workspace: Workspace, graphs=None) -> IncrementalDecoder:
+        """A batch's IncrementalDecoder on this decoder (its `start` makes the layers' caches): rows = sentences x
+        beam, every buffer taken from `workspace` (by name: a workspace kept across batches hands the same
+        addresses to batches of the same shapes), the kernels of --rfa-decode-kernel for the weights' device and
+        dtype, `graphs` the CUDA graphs its steps replay (None: eager)."""
         self._check_can_decode()
         weight = self.embed_tokens.weight
-        state = DecodeState(step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype), workspace, rows, beam,
-                            len(self.layers), weight.device, weight.dtype, graphs=graphs)
-        if self._logged_kernels != state.kernels.name:  # once per decoder (and when the choice changes)
-            self._logged_kernels = state.kernels.name
-            logger.info(f"rfa_fairseq: decoding step kernels: {state.kernels.name}; linear layers: {state.kernels.gemm}")
-        for i, layer in enumerate(self.layers):
-            layer.prepare_step(state, i, key, key_padding_mask, source_len=source_len)
-        return state
+        kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype)
+        if self._logged_kernels != kernels.name:  # once per decoder (and when the choice changes)
+            self._logged_kernels = kernels.name
+            logger.info(f"rfa_fairseq: decoding step kernels: {kernels.name}; linear layers: {kernels.gemm}")
+        return IncrementalDecoder(self, kernels, workspace, rows, beam, graphs=graphs)
 
     @torch.no_grad()
     def step_positions(self, length: int) -> Optional[Tensor]:
@@ -370,49 +393,15 @@ class RFATransformerDecoder(TransformerDecoderBase):
                 return 1
         return beam
 
-    def _step(self, state: DecodeState, prev_output_tokens, incremental_state):
-        """One decoding step of every row: its inputs (the last tokens and their position embeddings), then the
-        layers' steps (`step_layers`), eagerly or as a CUDA graph's replay (DecodeState.graphs)."""
-        R = prev_output_tokens.size(0)
-        if R != state.rows:
-            raise RuntimeError(f"RFA decoding: {R} rows for a state of {state.rows} (reorder missing?)")
-        tokens = prev_output_tokens[:, -1]  # (R,)
-        positions = None  # (R, C) or None
-        if self.embed_positions is not None:
-            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1]
-        if state.graphs is None or state.first:  # the first step fills the buffers that a graph would read
-            logits, attn = self.step_layers(state, tokens, positions)
-        else:
-            # a graph reads its inputs from fixed buffers, the beam order included (identity when none is pending)
-            tokens = state.buffer("step.tokens", R, dtype=torch.long).copy_(tokens)
-            if positions is not None:
-                positions = state.buffer("step.positions", R, self.embed_dim).copy_(positions)
-            order = state.buffer("step.order", R, dtype=torch.long)
-            if state.order is not None:
-                order.copy_(state.order)
-            else:
-                torch.arange(R, out=order)
-            state.order = order
-            shape, key = state.graph_key()
-            replayed, attn = state.graphs.run(key, shape, lambda: self.step_layers(state, tokens, positions))
-            # a graph writes the same logits buffer at every replay, and a caller may still hold the last step's:
-            # handed out as the eager step hands them out, in a buffer no caller views
-            logits = state.buffer("logits.replayed", *replayed.shape, returned=True).copy_(replayed)
-        state.swap_causal_states()
-        state.order, state.first = None, False
-        return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None,
-                                     DecodeState.KEY: state}
-
-    def step_layers(self, state: DecodeState, tokens: Tensor, positions: Optional[Tensor], need_weights: bool = True,
-                    padded_inputs: bool = True):
+    def step_layers(self, decoder: IncrementalDecoder, tokens: Tensor, positions: Optional[Tensor],
+                    need_weights: bool = True, padded_inputs: bool = True):
         """Embeddings, the layers' steps, the logits into the workspace: tokens (R,), positions (R, C), (1, C) or
         None -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S) (need_weights) or None.
         padded_inputs=False: no token is padding (a beam search never feeds pad), so no key is masked.
-        Reads state.order as the pending beam order, reads and writes only the state's buffers and launches no host
-        synchronization: a CUDA graph can capture it. The caller turns the causal states after it
-        (state.swap_causal_states)."""
-        R, C, kernels = tokens.size(0), self.embed_dim, state.kernels
-        x = torch.index_select(self.embed_tokens.weight, 0, tokens, out=state.buffer("x", R, C))
+        Reads the decoder's pending beam order, reads and writes only its buffers and launches no host
+        synchronization: a CUDA graph can capture it (IncrementalDecoder.compute)."""
+        R, C, kernels = tokens.size(0), self.embed_dim, decoder.kernels
+        x = torch.index_select(self.embed_tokens.weight, 0, tokens, out=decoder.buffer("x", R, C))
         if self.embed_scale != 1.0:
             x.mul_(self.embed_scale)
         if positions is not None:
@@ -422,29 +411,22 @@ class RFATransformerDecoder(TransformerDecoderBase):
             x = kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, x)
         key_pad = None
         if padded_inputs:
-            key_pad = torch.eq(tokens, self.padding_idx, out=state.buffer("key_pad", R, dtype=torch.bool))
+            key_pad = torch.eq(tokens, self.padding_idx, out=decoder.buffer("key_pad", R, dtype=torch.bool))
         attn = None  # fairseq returns the last layer's head-averaged cross-attention weights
-        for i, layer in enumerate(self.layers):
-            x, weights = layer.step(x, state, i, key_pad, need_weights=need_weights and i == len(self.layers) - 1)
+        for i, (layer, cache) in enumerate(zip(self.layers, decoder.layers)):
+            x, weights = layer.step(x, cache, decoder, key_pad, need_weights=need_weights and i == len(self.layers) - 1)
             attn = weights if weights is not None else attn
         if self.layer_norm is not None:
             x = kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
         out = self.output_projection
-        logits = kernels.linear(x, state.packed_linear("output_projection", out),
-                                state.buffer("logits", R, out.weight.size(0), returned=True))
+        logits = kernels.linear(x, decoder.packed_linear("output_projection", out),
+                                decoder.buffer("logits", R, out.weight.size(0), returned=True))
         return logits, attn
 
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
-        entry = incremental_state.get(DecodeState.KEY)
-        if entry is not None:
-            entry["state"].reorder_(new_order)
-
-    def get_normalized_probs(self, net_output, log_probs, sample=None):
-        extra = net_output[1] if len(net_output) > 1 else None
-        state = extra.get(DecodeState.KEY) if isinstance(extra, dict) else None
-        if state is not None and log_probs:
-            return state.log_probs(net_output[0])  # into the step's reused buffer
-        return super().get_normalized_probs(net_output, log_probs, sample)
+        decoder = incremental_state.get(IncrementalDecoder.KEY)
+        if decoder is not None:
+            decoder.reorder(new_order)
 
 
 @register_model("rfa_transformer")
@@ -488,6 +470,11 @@ class RFATransformerModel(TransformerModel):
     def set_beam_size(self, beam_size: int) -> None:
         """Called by fairseq's SequenceGenerator: RFA cross-attention keeps one state per sentence."""
         self.decoder.set_beam_size(beam_size)
+
+    @property
+    def rfa_config(self) -> RFAConfig:
+        """The model's RFA options (fairseq-generate's --model-overrides included)."""
+        return self.decoder.rfa
 
     def rfa_modules(self):
         return [m for m in self.modules() if isinstance(m, RFAAttention)]

@@ -1,34 +1,39 @@
-"""A batch's incremental decoding state: buffers allocated at its first step, and which rows read which
-source sentence.
+"""A batch's incremental decoding: `IncrementalDecoder`, the one object a beam search drives (start, step,
+reorder), and the caches that each layer's attention owns.
 
 Every tensor of an RFA decoding step keeps its shape for the whole batch: the causal state never grows and
-the cross-attention reads a source K/V (or an RFA state) fixed per sentence. So the decoder layers, their
-causal attention and their cross-attention each fill their buffers at the first step (`prepare_step`) and
-every later step (`step`) runs in place from them:
+the cross-attention reads a source K/V (or an RFA state) fixed per sentence. So at a batch's start each decoder
+layer makes its cache (`start_step`: its attentions make theirs) and every later step (`step`) runs in place from
+them:
 
-- per causal layer, two fp32 state buffers (rows, H, F, d + 1) used in turn: a step reads one (through the
-  pending beam order, so a reorder costs no pass of its own) and writes the other;
-- per cross-attention layer, K and V (or the RFA state) once per source sentence, shared by its beams;
-  when sentences finish, the kept ones are compacted (rows shrink, nothing grows);
-- activations, logits and log-probabilities in a workspace that outlives the batch (the decoder keeps it
-  for the next one), so steady-state decoding allocates no large tensor;
+- a causal layer's `CausalCache`: two fp32 state buffers (rows, H, F, d + 1) used in turn: a step reads one
+  (through the pending beam order, so a reorder costs no pass of its own) and writes the other;
+- a cross-attention's `SentenceCache`: K and V (or the RFA state) once per source sentence, shared by its
+  beams; when sentences finish, the kept ones are compacted (rows shrink, nothing grows);
+- activations and logits in a workspace that outlives the batch (the decoder keeps it for the next one), so
+  steady-state decoding allocates no large tensor; the caches' buffers come from it too;
 - the linear layers' weights as the kernels want them (oneDNN's packed layout on the CPU), in the same
   workspace: packed at the first batch and again only when a parameter they derive from changes.
 
-On CUDA a step is captured as a CUDA graph and replayed (`StepGraphs`): its inputs (the last tokens,
-their position embeddings and the pending beam order) are copied into fixed buffers first, so the same
-kernels run on the same addresses each step with one launch; the beam reorder happens inside the graph.
+fairseq's incremental_state holds one reference to the batch's IncrementalDecoder and nothing else.
 
-`follow_rows` is the one account of which rows are copies of which: the state's sentences and the
+On CUDA the SequenceGenerator path captures a step as a CUDA graph and replays it (`StepGraphs`): its inputs
+(the last tokens, their position embeddings and the pending beam order) are copied into fixed buffers first,
+so the same kernels run on the same addresses each step with one launch; the beam reorder happens inside the
+graph. The static beam search captures its whole step instead (generation/static_beam_search.py), this
+object's `compute` inside it.
+
+`follow_rows` is the one account of which rows are copies of which: the decoder's sentences and the
 encoder's reorder_encoder_out both follow beam search's reorders with it.
 """
 import math
-import os
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from .. import torch_internals
 
 
 class Workspace:
@@ -79,7 +84,7 @@ class Workspace:
         """kernels.pack_linear(*build()) for the linear layer `name`, reused while the kernels and every
         parameter in `sources` (what build reads) stay the same tensors, unmodified (an in-place update bumps their
         version, and the layer is packed again; updates through `.data` do not: see forget_packed)."""
-        key = (kernels.name, tuple((id(t), t.data_ptr(), t._version) for t in sources))
+        key = (kernels.name, tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in sources))
         cached = self.packed.get(name)
         if cached is None or cached[0] != key:
             with torch.no_grad():
@@ -134,10 +139,8 @@ class HeldWorkspaces:
 def _viewed_elsewhere(buf: Tensor) -> bool:
     """Whether any tensor besides `buf` shares its storage (a view handed out and still alive). Without
     the storage's use count (a torch internal), every handed-out buffer counts as still viewed."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return True
-    return use_count(buf.untyped_storage()._cdata) > 2  # buf itself + the storage object made for the call
+    use_count = torch_internals.storage_use_count(buf)
+    return use_count is None or use_count > 2  # buf itself + the storage object made for the call
 
 
 def follow_rows(source: Tensor, new_order: Tensor) -> Optional[Tensor]:
@@ -147,55 +150,149 @@ def follow_rows(source: Tensor, new_order: Tensor) -> Optional[Tensor]:
     return None if moved.numel() == source.numel() and torch.equal(moved, source) else moved
 
 
-class DecodeState:
-    """One batch's decoding state; lives in fairseq's incremental_state under KEY.
+class CausalCache:
+    """A causal RFA layer's cache: its input projection [q | k | v | gate logits] (q_width: H * D or C) and output
+    projection packed for the kernels, and two fp32 state buffers (>= rows, H, F, d + 1) used in turn: a step reads
+    `states[0]` (through the pending beam order) and writes `states[1]`, and `swap` turns them after it."""
+
+    def __init__(self, proj, q_width: int, out_proj, states: List[Tensor]):
+        self.proj, self.q_width, self.out_proj, self.states = proj, q_width, out_proj, states
+
+    def swap(self) -> None:
+        self.states.reverse()
+
+    def keep_rows(self, row_sources: Tensor) -> None:
+        """Row i' of the state read next becomes row row_sources[i'] of it (in place, from the first row)."""
+        self.states[0][: row_sources.numel()].copy_(self.states[0].index_select(0, row_sources))
+
+    def tensors(self, rows: int) -> List[Tensor]:
+        return [t[:rows] for t in self.states]
+
+
+class SentenceCache:
+    """A cross-attention's cache: tensors kept once per source sentence (the fields named in SENTENCE_TENSORS,
+    shared by the sentence's beams) and its projections packed for the kernels."""
+
+    SENTENCE_TENSORS: Tuple[str, ...] = ()
+
+    def tensors(self) -> List[Tensor]:
+        return [t for t in (getattr(self, name) for name in self.SENTENCE_TENSORS) if t is not None]
+
+    def select_sentences(self, kept: Tensor) -> bool:
+        """Keep sentences `kept` (in that order): in place where the count stays (captured graphs read them at
+        their addresses), new tensors where it shrinks. -> whether any tensor moved."""
+        moved_any = False
+        for name in self.SENTENCE_TENSORS:
+            value = getattr(self, name)
+            if value is not None:
+                moved = value.index_select(0, kept)
+                if moved.shape == value.shape:
+                    value.copy_(moved)
+                else:
+                    setattr(self, name, moved)
+                    moved_any = True
+        return moved_any
+
+    def keep_sentences(self, kept: Tensor) -> None:
+        """Keep sentences `kept` as the first ones of the same buffers (prefix views: the static beam search's
+        graphs of the smaller shape read them there)."""
+        for name in self.SENTENCE_TENSORS:
+            value = getattr(self, name)
+            if value is not None:
+                moved = value.index_select(0, kept)
+                setattr(self, name, value.view(-1)[: moved.numel()].view(moved.shape).copy_(moved))
+
+
+class IncrementalDecoder:
+    """One batch's incremental decoding on a decoder (RFATransformerDecoder): `start` makes the layers' caches
+    from the encoder output, `step` decodes one token per row (eagerly or as a CUDA graph's replay), `reorder`
+    follows beam search. `compute` and `step_done` are a step's two halves for a caller that captures the
+    step itself (the static beam search): the device work, and what the host does after it.
 
     rows: the batch's rows (beam search: sentences x beam). beam, sentences: rows n * beam .. n * beam + beam - 1
-    read source sentence n (beam 1 once a reorder breaks that layout). order: the pending beam order,
-    applied by the next step. layers[i]: layer i's buffers by module ("self", "cross"), filled at the first
-    step; per-sentence ones (cross-attention K/V) are compacted when sentences leave.
+    read source sentence n (beam 1 once a reorder breaks that layout). order: the pending beam order, applied by
+    the next step. layers: each decoder layer's cache.
     """
 
-    KEY = "rfa_decoding"
+    KEY = "rfa_incremental_decoder"  # its entry in fairseq's incremental_state
     NO_HOST_READS_ON = ("cuda",)  # device types whose reorders read nothing back (a read waits for the device)
 
-    def __init__(self, kernels, workspace: Workspace, rows: int, beam: int, num_layers: int, device, dtype,
+    def __init__(self, decoder, kernels, workspace: Workspace, rows: int, beam: int,
                  graphs: Optional["StepGraphs"] = None):
-        self.kernels, self.workspace = kernels, workspace
+        weight = decoder.embed_tokens.weight
+        self.decoder, self.kernels, self.workspace = decoder, kernels, workspace
         self.rows, self.beam, self.sentences = rows, beam, rows // beam
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = weight.device, weight.dtype
         self.order: Optional[Tensor] = None
+        self.order_buffer: Optional[Tensor] = None  # use_order_buffer's
         self.first = True
-        self.sentence_of_row = torch.arange(self.sentences, device=device).repeat_interleave(beam)
-        self.layers: List[Dict[str, dict]] = [{"self": {}, "cross": {}} for _ in range(num_layers)]
-        self.graphs = graphs  # CUDA graphs of the step (None: every step runs eagerly)
+        self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(beam)
+        self.layers: list = []
+        self.graphs = graphs  # CUDA graphs of the steps (None: every step runs eagerly)
 
-    def swap_causal_states(self) -> None:
-        """After a step: the state buffer it wrote becomes the one the next step reads (each causal layer reads
-        states[0] and writes states[1])."""
+    def start(self, key: Optional[Tensor], key_padding_mask: Optional[Tensor], source_len: Optional[int] = None):
+        """The layers' caches: key (S, sentences, C) the encoder output once per sentence (or None), its padding
+        (sentences, S) or None. source_len >= S pads the cross-attention's K/V to that length (masked), so that
+        batches of nearby source lengths share shapes. -> self"""
+        self.layers = [layer.start_step(self, i, key, key_padding_mask, source_len)
+                       for i, layer in enumerate(self.decoder.layers)]
+        return self
+
+    def use_order_buffer(self, order: Tensor) -> None:
+        """Every step reads the pending beam order from `order` (R,), which the caller rewrites each step."""
+        self.order = self.order_buffer = order
+
+    # ------------------------------------------------------------ a step
+
+    def step(self, tokens: Tensor, positions: Optional[Tensor]):
+        """One step of every row: tokens (R,) the last tokens, positions (R, C) or None -> logits (R, V) in a
+        buffer no caller views, the last layer's head-averaged cross-attention weights (R, S) or None."""
+        R = tokens.size(0)
+        if R != self.rows:
+            raise RuntimeError(f"RFA decoding: {R} rows for a state of {self.rows} (reorder missing?)")
+        if self.graphs is None or self.first:  # the first step fills the buffers that a graph would read
+            logits, attn = self.compute(tokens, positions)
+        else:
+            # a graph reads its inputs from fixed buffers, the beam order included (identity when none is pending)
+            tokens = self.buffer("step.tokens", R, dtype=torch.long).copy_(tokens)
+            if positions is not None:
+                positions = self.buffer("step.positions", *positions.shape).copy_(positions)
+            order = self.buffer("step.order", R, dtype=torch.long)
+            if self.order is not None:
+                order.copy_(self.order)
+            else:
+                torch.arange(R, out=order)
+            self.order = order
+            shape, key = self.graph_key()
+            replayed, attn = self.graphs.run(key, shape, lambda: self.compute(tokens, positions))
+            # a graph writes the same logits buffer at every replay, and a caller may still hold the last step's:
+            # handed out as the eager step hands them out, in a buffer no caller views
+            logits = self.buffer("logits.replayed", *replayed.shape, returned=True).copy_(replayed)
+        self.step_done()
+        return logits, attn
+
+    def compute(self, tokens: Tensor, positions: Optional[Tensor], need_weights: bool = True,
+                padded_inputs: bool = True):
+        """The step's device work (the decoder's step_layers): reads and writes only this batch's buffers and
+        reads nothing back to the host, so a CUDA graph can capture it."""
+        return self.decoder.step_layers(self, tokens, positions, need_weights=need_weights, padded_inputs=padded_inputs)
+
+    def step_done(self) -> None:
+        """What the host does after a step (a replayed graph runs no Python): the causal states turn."""
         for layer in self.layers:
-            states = layer["self"].get("states")
-            if states is not None:
-                states.reverse()
+            layer.self_attn.swap()
+        self.order, self.first = self.order_buffer, False
 
     def graph_key(self) -> Tuple[tuple, tuple]:
         """(shape, key) of this step's CUDA graph (StepGraphs.run): the rows and their layout, and with them the
         causal state buffer the step reads (each shape has a graph per buffer)."""
         shape = (self.rows, self.beam, self.sentences)
-        states = next((layer["self"]["states"] for layer in self.layers if "states" in layer["self"]), None)
-        return shape, shape + (states[0].data_ptr() if states else 0,)
+        state_in = self.layers[0].self_attn.states[0].data_ptr() if self.layers else 0
+        return shape, shape + (state_in,)
 
-    def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
-        return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
+    # ------------------------------------------------------------ beam search
 
-    def packed_linear(self, name: str, *linears, sources: Sequence[Tensor] = (), build=None):
-        """The nn.Linear layers `linears` as one product (Workspace.packed_linears), or the (weight, bias)
-        that build() derives from `sources` (Workspace.packed_linear), packed for the kernels."""
-        if linears:
-            return self.workspace.packed_linears(name, self.kernels, linears)
-        return self.workspace.packed_linear(name, self.kernels, sources, build)
-
-    def reorder_(self, new_order: Tensor) -> None:
+    def reorder(self, new_order: Tensor) -> None:
         """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).
         The causal states apply it in the next step; K/V move only when rows read another sentence."""
         new_order = new_order.to(self.device)
@@ -220,16 +317,7 @@ class DecodeState:
                 kept = groups[:, 0]
             else:  # rows of one sentence went apart: keep K/V once per row from now on
                 kept, self.beam = sentence, 1
-        resized = False
-        for layer in self.layers:
-            cross = layer["cross"]
-            for name, value in cross.items():
-                if isinstance(value, Tensor):
-                    moved = value.index_select(0, kept)
-                    if moved.shape == value.shape:
-                        value.copy_(moved)  # in place: the captured graphs read K/V at their addresses
-                    else:
-                        cross[name], resized = moved, True
+        resized = any([layer.cross.select_sentences(kept) for layer in self.layers if layer.cross is not None])
         if resized and self.graphs is not None:
             self.graphs.clear()
         self.sentences = kept.numel()
@@ -238,45 +326,43 @@ class DecodeState:
     def keep_sentences(self, kept: Tensor, row_sources: Tensor) -> None:
         """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
         sentences of every buffer (same addresses: the CUDA graphs of the smaller shape read them there). Causal
-        row i' takes the state that the pending beam order gives it, row_sources[i'] of the current state buffer
-        (the order is applied here: it is none afterwards); per-sentence tensors keep their kept sentences."""
-        rows = row_sources.numel()
+        row i' takes the state that the pending beam order gives it, row_sources[i'] of the state buffer read
+        next (the order is applied here: it is the identity afterwards); per-sentence tensors keep their kept
+        sentences."""
         for layer in self.layers:
-            states = layer["self"].get("states")
-            if states is not None:
-                states[0][:rows].copy_(states[0].index_select(0, row_sources))  # index_select copies first
-            cross = layer["cross"]
-            for name, value in cross.items():
-                if isinstance(value, Tensor):
-                    moved = value.index_select(0, kept)
-                    cross[name] = value.view(-1)[: moved.numel()].view(moved.shape).copy_(moved)  # a prefix view
-        self.rows, self.sentences, self.order = rows, kept.numel(), None
+            layer.self_attn.keep_rows(row_sources)
+            if layer.cross is not None:
+                layer.cross.keep_sentences(kept)
+        self.rows, self.sentences = row_sources.numel(), kept.numel()
         self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
+
+    # ------------------------------------------------------------ buffers
+
+    def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
+        return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
+
+    def packed_linear(self, name: str, *linears, sources: Sequence[Tensor] = (), build=None):
+        """The nn.Linear layers `linears` as one product (Workspace.packed_linears), or the (weight, bias)
+        that build() derives from `sources` (Workspace.packed_linear), packed for the kernels."""
+        if linears:
+            return self.workspace.packed_linears(name, self.kernels, linears)
+        return self.workspace.packed_linear(name, self.kernels, sources, build)
 
     def attention_tensors(self) -> List[Tensor]:
         """The attention state proper: every causal layer's state buffers (the batch's rows) and the
         cross-attention's per-sentence tensors."""
-        causal = [t[: self.rows] for layer in self.layers for t in layer["self"]["states"]]
-        return causal + [t for layer in self.layers for t in layer["cross"].values() if isinstance(t, Tensor)]
+        causal = [t for layer in self.layers for t in layer.self_attn.tensors(self.rows)]
+        return causal + [t for layer in self.layers if layer.cross is not None for t in layer.cross.tensors()]
 
     def tensors(self) -> List[Tensor]:
         """Every tensor the batch keeps between steps: K/V and the workspace (the causal states are in it)."""
-        cross = [t for layer in self.layers for t in layer["cross"].values() if isinstance(t, Tensor)]
+        cross = [t for layer in self.layers if layer.cross is not None for t in layer.cross.tensors()]
         return cross + self.workspace.tensors()
 
-    def log_probs(self, logits: Tensor) -> Tensor:
-        """log_softmax of this step's logits into the workspace (fairseq's get_normalized_probs), fp32."""
-        out = self.buffer("log_probs", *logits.shape, dtype=torch.float32, returned=True)
-        return torch.log_softmax(logits.float(), dim=-1, out=out)
 
-
-# tests and benchmarks only: set to 1 for the uncaptured step on CUDA (the reference the graphs are checked against)
-EAGER_STEP_ENV = "RFA_FAIRSEQ_EAGER_STEP"
-
-
-def step_graphs_for(device) -> Optional["StepGraphs"]:
-    """CUDA graphs for a batch's steps on `device`: on CUDA unless RFA_FAIRSEQ_EAGER_STEP=1, else None."""
-    if torch.device(device).type != "cuda" or os.environ.get(EAGER_STEP_ENV) == "1":
+def step_graphs_for(device, enabled: bool) -> Optional["StepGraphs"]:
+    """CUDA graphs for a batch's steps on `device`: on CUDA when enabled (--rfa-cuda-graphs), else None."""
+    if torch.device(device).type != "cuda" or not enabled:
         return None
     return StepGraphs(torch.device(device))
 

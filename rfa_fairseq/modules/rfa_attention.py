@@ -9,10 +9,10 @@ Projection names (q_proj, k_proj, v_proj, out_proj) match fairseq's MultiheadAtt
 so softmax transformer weights load into RFA layers unchanged.
 
 Incremental decoding does not go through forward: the decoder layer calls the attention's part of the
-decoding step, `prepare_step` at a batch's first step and `step` at every step (modules/decoding.py).
+decoding step, `start_step` at a batch's start (its cache) and `step` at every step (modules/decoding.py).
 """
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from fairseq.modules.quant_noise import quant_noise
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..config import RFAConfig
 from ..ops import causal_rfa, denominator_eps, draw_random_matrix, gate_keys, noncausal_rfa, noncausal_rfa_state, random_matrix_seed
+from .decoding import CausalCache, SentenceCache
 from .feature_maps import LEGACY_PARAMETER_NAMES, build_feature_map
 
 # b_g starts at 2: g = sigmoid(2) = 0.88, a memory of ~8 tokens, so a fresh gated
@@ -71,19 +72,13 @@ class RFAAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
         self.dropout = float(dropout)
-        rfa = rfa if rfa is not None else RFAConfig()
-        self.sequence_kernel = str(rfa.rfa_sequence_kernel)
-        self.feature_map = str(rfa.rfa_feature_map)
+        self.rfa = rfa if rfa is not None else RFAConfig()  # the options, read where they are used
         self.eps = denominator_eps(self.feature_map)
-        self.num_features = int(rfa.rfa_num_features)
-        self.random_matrix_kind = str(rfa.rfa_random_matrix)
-        self.fixed_random_matrix = bool(rfa.rfa_fixed_random_matrix)
-        self.chunk_size = int(rfa.rfa_chunk_size)
-        self.gated = bool(rfa.rfa_gate) and causal
+        self.gated = bool(self.rfa.rfa_gate) and causal
 
         # phi first: its parameters keep the place the attention's own sigma / feature weights had in
         # parameters() (resumed optimizer states are matched by position); initialized in reset_parameters
-        self.phi = build_feature_map(rfa, num_heads, self.head_dim, initialize=False)
+        self.phi = build_feature_map(self.rfa, num_heads, self.head_dim, initialize=False)
         self.learned_map = not self.phi.uses_random_matrix
         self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.v_proj = quant_noise(nn.Linear(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
@@ -114,6 +109,14 @@ class RFAAttention(nn.Module):
             nn.init.xavier_uniform_(self.gate_proj.weight)
             nn.init.constant_(self.gate_proj.bias, GATE_BIAS_INIT)
         self.phi.reset_parameters()  # last, as before the maps were modules: same draws for a seed
+
+    # the model's options, as RFAConfig holds them (fairseq-generate's --model-overrides included)
+    sequence_kernel = property(lambda self: str(self.rfa.rfa_sequence_kernel))
+    feature_map = property(lambda self: str(self.rfa.rfa_feature_map))
+    num_features = property(lambda self: int(self.rfa.rfa_num_features))
+    random_matrix_kind = property(lambda self: str(self.rfa.rfa_random_matrix))
+    fixed_random_matrix = property(lambda self: bool(self.rfa.rfa_fixed_random_matrix))
+    chunk_size = property(lambda self: int(self.rfa.rfa_chunk_size))
 
     @property
     def sigma_mode(self) -> str:
@@ -232,7 +235,7 @@ class RFAAttention(nn.Module):
         return self.out_proj(out), None
 
     def _get_input_buffer(self, incremental_state) -> None:
-        return None  # fairseq's decoder layer asks for it; the decoding step's state is the decoder's (DecodeState)
+        return None  # fairseq's decoder layer asks for it; the decoding step's cache is this module's (start_step)
 
     def _causal_self_attention(self, phi_q, query, key_padding_mask, w) -> Tensor:
         """Decoder self-attention over whole sequences, chunked. -> (B, H, T, d)"""
@@ -246,30 +249,28 @@ class RFAAttention(nn.Module):
 
     # ------------------------------------------------------------ the decoding step
 
-    def prepare_step(self, buffers: dict, state, key: Optional[Tensor] = None,
-                     key_padding_mask: Optional[Tensor] = None, name: str = "rfa", source_len: Optional[int] = None) -> None:
-        """A batch's first step: what every step reads, into `buffers`; linear layers packed for the kernels
-        under `name`. Causal: the fused input projection and two fp32 state buffers (rows, H, F, d + 1) used
-        in turn. Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence, in the state's
-        workspace (its size does not depend on S: source_len, the padded length of softmax K/V, changes nothing)."""
-        C = self.embed_dim
-        buffers["out_proj"] = state.packed_linear(f"{name}.out_proj", self.out_proj)
+    def start_step(self, decoder, name: str, key: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
+                   source_len: Optional[int] = None) -> Union[CausalCache, "RFACrossCache"]:
+        """A batch's start: this attention's cache, its buffers from the IncrementalDecoder `decoder`'s workspace
+        and its linear layers packed for the kernels under `name`. Causal: the fused input projection and two fp32
+        state buffers (rows, H, F, d + 1) used in turn. Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once
+        per source sentence (its size does not depend on S: source_len, softmax K/V's padded length, is moot)."""
+        out_proj = decoder.packed_linear(f"{name}.out_proj", self.out_proj)
         if not self.causal:
             phi_k = self.features(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
             if key_padding_mask is not None:
                 phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
             sentence_states = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))  # (n, H, F, d + 1)
-            buffers["rfa_state"] = state.buffer(f"{name}.rfa_state", *sentence_states.shape,
-                                                dtype=sentence_states.dtype).copy_(sentence_states)
-            buffers["q_proj"] = state.packed_linear(f"{name}.q_proj", self.q_proj)
-            return
-        H, d = self.num_heads, self.head_dim
+            kept = decoder.buffer(f"{name}.rfa_state", *sentence_states.shape, dtype=sentence_states.dtype)
+            return RFACrossCache(kept.copy_(sentence_states), decoder.packed_linear(f"{name}.q_proj", self.q_proj),
+                                 out_proj)
+        H, d, C = self.num_heads, self.head_dim, self.embed_dim
         linear = self.phi.linear_part()
-        buffers["q_width"] = linear[0].size(1) * H if linear is not None else C  # H * D (learned linear map) or C
-        buffers["proj"] = state.packed_linear(f"{name}.proj", sources=list(self.parameters()),
-                                              build=self._fused_input_projection)
-        buffers["states"] = [state.buffer(f"causal{self.module_index}.state{j}", state.rows, H, self.phi.output_dim, d + 1,
-                                          dtype=torch.float32) for j in range(2)]
+        q_width = linear[0].size(1) * H if linear is not None else C  # H * D (learned linear map) or C
+        proj = decoder.packed_linear(f"{name}.proj", sources=list(self.parameters()), build=self._fused_input_projection)
+        states = [decoder.buffer(f"{name}.state{j}", decoder.rows, H, self.phi.output_dim, d + 1, dtype=torch.float32)
+                  for j in range(2)]
+        return CausalCache(proj, q_width, out_proj, states)
 
     def _fused_input_projection(self) -> Tuple[Tensor, Tensor]:
         """Causal: one (N, C) weight and (N,) bias giving [q | k | v | gate logits] from x, where a learned
@@ -286,41 +287,39 @@ class RFAAttention(nn.Module):
             pieces.append((self.gate_proj.weight, self.gate_proj.bias))
         return torch.cat([w for w, _ in pieces], dim=0).contiguous(), torch.cat([b for _, b in pieces]).contiguous()
 
-    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None, need_weights: bool = False,
+    def step(self, h: Tensor, cache, decoder, key_pad: Optional[Tensor] = None, need_weights: bool = False,
              residual: Optional[Tensor] = None) -> Tuple[Tensor, None]:
         """One step of the (R, C) normalized inputs h (key_pad: (R,) padded decoder inputs, causal only)
         -> the (R, C) output projection (plus `residual`), and no weights: RFA forms none."""
         R, C = h.size(0), self.embed_dim
-        attn = self._causal_step(h, buffers, state, key_pad) if self.causal else self._cross_step(h, buffers, state)
-        return state.kernels.linear(attn, buffers["out_proj"], state.buffer("y", R, C), residual=residual), None
+        attn = self._causal_step(h, cache, decoder, key_pad) if self.causal else self._cross_step(h, cache, decoder)
+        return decoder.kernels.linear(attn, cache.out_proj, decoder.buffer("y", R, C), residual=residual), None
 
-    def _causal_step(self, h: Tensor, buffers: dict, state, key_pad: Tensor) -> Tensor:
+    def _causal_step(self, h: Tensor, cache: CausalCache, decoder, key_pad: Tensor) -> Tensor:
         R, C, H = h.size(0), self.embed_dim, self.num_heads
-        packed, width = buffers["proj"], buffers["q_width"]
-        proj = state.kernels.linear(h, packed, state.buffer("proj", R, packed[1].numel()))  # [q | k | v | gate]
+        packed, width = cache.proj, cache.q_width
+        proj = decoder.kernels.linear(h, packed, decoder.buffer("proj", R, packed[1].numel()))  # [q | k | v | gate]
         q, k = proj[:, :width], proj[:, width: 2 * width]
         activation = self.phi.step_activation  # None: the step takes features, computed here
         if activation is None:
             q, k = self.phi.step_features(q, k, self.random_matrix())
         v = proj[:, 2 * width: 2 * width + C]
         gate = proj[:, 2 * width + C: 2 * width + C + H] if self.gate_proj is not None else None
-        # [the last step's, the spare] (DecodeState.swap_causal_states turns them after the step); rows only shrink,
-        # so the first step's fit
-        states = buffers["states"]
-        state_in, order = (None, None) if state.first else (states[0], state.order)
-        attn = state.buffer("attn", R, C)
-        state.kernels.causal_layer_step(q, k, v, gate, key_pad, state_in, order, states[1], attn, self.eps, activation)
+        # rows only shrink, so the first step's buffers fit; the first step reads no state
+        state_in, order = (None, None) if decoder.first else (cache.states[0], decoder.order)
+        attn = decoder.buffer("attn", R, C)
+        decoder.kernels.causal_layer_step(q, k, v, gate, key_pad, state_in, order, cache.states[1], attn, self.eps,
+                                          activation)
         return attn
 
-    def _cross_step(self, h: Tensor, buffers: dict, state) -> Tensor:
+    def _cross_step(self, h: Tensor, cache: "RFACrossCache", decoder) -> Tensor:
         R, C, H = h.size(0), self.embed_dim, self.num_heads
-        q = state.kernels.linear(h, buffers["q_proj"], state.buffer("q", R, C))
-        sentence_states = buffers["rfa_state"]  # (n, H, F, d + 1)
+        q = decoder.kernels.linear(h, cache.q_proj, decoder.buffer("q", R, C))
         phi_q = self.features(q.unsqueeze(0), self.random_matrix(), is_query=True)  # (R, H, 1, F)
-        n, beam = sentence_states.size(0), state.beam
+        n, beam = cache.rfa_state.size(0), decoder.beam
         grouped = phi_q.view(n, beam, H, 1, -1).transpose(1, 2).reshape(n, H, beam, -1)
-        out, _ = noncausal_rfa(grouped, None, None, state=sentence_states, eps=self.eps)  # (n, H, beam, d)
-        attn = state.buffer("attn", R, C)
+        out, _ = noncausal_rfa(grouped, None, None, state=cache.rfa_state, eps=self.eps)  # (n, H, beam, d)
+        attn = decoder.buffer("attn", R, C)
         attn.view(n, beam, H, -1).copy_(out.transpose(1, 2))
         return attn
 
@@ -331,6 +330,16 @@ class RFAAttention(nn.Module):
             f"D={self.num_features}, matrix={self.random_matrix_kind}, sigma={self.sigma_mode}, gated={self.gated}, "
             f"sequence_kernel={self.sequence_kernel}, dropout={self.dropout}, module_index={self.module_index}"
         )
+
+
+class RFACrossCache(SentenceCache):
+    """RFA cross-attention's cache: each source sentence's state S = phi(K)^T [V, 1] (sentences, H, F, d + 1),
+    its query and output projections packed for the kernels."""
+
+    SENTENCE_TENSORS = ("rfa_state",)
+
+    def __init__(self, rfa_state: Tensor, q_proj, out_proj):
+        self.rfa_state, self.q_proj, self.out_proj = rfa_state, q_proj, out_proj
 
 
 def _bias(linear, size) -> Tensor:

@@ -10,14 +10,26 @@ from typing import Optional, Tuple
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
+from .decoding import SentenceCache
+
+
+class SoftmaxCrossCache(SentenceCache):
+    """Softmax cross-attention's cache: each source sentence's K and V (sentences, H, S, d), the padding as an
+    additive (sentences, S) bias (or None), the query and output projections packed for the kernels."""
+
+    SENTENCE_TENSORS = ("key", "value", "key_bias")
+
+    def __init__(self, key: Tensor, value: Tensor, key_bias: Optional[Tensor], q_proj, out_proj):
+        self.key, self.value, self.key_bias, self.q_proj, self.out_proj = key, value, key_bias, q_proj, out_proj
+
 
 class SoftmaxCrossAttention(MultiheadAttention):
-    def prepare_step(self, buffers: dict, state, key: Tensor, key_padding_mask: Optional[Tensor], name: str,
-                     source_len: Optional[int] = None) -> None:
-        """A batch's first step: K, V of key (S, sentences, C) in the state's workspace (under `name`), the padding as
-        an additive (sentences, S) bias and the query and output projections packed for the kernels. source_len
-        (>= S): K and V padded to that length with zeros that the bias masks, and the bias always present, so
-        that batches of other source lengths up to it run on the same buffers and shapes (CUDA graphs)."""
+    def start_step(self, decoder, name: str, key: Tensor, key_padding_mask: Optional[Tensor],
+                   source_len: Optional[int] = None) -> SoftmaxCrossCache:
+        """A batch's start: K, V of key (S, sentences, C) in the IncrementalDecoder `decoder`'s workspace (under
+        `name`), the padding as a bias, the projections packed. source_len (>= S): K and V padded to that length
+        with zeros that the bias masks, and the bias always present, so that batches of other source lengths up
+        to it run on the same buffers and shapes (CUDA graphs)."""
         if self.bias_k is not None or self.add_zero_attn:
             raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
         S, n, _ = key.shape
@@ -25,33 +37,32 @@ class SoftmaxCrossAttention(MultiheadAttention):
         length = S if source_len is None else source_len
         if length < S:
             raise ValueError(f"source_len {source_len} is shorter than the source ({S} positions)")
-        kv_weights = state.packed_linear(f"{name}.kv_proj", self.k_proj, self.v_proj)
-        kv = state.kernels.linear(key.reshape(S * n, -1), kv_weights, key.new_empty(S * n, 2 * self.embed_dim))
+        kv_weights = decoder.packed_linear(f"{name}.kv_proj", self.k_proj, self.v_proj)
+        kv = decoder.kernels.linear(key.reshape(S * n, -1), kv_weights, key.new_empty(S * n, 2 * self.embed_dim))
         kv = kv.view(S, n, 2, H, d).permute(2, 1, 3, 0, 4)  # (2, n, H, S, d)
+        kept = []
         for i, role in enumerate(("key", "value")):
-            buffer = state.buffer(f"{name}.{role}", n, H, length, d)  # the workspace's: the same address every batch
+            buffer = decoder.buffer(f"{name}.{role}", n, H, length, d)  # the workspace's: the same address every batch
             buffer[:, :, :S].copy_(kv[i])
             buffer[:, :, S:].zero_()
-            buffers[role] = buffer
+            kept.append(buffer)
         bias = None
         if source_len is not None or (key_padding_mask is not None and bool(key_padding_mask.any())):
-            bias = state.buffer(f"{name}.key_bias", n, length).zero_()
+            bias = decoder.buffer(f"{name}.key_bias", n, length).zero_()
             if key_padding_mask is not None:
                 bias[:, :S].masked_fill_(key_padding_mask, float("-inf"))
             bias[:, S:] = float("-inf")
-        buffers["key_bias"] = bias
-        buffers["q_proj"] = state.packed_linear(f"{name}.q_proj", self.q_proj)
-        buffers["out_proj"] = state.packed_linear(f"{name}.out_proj", self.out_proj)
+        return SoftmaxCrossCache(*kept, bias, decoder.packed_linear(f"{name}.q_proj", self.q_proj),
+                                 decoder.packed_linear(f"{name}.out_proj", self.out_proj))
 
-    def step(self, h: Tensor, buffers: dict, state, key_pad: Optional[Tensor] = None, need_weights: bool = False,
-             residual: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def step(self, h: Tensor, cache: SoftmaxCrossCache, decoder, key_pad: Optional[Tensor] = None,
+             need_weights: bool = False, residual: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """(R, C) normalized inputs -> the (R, C) output projection (plus `residual`) and the (R, S) head-averaged
         weights (need_weights) or None."""
         R, C = h.shape
-        kernels = state.kernels
-        q = kernels.linear(h, buffers["q_proj"], state.buffer("q", R, C))
-        attn = state.buffer("attn", R, C)
-        weights = state.buffer("cross_weights", R, buffers["key"].size(2)) if need_weights else None
-        kernels.softmax_cross_step(q, buffers["key"], buffers["value"], buffers["key_bias"], state.beam,
-                                   self.scaling, attn, weights)
-        return kernels.linear(attn, buffers["out_proj"], state.buffer("y", R, C), residual=residual), weights
+        kernels = decoder.kernels
+        q = kernels.linear(h, cache.q_proj, decoder.buffer("q", R, C))
+        attn = decoder.buffer("attn", R, C)
+        weights = decoder.buffer("cross_weights", R, cache.key.size(2)) if need_weights else None
+        kernels.softmax_cross_step(q, cache.key, cache.value, cache.key_bias, decoder.beam, self.scaling, attn, weights)
+        return kernels.linear(attn, cache.out_proj, decoder.buffer("y", R, C), residual=residual), weights

@@ -23,20 +23,23 @@
         <- per sentence the k largest prev_scores[row] + lprobs[row, v] (NaN counting as -inf), best first, and
         their flat indices b * V + v (b: the beam within the sentence)
 
-Two sets: the C++ kernels (csrc/, one module loaded by extension.py) on the CPU in fp32, with the linear
-layers in oneDNN on weights packed once (torch's mkldnn ops; 2.05-2.29x torch's MKL addmm on the step's
-shapes on a 2-core AMD EPYC, benchmarks/benchmark_gemm.py), and the torch implementations below on every
-device and dtype (states and accumulations in fp32), which are what the C++ kernels are tested against
-beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a step can be queued (or captured)
-as a whole; the torch kernels write into buffers their caller allocated once.
+`StepKernels` declares that interface; a kernel set is the step's own operations (`TorchStepOps` on every
+device and dtype, states and accumulations in fp32; `CppStepOps`, the C++ kernels of csrc/, on the CPU in fp32)
+joined with a linear-layer library (`TorchLinear`: torch's addmm; `OneDNNLinear`: oneDNN on weights packed
+once, torch's mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC,
+benchmarks/benchmark_gemm.py). `step_kernels` is the one choice of a set, for the decoder's step and the
+encoder's inference alike; no set falls back to another inside a call. The torch operations are what the C++
+kernels are tested against, beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a step
+can be queued (or captured) as a whole; the kernels write into buffers their caller allocated once.
 """
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import torch_internals
 from .extension import load_fused_extension, require_fused_extension
 from .feature_maps import activate_learned_pair
 
@@ -48,10 +51,11 @@ def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
-def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype):
-    """The kernels of a batch's decoding steps for --rfa-decode-kernel (validated by RFAConfig) and the
-    model's device and dtype: auto = C++ on the CPU in fp32 when the module loads, torch otherwise;
-    cpp = C++, an error where it cannot run; torch = torch."""
+def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "StepKernels":
+    """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel (validated by
+    RFAConfig) and the model's device and dtype: auto = the C++ kernels on the CPU in fp32 when their module
+    loads (linear layers in oneDNN where torch has it), torch otherwise; cpp = the C++ kernels, an error where
+    they cannot run; torch = torch."""
     if decode_kernel == "torch":
         return TORCH_KERNELS
     native = cpp_can_run(device, dtype)
@@ -59,16 +63,41 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype):
         if not native:
             raise ValueError(f"--rfa-decode-kernel cpp: the C++ decoding step runs on the CPU in fp32, not on "
                              f"{torch.device(device).type} in {dtype}; use auto or torch")
-        return CppKernels(require_fused_extension())
-    ext = load_fused_extension() if native else None
-    return CppKernels(ext) if ext is not None else TORCH_KERNELS
+        ext = require_fused_extension()
+    else:
+        ext = load_fused_extension() if native else None
+        if ext is None:
+            return TORCH_KERNELS
+    return CppOneDNNKernels(ext) if onednn_linear_available() else CppKernels(ext)
 
 
-class TorchKernels:
-    """The step's kernels in torch: any device and dtype."""
+class StepKernels(Protocol):
+    """The interface of a kernel set (module docstring); one instance serves a batch's steps."""
 
-    name = "torch"
-    gemm = "torch addmm"
+    name: str  # the step's own operations: "cpp" or "torch"
+    gemm: str  # the linear layers' library, as the log names it
+
+    def causal_layer_step(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
+                          key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
+                          state_out: Tensor, out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor: ...
+
+    def softmax_cross_step(self, q: Tensor, key: Tensor, value: Tensor, key_bias: Optional[Tensor], beam: int,
+                           scaling: float, out: Tensor, weights: Optional[Tensor] = None) -> Tensor: ...
+
+    def add_layer_norm(self, x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float,
+                       out: Tensor) -> Tensor: ...
+
+    def beam_candidates(self, lprobs: Tensor, prev_scores: Optional[Tensor], beam: int, scores_out: Tensor,
+                        indices_out: Tensor) -> None: ...
+
+    def pack_linear(self, weight: Tensor, bias: Optional[Tensor]): ...
+
+    def linear(self, x: Tensor, packed, out: Tensor, activation: Optional[str] = None,
+               residual: Optional[Tensor] = None) -> Tensor: ...
+
+
+class TorchStepOps:
+    """The step's own operations in torch: any device and dtype."""
 
     @staticmethod
     def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
@@ -147,6 +176,11 @@ class TorchKernels:
             totals = (lprobs + prev_scores.view(N, beam, 1)).view(N, -1)  # (N, beam * V)
         torch.topk(totals, k=k, out=(scores_out, indices_out))
 
+
+
+class TorchLinear:
+    """Linear layers in torch (addmm on the weight's transposed view): any device and dtype."""
+
     @staticmethod
     def pack_linear(weight: Tensor, bias: Optional[Tensor]):
         return weight.t(), bias  # addmm reads the transposed view in place
@@ -166,34 +200,24 @@ class TorchKernels:
         return out
 
 
+class TorchKernels(TorchStepOps, TorchLinear):
+    """Everything in torch: any device and dtype (CUDA's kernels)."""
+
+    name = "torch"
+    gemm = "torch addmm"
+
+
 TORCH_KERNELS = TorchKernels()
 _NONE = torch.empty(0)  # the C++ kernels' "absent" argument
 
 
-class CppKernels:
-    """The step's kernels in C++ (csrc/rfa_decode_step.cpp) and its linear layers in oneDNN: CPU, fp32."""
+class CppStepOps:
+    """The step's own operations in C++ (csrc/rfa_decode_step.cpp, one module): the CPU in fp32."""
 
     name = "cpp"
 
     def __init__(self, ext):
         self.ext = ext
-        self.onednn = onednn_linear_available()
-        self.gemm = "oneDNN (packed weights)" if self.onednn else "torch addmm"
-
-    def pack_linear(self, weight, bias):
-        if not self.onednn:
-            return TorchKernels.pack_linear(weight, bias)
-        # the batch size only hints the packed layout; any number of rows runs on it
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT), bias
-
-    def linear(self, x, packed, out, activation=None, residual=None):
-        if not self.onednn:
-            return TorchKernels.linear(x, packed, out, activation, residual)
-        weight, bias = packed
-        if residual is not None and activation is None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
-        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation or "none", [], "")
-        return y if residual is None else y.add_(residual)
 
     def causal_layer_step(self, phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
                           activation=None):
@@ -213,13 +237,42 @@ class CppKernels:
         self.ext.beam_candidates(lprobs, _or_none(prev_scores), beam, scores_out, indices_out)
 
 
+class OneDNNLinear:
+    """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, through torch_internals): the CPU
+    in fp32, where torch has them (onednn_linear_available)."""
+
+    @staticmethod
+    def pack_linear(weight, bias):
+        # the batch size only hints the packed layout; any number of rows runs on it
+        return torch_internals.onednn_pack_linear_weight(weight.detach(), ONEDNN_ROWS_HINT), bias
+
+    @staticmethod
+    def linear(x, packed, out, activation=None, residual=None):
+        weight, bias = packed  # oneDNN returns y in a tensor of its own: `out` is not written
+        if residual is not None and activation is None:
+            return torch_internals.onednn_linear_add(x, residual, weight, bias)
+        y = torch_internals.onednn_linear(x, weight, bias, activation)
+        return y if residual is None else y.add_(residual)
+
+
+class CppKernels(CppStepOps, TorchLinear):
+    """The C++ step with torch's linear layers (a torch without oneDNN)."""
+
+    gemm = "torch addmm"
+
+
+class CppOneDNNKernels(CppStepOps, OneDNNLinear):
+    """The C++ step with oneDNN's linear layers: the CPU's fastest set."""
+
+    gemm = "oneDNN (packed weights)"
+
+
 ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout
 
 
 def onednn_linear_available() -> bool:
     """Whether torch has its oneDNN (mkldnn) linear ops with packed weights (torch's x86 CPU builds do)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return torch.backends.mkldnn.is_available() and torch_internals.onednn_linear_available()
 
 
 def _or_none(t: Optional[Tensor]) -> Tensor:

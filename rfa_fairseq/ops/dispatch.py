@@ -1,6 +1,6 @@
 """Causal RFA over whole sequences (training, scoring), the implementation picked per call:
 
-    causal_rfa(phi_q, phi_k, v, log_gate=None, state=None) -> (out, state)
+    causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size, sequence_kernel) -> (out, state)
 
 causal_rfa_fla on CUDA when flash-linear-attention is installed and --rfa-sequence-kernel is auto,
 causal_rfa_chunked otherwise, and also for gated passes that need gradients where fla computes their
@@ -16,12 +16,13 @@ from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
 SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 
 
-def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, chunk_size: int = 64, eps: float = DENOMINATOR_EPS,
-               sequence_kernel: str = "auto"):
+def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size: int, sequence_kernel: str,
+               eps: float = DENOMINATOR_EPS):
     """phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
     state: None or a (B, H, F, d + 1) tensor entering the sequence -> out (B, H, T, d) fp32, final state
 
-    chunk_size: the torch path's chunks. sequence_kernel: "auto" (fla on CUDA when usable) or "torch".
+    chunk_size: the torch path's chunks (--rfa-chunk-size). sequence_kernel: "auto" (fla on CUDA when usable)
+    or "torch" (--rfa-sequence-kernel). The model's options (RFAConfig) are their only defaults.
     """
     if sequence_kernel == "auto" and fla_available(phi_q) and (log_gate is None or not _needs_grad(
             phi_q, phi_k, v, log_gate, state) or fla_differentiates_gated()):
