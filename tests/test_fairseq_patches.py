@@ -1,8 +1,10 @@
 """The table of fairseq patches (rfa_fairseq/fairseq_compat.py PATCHES): each applies to the installed
-fairseq (ve-fairseq 0.12.3), and none applies to a source it was not checked against."""
+fairseq (ve-fairseq 0.12.3), none applies to a source it was not checked against, and docs/design.md
+lists exactly the table."""
 import functools
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 from fairseq import options
@@ -12,6 +14,9 @@ from fairseq_cli import interactive as interactive_cli
 
 from rfa_fairseq import fairseq_compat
 from rfa_fairseq.fairseq_compat import APPLIED, PATCHES, PATCHES_BY_NAME, FairseqPatchSkipped
+
+DESIGN_DOC = Path(__file__).resolve().parents[1] / "docs" / "design.md"
+TABLE_SECTION = "### fairseq patches"
 
 
 @pytest.fixture
@@ -111,3 +116,19 @@ def test_a_missing_attribute_is_not_patched(monkeypatch):
     assert "does not exist" in _skipped("broadcast-checkpoint-classes")
     assert not hasattr(distributed_utils, "_broadcast_object_slow")
 
+
+def _design_table():
+    lines = DESIGN_DOC.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(TABLE_SECTION))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[first:end]
+
+
+def test_design_doc_lists_exactly_the_patches():
+    table = _design_table()
+    names = [row.split("|")[1].strip().strip("`") for row in table[2:]]
+    assert names == [patch.name for patch in PATCHES], \
+        f"docs/design.md ({TABLE_SECTION}) lists {names}; fairseq_compat.PATCHES has {[p.name for p in PATCHES]}"
+    assert "\n".join(table) + "\n" == fairseq_compat.patch_table_markdown(), \
+        f"docs/design.md's table differs from PATCHES; replace it by:\n{fairseq_compat.patch_table_markdown()}"
