@@ -2,22 +2,32 @@
 
 `apply_patches()` runs when rfa_fairseq is imported, which `--user-dir` does in fairseq-train,
 fairseq-hydra-train, fairseq-generate/-interactive/-validate and in every distributed worker. It is
-idempotent (the plugin may be imported more than once, e.g. by a test and by --user-dir). The patches:
+idempotent (the plugin may be imported more than once, e.g. by a test and by --user-dir): an attribute
+the plugin already replaced (marked `rfa_fairseq_wrapper`) is left alone.
+
+`PATCHES` is the one table of fairseq patches (docs/design.md's table is `patch_table_markdown()`; a test
+keeps the two equal). Each record names the attribute it replaces and the fingerprint of the fairseq
+source it was checked against (`source_fingerprint`, from ve-fairseq 0.12.3 as installed). A patch is
+applied only when the attribute's current fingerprint is that one; otherwise (another fairseq version,
+or another package replaced the attribute) fairseq's attribute is left as it is and one
+`FairseqPatchSkipped` warning names the patch, what differs and what the user loses. The patches
+(their names in PATCHES in brackets):
 
 1. torch's weights_only allowlist (`checkpoints.allowlist_checkpoint_classes`). torch >= 2.6 loads
    with weights_only=True, which refuses every pickled class that is not allowlisted, and fairseq
    0.12 calls `torch.load` without arguments. We allowlist exactly the classes fairseq checkpoints
    pickle (`checkpoints.FAIRSEQ_CHECKPOINT_CLASSES`); anything else is still refused. weights_only
    is never turned off.
-2. `fairseq.checkpoint_utils.load_checkpoint_to_cpu` (fairseq-train resume, --restore-file,
-   --finetune-from-model, fairseq-generate/-interactive/-validate): the file's checksums are verified
+2. [checked-checkpoint-loading] `fairseq.checkpoint_utils.load_checkpoint_to_cpu` (fairseq-train resume,
+   --restore-file, --finetune-from-model, fairseq-generate/-interactive/-validate): the file's checksums are verified
    first (`checkpoints.verify_checkpoint_file`), and a file that is not a checkpoint, a truncated or
    overwritten one, a refused class or an RFA option changed by --model-overrides gives one clear
    error naming the file (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of
    torch's generic text (or `KeyError: 101`); an rfa* --model-overrides key that is no RFA option gets a
    warning naming the closest one.
-3. Checkpoint writing, so that every name fairseq-train writes appears atomically (a process killed
-   at any instant leaves each name as the old complete file or the new one):
+3. [atomic-checkpoint-save, atomic-checkpoint-copy, resume-from-newest-intact,
+   no-training-past-max-update] Checkpoint writing, so that every name fairseq-train writes appears
+   atomically (a process killed at any instant leaves each name as the old complete file or the new one):
    `checkpoint_utils.torch_persistent_save` writes through `checkpoints.save_atomic` (temporary file,
    fsync, rename; fairseq's own had no fsync), and `checkpoint_utils.PathManager` becomes
    `AtomicCopyPathManager`, whose `copy` (checkpoint_last.pt, checkpoint_best.pt, ... are copies of the
@@ -32,25 +42,25 @@ idempotent (the plugin may be imported more than once, e.g. by a test and by --u
    unloadable --restore-file) and removes temporary files of killed writes. `fairseq_cli.train.train`
    returns at once when the resumed checkpoint is already at --max-update (fairseq trained one more
    update each time the finished command was run again, e.g. after a kill during its exit).
-4. `fairseq.distributed.utils._broadcast_object_slow`: with several ranks, rank 0 loads the
-   checkpoint (through the checks above) and broadcasts it, as a pickle that now holds omegaconf
+4. [broadcast-checkpoint-classes] `fairseq.distributed.utils._broadcast_object_slow`: with several ranks,
+   rank 0 loads the checkpoint (through the checks above) and broadcasts it, as a pickle that now holds omegaconf
    DictConfig objects, to the other ranks, which `torch.load` it with weights_only. The omegaconf
    classes (`checkpoints.broadcast_checkpoint_classes`) are allowlisted only while such a broadcast
    is read, never for files.
-5. `fairseq_cli.interactive.buffered_read`: fairseq-interactive's input (--input FILE or stdin) is
-   read under the plugin's one rule for text (`textio`): a line that is not UTF-8 is an error naming
+5. [utf8-interactive-input] `fairseq_cli.interactive.buffered_read`: fairseq-interactive's input (--input
+   FILE or stdin) is read under the plugin's one rule for text (`textio`): a line that is not UTF-8 is an error naming
    the file and line (fairseq failed without naming either for a file, and made <unk> of stdin).
-6. fairseq's background data thread, stopped before the interpreter exits (`StoppableConsumer`
-   replaces `fairseq.data.iterators.BackgroundConsumer`; `stop_data_threads` runs at exit). Without
+6. [stoppable-data-thread] fairseq's background data thread, stopped before the interpreter exits
+   (`StoppableConsumer` replaces `fairseq.data.iterators.BackgroundConsumer`; `stop_data_threads` runs at exit). Without
    it a run that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT. Details below.
-7. `fairseq.tasks.FairseqTask.build_generator` (fairseq-generate, fairseq-interactive, --eval-bleu):
-   a single rfa_transformer with plain beam-search options gets the plugin's static beam search
+7. [static-beam-search] `fairseq.tasks.FairseqTask.build_generator` (fairseq-generate, fairseq-interactive,
+   --eval-bleu): a single rfa_transformer with plain beam-search options gets the plugin's static beam search
    (`generation.StaticBeamSearchGenerator`: same hypotheses and scores, buffers that keep their shape,
    a batch that only halves); anything else gets fairseq's generator and one log line naming the reason
    (`generation.fallback_reason`).
 
-Not applied at import: `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch` only in
-its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
+Not applied at import: [bf16-on-gpu] `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch`
+only in its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
 
 The background data thread (6). fairseq wraps every epoch iterator in a `BufferedIterator`
 (`--data-buffer-size`, default 10): a daemon thread (`BackgroundConsumer`) pulls batches from the
@@ -73,17 +83,22 @@ size, prefetching during training as before; the iterator position saved in chec
 exact as before.
 """
 import atexit
+import dataclasses
 import functools
+import hashlib
+import importlib
+import inspect
 import logging
 import os
 import pickle
 import queue
+import sys
 import threading
+import warnings
+from typing import Any, Callable, Dict, Optional
 
 import torch
-from fairseq import checkpoint_utils
 from fairseq.data import iterators
-from fairseq.distributed import utils as distributed_utils
 from fairseq.file_io import PathManager
 
 from . import checkpoints, resume, textio
@@ -101,6 +116,8 @@ JOIN_TIMEOUT_SECONDS = 60.0
 class StoppableConsumer(iterators.BackgroundConsumer):
     """fairseq's BackgroundConsumer (same items, order and buffering) that stops between two items
     when `stop_event` is set, also while it waits for room in a full queue."""
+
+    rfa_fairseq_wrapper = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -148,18 +165,14 @@ def stop_data_threads(timeout=JOIN_TIMEOUT_SECONDS):
     return stuck
 
 
-def stop_data_threads_at_exit():
-    """Install StoppableConsumer in fairseq and register `stop_data_threads` for interpreter exit.
-    Idempotent (the plugin may be imported more than once, e.g. by a test and by --user-dir)."""
-    if issubclass(iterators.BackgroundConsumer, StoppableConsumer):
-        return
-    # BufferedIterator looks BackgroundConsumer up in its module each time it starts a thread
-    iterators.BackgroundConsumer = StoppableConsumer
+def _install_stoppable_consumer(original):
     # threading's exit hooks run first at shutdown, before atexit's: before torch's own atexit
     # hooks, which shut DataLoader workers down and could pull them away from a consumer still
-    # waiting for a batch. (Private but stable since Python 3.9; concurrent.futures relies on it.)
+    # waiting for a batch. (A private CPython API, stable since Python 3.9 and relied on by
+    # concurrent.futures; atexit where it is missing.)
     register = getattr(threading, "_register_atexit", atexit.register)
     register(stop_data_threads)
+    return StoppableConsumer  # BufferedIterator looks BackgroundConsumer up in its module for each thread
 
 
 # ---------------------------------------------------------------- checkpoint loading and saving, text input (2-5)
@@ -259,35 +272,197 @@ def _wrap_train_epoch(original):
     return train
 
 
-def install_checkpoint_hooks() -> None:
-    """Install the wrappers 2-5 and 7 (see the module docstring); a no-op where they are installed."""
-    hooks = [
-        (checkpoint_utils, "load_checkpoint_to_cpu", _wrap_load_checkpoint_to_cpu),
-        (checkpoint_utils, "torch_persistent_save", _wrap_torch_persistent_save),
-        (checkpoint_utils, "PathManager", lambda _: AtomicCopyPathManager),
-        (checkpoint_utils, "load_checkpoint", _wrap_load_checkpoint),
-        (distributed_utils, "_broadcast_object_slow", _wrap_broadcast_object_slow),
-    ]
-    from fairseq_cli import interactive as interactive_cli
-    from fairseq_cli import train as train_cli
+def _wrap_parse_args_and_arch(original):
+    @functools.wraps(original)
+    def parse_args_and_arch(*args, **kwargs):
+        parsed = original(*args, **kwargs)
+        if getattr(parsed, "bf16", False) and "--tpu" not in sys.argv:
+            parsed.tpu = False
+        return parsed
 
-    from fairseq.tasks import FairseqTask
+    parse_args_and_arch.rfa_fairseq_wrapper = True
+    return parse_args_and_arch
 
-    from .generation import wrap_build_generator
 
-    hooks += [
-        (FairseqTask, "build_generator", wrap_build_generator),
-        (train_cli, "train", _wrap_train_epoch),
-        (interactive_cli, "buffered_read", lambda _: textio.buffered_read_utf8),
-    ]
-    for module, name, wrap in hooks:
-        current = getattr(module, name, None)
-        if current is not None and not getattr(current, "rfa_fairseq_wrapper", False):
-            setattr(module, name, wrap(current))
+def _wrap_build_generator(original):
+    from .generation import wrap_build_generator  # when applied: it imports the decoding modules
+
+    return wrap_build_generator(original)
+
+
+# ---------------------------------------------------------------- the table, and applying it
+
+
+class FairseqPatchSkipped(UserWarning):
+    """A fairseq patch was not applied: the attribute is not the source it was checked against."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FairseqPatch:
+    """One fairseq attribute the plugin replaces (`module`.`attribute`, the attribute possibly
+    Class.method) with `replace(original)`, and the fingerprint of the source it was checked against."""
+    name: str
+    module: str
+    attribute: str
+    replace: Callable[[Any], Any]
+    why: str
+    without: str  # what a user loses where the patch is not applied
+    fingerprint: str  # source_fingerprint of the attribute in ve-fairseq 0.12.3
+    same_source_in: str  # other fairseq sources with the same fingerprint
+    at_import: bool = True  # False: applied by the one command that needs it (apply_patch)
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+
+CHECKED_FAIRSEQ = "ve-fairseq 0.12.3"
+ALL_TAGS = "fairseq v0.12.2, v0.12.3 (git tags) and main (3d262bb)"
+PATCHES = (
+    FairseqPatch(
+        "checked-checkpoint-loading", "fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
+        _wrap_load_checkpoint_to_cpu,
+        "Verifies a checkpoint's checksums and its RFA options against --model-overrides before unpickling; a "
+        "file that is not a checkpoint, a torn one or a class weights_only refuses gives one error naming the file "
+        "and the cause; an rfa* --model-overrides key that is no RFA option gets a warning.",
+        "checkpoint files are loaded unchecked and a bad one fails with torch's generic error",
+        "ebbb067afbc898f0", "fairseq v0.12.2, v0.12.3 (git tags); main differs (it loads with weights_only=False)"),
+    FairseqPatch(
+        "atomic-checkpoint-save", "fairseq.checkpoint_utils", "torch_persistent_save", _wrap_torch_persistent_save,
+        "Writes each checkpoint atomically (temporary file, fsync, rename) and marks rfa_* checkpoints so that "
+        "loading one without the plugin names it.",
+        "a process killed while saving can leave a torn checkpoint under its final name",
+        "4ca21bc6f98260cd", ALL_TAGS),
+    FairseqPatch(
+        "atomic-checkpoint-copy", "fairseq.checkpoint_utils", "PathManager", lambda _: AtomicCopyPathManager,
+        "`AtomicCopyPathManager`: `copy` (checkpoint_last.pt, checkpoint_best.pt, ... are copies of the first file "
+        "saved) writes a temporary copy, fsyncs it and renames it into place.",
+        "a process killed while copying can leave a torn checkpoint_last.pt or checkpoint_best.pt",
+        "72d08055e0fc2553", ALL_TAGS),
+    FairseqPatch(
+        "resume-from-newest-intact", "fairseq.checkpoint_utils", "load_checkpoint", _wrap_load_checkpoint,
+        "fairseq-train resumes from the newest intact checkpoint in --save-dir (a torn, older or missing "
+        "checkpoint_last.pt, an unloadable --restore-file) and removes temporary files of killed writes.",
+        "fairseq-train resumes from checkpoint_last.pt only and fails when it is torn",
+        "7ba7092eb37f45b4", "fairseq main (3d262bb); v0.12.2, v0.12.3 (git tags) differ (no task state restored)"),
+    FairseqPatch(
+        "no-training-past-max-update", "fairseq_cli.train", "train", _wrap_train_epoch,
+        "Returns at once when the resumed checkpoint is already at --max-update (fairseq trained one more "
+        "update each time a finished command was run again).",
+        "running a finished fairseq-train again trains one more update",
+        "9a00551242afd0d4", ALL_TAGS),
+    FairseqPatch(
+        "broadcast-checkpoint-classes", "fairseq.distributed.utils", "_broadcast_object_slow",
+        _wrap_broadcast_object_slow,
+        "With several ranks, rank 0 broadcasts the checkpoint it loaded as a pickle holding omegaconf objects, "
+        "which the other ranks read with weights_only: omegaconf's classes are allowlisted only while it is read.",
+        "distributed fairseq-train cannot resume (weights_only refuses omegaconf's classes)",
+        "47a361d3c465f073", ALL_TAGS),
+    FairseqPatch(
+        "utf8-interactive-input", "fairseq_cli.interactive", "buffered_read",
+        lambda _: textio.buffered_read_utf8,
+        "fairseq-interactive's input under the plugin's one rule for text: a line that is not UTF-8 is an error "
+        "naming the file and line (fairseq named neither for a file, and made <unk> of stdin).",
+        "fairseq-interactive turns bad bytes on stdin into <unk> and names no line of a bad file",
+        "c64b5d270318613b", ALL_TAGS),
+    FairseqPatch(
+        "stoppable-data-thread", "fairseq.data.iterators", "BackgroundConsumer", _install_stoppable_consumer,
+        "Becomes `StoppableConsumer`, which is stopped and joined at interpreter exit, while it still runs "
+        "normally (`threading._register_atexit`, a private CPython API, where it exists, else `atexit`).",
+        "a training that stops mid-epoch (e.g. at --max-update) can abort at exit with SIGABRT, after saving",
+        "1085f31865c2e512", ALL_TAGS),
+    FairseqPatch(
+        "static-beam-search", "fairseq.tasks", "FairseqTask.build_generator", _wrap_build_generator,
+        "A single rfa_transformer with plain beam-search options gets the static beam search (same hypotheses "
+        "and scores, buffers that keep their shape); anything else fairseq's generator and a log line saying why.",
+        "fairseq's SequenceGenerator decodes (same hypotheses, slower)",
+        "a1fa802cb71a70be", ALL_TAGS),
+    FairseqPatch(
+        "bf16-on-gpu", "fairseq.options", "parse_args_and_arch", _wrap_parse_args_and_arch,
+        "rfa-train only, in its own process: --bf16 trains in bfloat16 on the GPU (or the CPU); fairseq 0.12 "
+        "reads it as a TPU run.",
+        "rfa-train --bf16 asks for a TPU (torch_xla), as fairseq-train does",
+        "4270635d988c70a7", ALL_TAGS, at_import=False),
+)
+PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
+APPLIED: Dict[str, Any] = {}  # name -> the fairseq attribute it replaced
+
+
+def source_fingerprint(obj) -> Optional[str]:
+    """The first 16 hex digits of the sha256 of `obj`'s source (inspect.getsource: the text of its def or
+    class, decorators included, from its file) and of the number of functools.wraps layers over it (a
+    wrapper installed by another package adds one); None where its source cannot be read."""
+    obj, layers = _unwrapped(obj)
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(f"{layers}\0{source}".encode()).hexdigest()[:16]
+
+
+def _unwrapped(obj):
+    """(what the functools.wraps layers over obj wrap, how many layers)."""
+    layers = 0
+    while hasattr(obj, "__wrapped__") and layers < 8:  # a bound: a Mock has every attribute
+        obj, layers = obj.__wrapped__, layers + 1
+    return obj, layers
+
+
+def _owner(patch: FairseqPatch):
+    """(the module or class holding the attribute, the attribute's name)."""
+    owner = importlib.import_module(patch.module)
+    *path, name = patch.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _defined_in(obj) -> str:
+    obj, layers = _unwrapped(obj)
+    code = getattr(obj, "__code__", None)
+    where = (f"{code.co_filename}:{code.co_firstlineno}" if code is not None else
+             f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
+    return where + (f" under {layers} functools.wraps wrapper(s)" if layers else "")
+
+
+def apply_patch(name: str) -> bool:
+    """Apply the patch `name` of PATCHES where fairseq's attribute is the source it was checked against; else
+    warn (FairseqPatchSkipped) and leave it. True when the patch is in place (also from before)."""
+    patch = PATCHES_BY_NAME[name]
+    try:
+        owner, attribute = _owner(patch)
+        current = getattr(owner, attribute)
+    except (ImportError, AttributeError):
+        current, difference = None, "does not exist"
+    else:
+        if getattr(current, "rfa_fairseq_wrapper", False):
+            return True
+        found = source_fingerprint(current)
+        if found == patch.fingerprint:
+            setattr(owner, attribute, patch.replace(current))
+            APPLIED[name] = current
+            return True
+        difference = (f"has no readable source ({_defined_in(current)})" if found is None else
+                      f"has source fingerprint {found} ({_defined_in(current)})")
+    warnings.warn(
+        f"rfa_fairseq: patch {name!r} not applied: {patch.target} {difference}, not the source it was checked "
+        f"against ({CHECKED_FAIRSEQ}, fingerprint {patch.fingerprint}): another fairseq version, or another package "
+        f"replaced it. Without the patch, {patch.without}.", FairseqPatchSkipped, stacklevel=2)
+    return False
 
 
 def apply_patches() -> None:
-    """Apply every patch of the module docstring (plugin import); idempotent."""
+    """The plugin's import: torch's allowlist (1 above) and every PATCHES record with at_import; idempotent."""
     checkpoints.allowlist_checkpoint_classes()
-    install_checkpoint_hooks()
-    stop_data_threads_at_exit()
+    for patch in PATCHES:
+        if patch.at_import:
+            apply_patch(patch.name)
+
+
+def patch_table_markdown() -> str:
+    """docs/design.md's table of PATCHES."""
+    rows = ["| patch | what is patched | why | fairseq versions checked |", "|---|---|---|---|"]
+    for patch in PATCHES:
+        rows.append(f"| `{patch.name}` | `{patch.target}` | {patch.why} Without it, {patch.without}. | "
+                    f"{CHECKED_FAIRSEQ} (`{patch.fingerprint}`); same source: {patch.same_source_in} |")
+    return "\n".join(rows) + "\n"

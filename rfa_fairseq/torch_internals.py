@@ -1,41 +1,105 @@
-"""The private torch APIs the plugin uses, in one place (tests/test_torch_internals.py calls each on the installed
-torch, so an upgrade that removes or changes one fails there first).
+"""The one place of the package that names torch's private APIs; tests/test_torch_internals.py calls each.
 
-- torch.ops.mkldnn._reorder_linear_weight, _linear_pointwise (and .binary): oneDNN linear layers on weights packed
-  once, the CPU decoding step's GEMMs (ops/decode_step.OneDNNLinear); without them torch's addmm serves.
-- torch._C._storage_Use_Count: whether a workspace buffer handed out is still viewed (modules/decoding.Workspace);
-  without it every handed-out buffer counts as viewed (more buffers, same results).
-- Tensor._version: an in-place update of a parameter repacks its packed weight (Workspace.packed_linear).
+A torch upgrade may remove or change any of them without notice, so each is named here once, behind a
+small function that says what happens without it:
+
+- `torch._C._storage_Use_Count` (with `UntypedStorage._cdata`): `storage_use_count`. The decoding
+  workspace hands out logits and log-probabilities in one of two buffers and reuses a buffer only when no
+  view of it is alive. Without it: None, and every handed-out buffer counts as still viewed (a new buffer
+  is allocated where one could be reused: more memory, same results).
+- `Tensor._version`: `tensor_version`. The version counter that in-place updates bump; the workspace
+  packs a linear layer's weights again when a parameter's version changes. Without it: an AttributeError
+  naming it (no fallback: a stale packed weight would give wrong outputs).
+- `torch.ops.mkldnn._reorder_linear_weight`, `torch.ops.mkldnn._linear_pointwise` and its `.binary`
+  overload: `onednn_pack_linear_weight`, `onednn_linear`, `onednn_linear_add`. oneDNN's linear on weights
+  packed once into its blocked layout, with relu / a residual add fused (the CPU decoding step's linear
+  layers; 2.05-2.29x torch's MKL addmm on the step's shapes, docs/design.md). Without them
+  `onednn_linear_available()` is False and the step uses torch's addmm (same results, slower); calling
+  one anyway is a RuntimeError naming the missing op.
+- `torch.utils.cpp_extension._get_build_directory`: `cpp_extension_build_directory`. The directory
+  torch's JIT build of the C++ kernels uses (TORCH_EXTENSIONS_DIR or its default), where ops/extension.py
+  takes its build lock first. Without it: a RuntimeError naming it, which extension.py reports as a failed
+  just-in-time build (decoding uses the torch path, or --rfa-decode-kernel cpp is an error).
 """
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 
-def onednn_linear_available() -> bool:
-    mkldnn = torch.ops.mkldnn
-    return hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+class MissingTorchInternal(RuntimeError):
+    """A private torch API the plugin relies on is missing from the installed torch."""
 
 
-def onednn_pack_linear_weight(weight: Tensor, rows_hint: int) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+def _missing(what: str, consequence: str) -> MissingTorchInternal:
+    return MissingTorchInternal(f"torch {torch.__version__} has no {what} (a private torch API rfa_fairseq uses: "
+                                f"{consequence}); see rfa_fairseq/torch_internals.py")
 
 
-def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation or "none", [], "")
-
-
-def onednn_linear_add(x: Tensor, residual: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+@functools.lru_cache(maxsize=None)
+def _storage_use_count_fn():
+    return getattr(torch._C, "_storage_Use_Count", None)
 
 
 def storage_use_count(tensor: Tensor) -> Optional[int]:
-    """References to the tensor's storage (None where torch has no such count)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else use_count(tensor.untyped_storage()._cdata)
+    """How many tensors (and storage objects) share `tensor`'s storage, `tensor` included: 1 when nothing else
+    views it. None when torch lacks `torch._C._storage_Use_Count`."""
+    use_count = _storage_use_count_fn()
+    if use_count is None:
+        return None
+    return use_count(tensor.untyped_storage()._cdata) - 1  # minus the storage object made for this call
 
 
 def tensor_version(tensor: Tensor) -> int:
-    """The tensor's in-place update counter."""
-    return tensor._version
+    """`tensor._version`: the counter that every in-place update of the tensor (or of a view of it) bumps."""
+    try:
+        return tensor._version
+    except AttributeError:
+        raise _missing("Tensor._version", "packed weights could not see in-place parameter updates") from None
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_linear_available() -> bool:
+    """Whether torch has oneDNN's linear ops on packed weights (torch's x86 CPU builds do)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@functools.lru_cache(maxsize=None)
+def _mkldnn_op(name: str, overload: Optional[str] = None):
+    try:
+        op = getattr(torch.ops.mkldnn, name)
+        return op if overload is None else getattr(op, overload)
+    except (AttributeError, RuntimeError):
+        full = f"torch.ops.mkldnn.{name}" + ("" if overload is None else f".{overload}")
+        raise _missing(full, "the CPU decoding step's oneDNN linear layers; check onednn_linear_available() "
+                             "first, the step then uses torch's addmm") from None
+
+
+def onednn_pack_linear_weight(weight: Tensor, rows_hint: int) -> Tensor:
+    """`weight` (out_features, in_features) packed into oneDNN's blocked layout, for the onednn_linear*
+    functions; `rows_hint` (a typical number of input rows) only shapes the layout: any number of rows runs."""
+    return _mkldnn_op("_reorder_linear_weight")(weight.detach(), rows_hint)
+
+
+def onednn_linear(x: Tensor, packed_weight: Tensor, bias: Optional[Tensor], activation: Optional[str] = None) -> Tensor:
+    """F.linear(x, weight, bias) on a packed weight, followed by `activation` (None, or a oneDNN
+    post-op name such as "relu") fused into the product."""
+    return _mkldnn_op("_linear_pointwise")(x, packed_weight, bias, activation or "none", [], "")
+
+
+def onednn_linear_add(x: Tensor, residual: Tensor, packed_weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """F.linear(x, weight, bias) + residual on a packed weight, the add fused into the product."""
+    return _mkldnn_op("_linear_pointwise", "binary")(x, residual, packed_weight, bias, "add")
+
+
+def cpp_extension_build_directory(name: str, verbose: bool = False) -> str:
+    """The directory where torch.utils.cpp_extension.load builds the extension `name` (created if missing)."""
+    from torch.utils import cpp_extension
+
+    get = getattr(cpp_extension, "_get_build_directory", None)
+    if get is None:
+        raise _missing("torch.utils.cpp_extension._get_build_directory",
+                       "the directory of the just-in-time build of the fused C++ kernels")
+    return get(name, verbose=verbose)

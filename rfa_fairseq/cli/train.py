@@ -6,23 +6,19 @@ fairseq 0.12.3 reads --bf16 as "on a TPU" (options.parse_args_and_arch sets args
 implication unless --tpu is given, and runs fairseq's own training entry point: the model
 and batches are cast to bfloat16 on the device fairseq trains on (CUDA, or the CPU with
 --cpu) and optimized by fairseq's FP16Optimizer without loss scaling, as fairseq does for
-bf16. Without --bf16 it is fairseq-train unchanged.
+bf16. Without --bf16 it is fairseq-train unchanged. The patch is `bf16-on-gpu` of
+`rfa_fairseq.fairseq_compat.PATCHES`: where fairseq's parse_args_and_arch is not the source it was
+checked against, a warning says so and --bf16 asks for a TPU, as in fairseq-train.
 """
 import sys
 
-from fairseq import options
 from fairseq_cli.train import cli_main
 
-
-def _parse_args_and_arch(*args, _parse=options.parse_args_and_arch, **kwargs):
-    parsed = _parse(*args, **kwargs)
-    if getattr(parsed, "bf16", False) and "--tpu" not in sys.argv:
-        parsed.tpu = False
-    return parsed
+from .. import fairseq_compat
 
 
 def main():
-    options.parse_args_and_arch = _parse_args_and_arch
+    fairseq_compat.apply_patch("bf16-on-gpu")
     sys.argv[0] = "fairseq-train"
     return cli_main()
 

@@ -140,7 +140,7 @@ def _viewed_elsewhere(buf: Tensor) -> bool:
     """Whether any tensor besides `buf` shares its storage (a view handed out and still alive). Without
     the storage's use count (a torch internal), every handed-out buffer counts as still viewed."""
     use_count = torch_internals.storage_use_count(buf)
-    return use_count is None or use_count > 2  # buf itself + the storage object made for the call
+    return use_count is None or use_count > 1  # buf itself
 
 
 def follow_rows(source: Tensor, new_order: Tensor) -> Optional[Tensor]:

@@ -68,7 +68,7 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -
         ext = load_fused_extension() if native else None
         if ext is None:
             return TORCH_KERNELS
-    return CppOneDNNKernels(ext) if onednn_linear_available() else CppKernels(ext)
+    return CppOneDNNKernels(ext) if torch_internals.onednn_linear_available() else CppKernels(ext)
 
 
 class StepKernels(Protocol):
@@ -239,12 +239,12 @@ class CppStepOps:
 
 class OneDNNLinear:
     """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, through torch_internals): the CPU
-    in fp32, where torch has them (onednn_linear_available)."""
+    in fp32, where torch has them (torch_internals.onednn_linear_available)."""
 
     @staticmethod
     def pack_linear(weight, bias):
         # the batch size only hints the packed layout; any number of rows runs on it
-        return torch_internals.onednn_pack_linear_weight(weight.detach(), ONEDNN_ROWS_HINT), bias
+        return torch_internals.onednn_pack_linear_weight(weight, ONEDNN_ROWS_HINT), bias
 
     @staticmethod
     def linear(x, packed, out, activation=None, residual=None):
@@ -268,11 +268,6 @@ class CppOneDNNKernels(CppStepOps, OneDNNLinear):
 
 
 ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout
-
-
-def onednn_linear_available() -> bool:
-    """Whether torch has its oneDNN (mkldnn) linear ops with packed weights (torch's x86 CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and torch_internals.onednn_linear_available()
 
 
 def _or_none(t: Optional[Tensor]) -> Tensor:

@@ -154,9 +154,11 @@ def build_jit(lock_timeout_s=None):
     build_dir = None
     try:
         import torch
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
-        build_dir = Path(_get_build_directory(JIT_NAME, verbose=False))
+        from ..torch_internals import cpp_extension_build_directory
+
+        build_dir = Path(cpp_extension_build_directory(JIT_NAME, verbose=False))
         with build_lock(build_dir, timeout_s):
             remove_stale_torch_lock(build_dir)
             logger.info("building/loading the fused C++ kernels just in time in %s (built once, then cached)",

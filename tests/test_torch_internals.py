@@ -1,0 +1,91 @@
+"""Every private torch API the plugin uses, called on the installed torch (rfa_fairseq/torch_internals.py).
+
+A torch upgrade that removes or changes one of them fails here, naming it, rather than as a slower or
+wrong decoding step somewhere else.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils import cpp_extension
+
+from rfa_fairseq import torch_internals
+
+PACKAGE = Path(torch_internals.__file__).parent
+# torch's private names: torch._C, private mkldnn ops, cpp_extension's private functions, tensor internals
+PRIVATE_TORCH = re.compile(r"torch\._C\b|torch\.ops\.mkldnn\._|cpp_extension\._|\._cdata\b|\._version\b")
+
+
+def test_private_names_exist_in_installed_torch():
+    missing = [name for name, present in [
+        ("torch._C._storage_Use_Count", hasattr(torch._C, "_storage_Use_Count")),
+        ("torch.UntypedStorage._cdata", hasattr(torch.empty(1).untyped_storage(), "_cdata")),
+        ("Tensor._version", hasattr(torch.empty(1), "_version")),
+        ("torch.ops.mkldnn._reorder_linear_weight", hasattr(torch.ops.mkldnn, "_reorder_linear_weight")),
+        ("torch.ops.mkldnn._linear_pointwise", hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+        ("torch.ops.mkldnn._linear_pointwise.binary",
+         hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn._linear_pointwise, "binary")),
+        ("torch.utils.cpp_extension._get_build_directory", hasattr(cpp_extension, "_get_build_directory")),
+    ] if not present]
+    assert not missing, f"torch {torch.__version__} lacks private APIs rfa_fairseq uses: {missing}"
+
+
+def test_storage_use_count_counts_views():
+    buf = torch.empty(8)
+    assert torch_internals.storage_use_count(buf) == 1, "a fresh tensor's storage must count 1 (itself)"
+    view = buf[:4]
+    assert torch_internals.storage_use_count(buf) == 2
+    assert torch_internals.storage_use_count(view) == 2
+    del view
+    assert torch_internals.storage_use_count(buf) == 1, "a dropped view must no longer count"
+
+
+def test_tensor_version_counts_in_place_updates():
+    t = torch.zeros(3)
+    before = torch_internals.tensor_version(t)
+    t.add_(1)
+    t[:1].mul_(2)  # through a view
+    assert torch_internals.tensor_version(t) == before + 2
+    t.data.add_(1)  # .data leaves the version alone (why Workspace.forget_packed exists)
+    assert torch_internals.tensor_version(t) == before + 2
+
+
+def test_onednn_linear_ops_match_f_linear():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip(f"torch {torch.__version__} was built without oneDNN (mkldnn): the step uses addmm")
+    assert torch_internals.onednn_linear_available(), \
+        "torch has oneDNN but not its private linear ops on packed weights (torch.ops.mkldnn._reorder_linear_weight, " \
+        "_linear_pointwise)"
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    x, residual = torch.randn(5, 16, generator=g), torch.randn(5, 24, generator=g)
+    packed = torch_internals.onednn_pack_linear_weight(weight, rows_hint=64)
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(torch_internals.onednn_linear(x, packed, bias), expected)
+    torch.testing.assert_close(torch_internals.onednn_linear(x, packed, None), F.linear(x, weight))
+    torch.testing.assert_close(torch_internals.onednn_linear(x, packed, bias, "relu"), expected.relu())
+    torch.testing.assert_close(torch_internals.onednn_linear_add(x, residual, packed, bias), expected + residual)
+    # a row count far from the hint runs on the same packed weight
+    many = torch.randn(130, 16, generator=g)
+    torch.testing.assert_close(torch_internals.onednn_linear(many, packed, bias), F.linear(many, weight, bias))
+
+
+def test_missing_onednn_op_names_it():
+    with pytest.raises(torch_internals.MissingTorchInternal, match=r"torch\.ops\.mkldnn\._no_such_op"):
+        torch_internals._mkldnn_op("_no_such_op")
+
+
+def test_cpp_extension_build_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build_dir = Path(torch_internals.cpp_extension_build_directory("rfa_test_ext"))
+    assert build_dir.is_dir() and build_dir.name == "rfa_test_ext"
+    assert tmp_path in build_dir.parents, f"{build_dir} is not under TORCH_EXTENSIONS_DIR {tmp_path}"
+
+
+def test_private_torch_names_only_in_torch_internals():
+    naming = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+              if PRIVATE_TORCH.search(path.read_text(encoding="utf-8"))}
+    assert naming == {"torch_internals.py"}, \
+        f"private torch APIs named outside rfa_fairseq/torch_internals.py: {sorted(naming - {'torch_internals.py'})}"
