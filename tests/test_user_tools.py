@@ -258,3 +258,27 @@ def test_installed_console_scripts_run(data):
     proc = run("rfa-check-data", data / "bin")
     assert "OK (train: 1500 pairs" in proc.stderr
     assert run("rfa-user-dir").stdout.strip() == os.path.join(REPO, "rfa_fairseq")
+
+
+# ---------------------------------------------------------------- install: ranges, not pins
+
+
+def test_pip_install_of_the_checkout_keeps_torch_and_numpy(tmp_path):
+    """pip's plan for a plain (not editable) install of this checkout into this environment, which holds
+    a supported torch and numpy: only rfa-fairseq itself is installed, and its requirements name ranges.
+    (The whole install into a fresh environment, then training and decoding from outside the checkout, is
+    the manual check in docs/testing.md.)"""
+    import json
+
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet",
+                           "--disable-pip-version-check", "--report", str(report), REPO],
+                          capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    planned = json.loads(report.read_text())["install"]
+    assert [item["metadata"]["name"] for item in planned] == ["rfa-fairseq"], planned
+    requires = planned[0]["metadata"]["requires_dist"]
+    for name in ("torch", "numpy"):
+        (spec,) = [r for r in requires if r.split(";")[0].replace(" ", "").lower().startswith((name + ">", name + "<", name + "=", name + "!"))]
+        assert "==" not in spec and ">=" in spec and "<" in spec, spec
+    assert not any(r.lower().startswith(("fairseq", "ve-fairseq", "torchaudio")) for r in requires), requires
