@@ -8,7 +8,10 @@
 #
 # Decoding: beam 4 and length penalty 0.6 for WMT14 (Vaswani et al. 2017; fairseq's
 # scaling_nmt recipe), length penalty 1.0 otherwise; output length <= 1 * source + 50
-# (Vaswani et al.). Hypotheses are SentencePiece-decoded by --post-process sentencepiece.
+# (Vaswani et al.). Hypotheses are post-processed by fairseq-generate --post-process: sentencepiece
+# when the data has a SentencePiece model (--spm-model, default DATA_BIN/../spm.model, as the data-prep
+# scripts write it), else none (plain tokens, e.g. the demo's data); --post-process X picks another
+# (subword_nmt for BPE '@@ ' data, ...).
 # Optionally the last N epoch (or update) checkpoints are averaged first
 # (rfa_fairseq/cli/average_checkpoints.py). The RFA plugin is loaded with --user-dir.
 #
@@ -36,6 +39,7 @@ SRC_LANG=""               # default: fairseq infers the pair from DATA_BIN
 TGT_LANG=""
 MAX_TOKENS=4096
 SPM_MODEL=""              # default: DATA_BIN/../spm.model
+POST_PROCESS=auto         # auto: sentencepiece with an SPM model, else none; or any fairseq --post-process value
 USER_DIR="$REPO/rfa_fairseq"
 USE_CPU=0
 OUTPUT=""
@@ -55,7 +59,9 @@ Usage: $(basename "$0") --data-bin DIR (--checkpoint-dir DIR | --checkpoint FILE
   --subset S              split to translate (default $SUBSET)
   --source-lang L, --target-lang L
   --max-tokens N          batch size in tokens (default $MAX_TOKENS)
-  --spm-model FILE        SentencePiece model (default: DATA_BIN/../spm.model)
+  --post-process P        fairseq-generate --post-process: sentencepiece, subword_nmt, none, ...
+                          (default auto: sentencepiece when a SentencePiece model is found, else none)
+  --spm-model FILE        SentencePiece model (default: DATA_BIN/../spm.model, when it exists)
   --user-dir DIR          fairseq plugin (default $USER_DIR); --no-user-dir for plain fairseq models
   --cpu                   decode on the CPU
 EOF
@@ -77,6 +83,7 @@ while (($#)); do
         --target-lang) need_value "$@"; TGT_LANG=$2; shift 2 ;;
         --max-tokens) need_value "$@"; MAX_TOKENS=$2; shift 2 ;;
         --spm-model) need_value "$@"; SPM_MODEL=$2; shift 2 ;;
+        --post-process) need_value "$@"; POST_PROCESS=$2; shift 2 ;;
         --user-dir) need_value "$@"; USER_DIR=$2; shift 2 ;;
         --no-user-dir) USER_DIR=""; shift ;;
         --cpu) USE_CPU=1; shift ;;
@@ -105,8 +112,22 @@ case $RECIPE in
 esac
 LENPEN=${LENPEN:-$DEFAULT_LENPEN}
 [[ $LENPEN =~ ^[0-9]*\.?[0-9]+$ ]] || die "--lenpen must be a number, got '$LENPEN'"
-SPM_MODEL=${SPM_MODEL:-$(dirname "$DATA_BIN")/spm.model}
-[[ -f $SPM_MODEL ]] || die "SentencePiece model not found: $SPM_MODEL (use --spm-model)"
+if [[ -n $SPM_MODEL ]]; then
+    [[ -f $SPM_MODEL ]] || die "SentencePiece model not found: $SPM_MODEL (--spm-model)"
+elif [[ -f $(dirname "$DATA_BIN")/spm.model ]]; then
+    SPM_MODEL=$(dirname "$DATA_BIN")/spm.model
+fi
+case $POST_PROCESS in
+    auto)
+        if [[ -n $SPM_MODEL ]]; then
+            POST_PROCESS=sentencepiece
+        else
+            POST_PROCESS=none
+            echo "generate.sh: no SentencePiece model ($(dirname "$DATA_BIN")/spm.model, --spm-model): hypotheses are written as the model's tokens (--post-process none)" >&2
+        fi ;;
+    sentencepiece | wordpiece | letter | silence | _EOW | subword_nmt | @@ | "@@ " | none) ;;
+    *) die "unknown --post-process '$POST_PROCESS' (auto, sentencepiece, subword_nmt, @@, wordpiece, letter, _EOW, silence or none)" ;;
+esac
 if [[ -n $USER_DIR ]]; then
     [[ -f $USER_DIR/__init__.py ]] || die "plugin directory not found: $USER_DIR (use --user-dir, or --no-user-dir)"
 fi
@@ -138,7 +159,7 @@ GENERATE_ARGS=(
     "$DATA_BIN" --path "$CHECKPOINT" --gen-subset "$SUBSET"
     --beam "$BEAM" --lenpen "$LENPEN" --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B"
     --max-tokens "$MAX_TOKENS" --required-batch-size-multiple 1
-    --post-process sentencepiece
+    --post-process "$POST_PROCESS"
 )
 [[ -n $USER_DIR ]] && GENERATE_ARGS+=(--user-dir "$USER_DIR")
 [[ -n $SRC_LANG ]] && GENERATE_ARGS+=(--source-lang "$SRC_LANG")
@@ -183,8 +204,10 @@ mv -f "$LOG.tmp" "$LOG"
 # Every source sentence (S- line) must have a hypothesis, or scoring would misalign.
 N_SOURCES=$(grep -c '^S-' "$LOG" || true)
 # Run as a file, not -m: importing the rfa_fairseq package would import fairseq (seconds).
+SPM_ARGS=()
+[[ $POST_PROCESS == sentencepiece && -n $SPM_MODEL ]] && SPM_ARGS=(--spm-model "$SPM_MODEL")
 "$PYTHON" "$REPO/rfa_fairseq/cli/scoring.py" \
-    --generate-output "$LOG" --spm-model "$SPM_MODEL" --save-hyp "$OUTPUT.tmp" --extract-only ||
+    --generate-output "$LOG" "${SPM_ARGS[@]}" --save-hyp "$OUTPUT.tmp" --extract-only ||
     die "could not extract hypotheses from $LOG"
 N_HYPS=$(wc -l <"$OUTPUT.tmp")
 if [[ $N_HYPS != "$N_SOURCES" ]]; then
@@ -192,4 +215,4 @@ if [[ $N_HYPS != "$N_SOURCES" ]]; then
     die "$LOG has $N_SOURCES source sentences but $N_HYPS hypotheses"
 fi
 mv -f "$OUTPUT.tmp" "$OUTPUT"
-echo "generate.sh: wrote $N_HYPS hypotheses to $OUTPUT (beam $BEAM, lenpen $LENPEN, checkpoint $CHECKPOINT)" >&2
+echo "generate.sh: wrote $N_HYPS hypotheses to $OUTPUT (beam $BEAM, lenpen $LENPEN, --post-process $POST_PROCESS, checkpoint $CHECKPOINT)" >&2

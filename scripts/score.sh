@@ -16,5 +16,5 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "Python interpreter '$PYTHON' not fo
 "$PYTHON" -c "import sacrebleu, sacremoses" 2>/dev/null ||
     die "$PYTHON cannot import sacrebleu and sacremoses (activate the project environment)"
 
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m rfa_fairseq.cli.scoring "$@"
+# run as a file, not -m: importing the rfa_fairseq package would import fairseq and torch (seconds)
+exec "$PYTHON" "$REPO/rfa_fairseq/cli/scoring.py" "$@"

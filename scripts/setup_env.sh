@@ -4,23 +4,23 @@
 #   bash scripts/setup_env.sh                 # -> .venv next to this repo (RFA_VENV overrides)
 #   bash scripts/setup_env.sh --print-stamp   # print the stamp of the current files and exit
 #
-# Idempotent: a stamp in the venv records a hash of what the install depends on (setup.cfg,
-# setup.py, pyproject.toml, this script, the C++ sources and rfa_fairseq/ops/extension.py, which
-# sets their compiler flags); when it matches, nothing is installed again, and a changed kernel
-# is rebuilt on the next run. The package is installed with --no-build-isolation, so that setup.py
-# sees the pinned torch and compiles the fused C++ kernels ahead of time (an isolated build would
-# pull an unpinned torch); without a C++ compiler it installs without them (a warning).
-# fairseq comes from `ve-fairseq==0.12.3` (binary wheels for cp311/cp312, works with torch 2.13)
-# installed with --no-deps, so that its torchaudio requirement cannot replace our torch build;
-# its real dependencies are pinned in setup.cfg.
+# Idempotent: a stamp in the venv records a hash of what the install depends on (constraints.txt,
+# setup.cfg, setup.py, pyproject.toml, this script, the C++ sources and rfa_fairseq/ops/extension.py,
+# which sets their compiler flags); when it matches, nothing is installed again, and a changed kernel
+# is rebuilt on the next run. Every pip install runs with -c constraints.txt: the exact versions the
+# project is tested with (setup.cfg states the ranges the package accepts). The package is installed
+# with --no-build-isolation, so that setup.py sees the pinned torch and compiles the fused C++ kernels
+# ahead of time (an isolated build would pull an unpinned torch); without a C++ compiler it installs
+# without them (a warning). fairseq comes from `ve-fairseq` (binary wheels for cp311/cp312) installed
+# with --no-deps, so that its torchaudio requirement cannot replace our torch build; its real
+# dependencies are in setup.cfg. RFA_EXTRAS (default "test,bench") names the extras installed;
+# RFA_EXTRAS=test,bench,cuda adds flash-linear-attention on a GPU machine.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RFA_VENV:-$REPO/.venv}"
-FAIRSEQ_PIN="ve-fairseq==0.12.3"
-TORCH_PIN="torch==2.13.0"
-# the build backend, in the venv itself (--no-build-isolation); Python 3.12 venvs have no setuptools
-BUILD_PINS=("setuptools==84.2.1" "wheel==0.48.0")
+CONSTRAINTS="$REPO/constraints.txt"
+EXTRAS="${RFA_EXTRAS:-test,bench}"
 
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
@@ -38,7 +38,7 @@ pick_python() {
 
 # what the install depends on, relative to $REPO: names and contents enter the stamp
 stamp_files() {
-    (cd "$REPO" && printf '%s\n' setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
+    (cd "$REPO" && printf '%s\n' constraints.txt setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
         rfa_fairseq/ops/extension.py rfa_fairseq/ops/csrc/*)
 }
 
@@ -50,7 +50,9 @@ stamp_value() {
     done | sha256sum | cut -d' ' -f1
 }
 
-CURRENT_STAMP="$(stamp_value)" || die "cannot read the files the stamp covers (see above)"
+[[ -f "$CONSTRAINTS" ]] || die "missing $CONSTRAINTS (the exact versions to install)"
+[[ "$EXTRAS" =~ ^[a-z,]*$ ]] || die "RFA_EXTRAS must be a comma-separated list of extras (test, bench, cuda), got '$EXTRAS'"
+CURRENT_STAMP="$( (stamp_value; echo "extras=$EXTRAS") | sha256sum | cut -d' ' -f1)" || die "cannot read the files the stamp covers (see above)"
 case "${1:-}" in
     "") ;;
     --print-stamp) echo "$CURRENT_STAMP"; exit 0 ;;
@@ -69,15 +71,16 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PY" -m venv "$VENV" || die "could not create a virtual environment at $VENV (is the venv module installed?)"
 fi
 rm -f "$STAMP"  # an interrupted install must not look finished
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
 
 # torch first and pinned: an unpinned torch would pull the CUDA build (several GB)
-"${PIP[@]}" "$TORCH_PIN" || die "pip could not install $TORCH_PIN"
-"${PIP[@]}" "${BUILD_PINS[@]}" || die "pip could not install ${BUILD_PINS[*]}"
+"${PIP[@]}" torch || die "pip could not install torch (pinned in $CONSTRAINTS)"
+# the build backend, in the venv itself (--no-build-isolation); Python 3.12 venvs have no setuptools
+"${PIP[@]}" setuptools wheel || die "pip could not install setuptools and wheel (pinned in $CONSTRAINTS)"
 # --no-build-isolation: setup.py builds the C++ kernels with this venv's torch
-"${PIP[@]}" --no-build-isolation -e "$REPO[test,bench]" ||
-    die "pip could not install rfa-fairseq and its pinned dependencies (setup.cfg)"
-"${PIP[@]}" --no-deps "$FAIRSEQ_PIN" || die "pip could not install $FAIRSEQ_PIN"
+"${PIP[@]}" --no-build-isolation -e "$REPO${EXTRAS:+[$EXTRAS]}" ||
+    die "pip could not install rfa-fairseq${EXTRAS:+[$EXTRAS]} and its dependencies (setup.cfg, $CONSTRAINTS)"
+"${PIP[@]}" --no-deps ve-fairseq || die "pip could not install ve-fairseq --no-deps (pinned in $CONSTRAINTS)"
 
 "$VENV/bin/python" - <<'EOF' || die "the environment does not import fairseq + rfa_fairseq"
 import fairseq, torch, rfa_fairseq  # noqa: F401

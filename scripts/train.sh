@@ -4,6 +4,7 @@
 # tests/test_configs.py checks that the two agree field by field.
 #
 #   DATA=/path/to/data-bin RECIPE=iwslt14_de_en MODEL=rfa scripts/train.sh [fairseq-train args ...]
+#   scripts/train.sh --help      # every setting, the recipes, DRY_RUN=1 (print the command, train nothing)
 #
 # Extra arguments go to fairseq-train after the recipe's flags, so they override them (fairseq's
 # argparse keeps the last occurrence), e.g.  scripts/train.sh --dropout 0.2 --rfa-gate
@@ -27,6 +28,47 @@ set -euo pipefail
 {
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+usage() {
+    cat <<'EOF'
+Usage: DATA=DIR [RECIPE=NAME] [MODEL=rfa|softmax] [VAR=value ...] scripts/train.sh [fairseq-train args ...]
+
+Trains one recipe with fairseq-train: the command-line twin of configs/<RECIPE>.yaml (MODEL=rfa) and
+configs/<RECIPE>_softmax.yaml (MODEL=softmax). Arguments after the script go to fairseq-train after the
+recipe's flags, so they override them (e.g. --dropout 0.2, --max-tokens 2048). Re-running the same command
+resumes from SAVE_DIR/checkpoint_last.pt; every run's log is appended to SAVE_DIR/train.log.
+
+Settings (environment variables):
+  DATA            binarized data, a fairseq-preprocess --destdir (required)
+  RECIPE          iwslt14_de_en (default) | wmt14_en_de | wmt14_en_de_big | wmt14_en_fr_big |
+                  multi30k_en_de | multi30k_en_fr
+  MODEL           rfa (default) | softmax: the softmax transformer of the same size
+  ARCH            architecture (default: the recipe's, for MODEL)
+  SAVE_DIR        checkpoint folder (default: checkpoints/<RECIPE>[_softmax])
+  SRC_LANG, TGT_LANG   language pair (default: the recipe's)
+  MAX_UPDATE      number of updates (default: the recipe's)
+  MAX_TIME_HOURS  > 0: stop after this much training time, summed over resumes (default 0: no limit)
+  UPDATE_FREQ     gradient accumulation (default 1); the WMT recipes assume 8 GPUs: 8/N on N GPUs
+  FP16            1 | 0 (default: 1 for the WMT recipes, which need a GPU; 0 otherwise)
+  USER_DIR        the plugin folder (default: rfa_fairseq of this checkout)
+  FINETUNE_FROM   a converted rfa_transformer checkpoint (rfa-convert-transformer) to fine-tune
+  CHECK_DATA      1 (default): check DATA with rfa-check-data first; 0 skips the check
+  DRY_RUN         1: check the settings, print the fairseq-train command and exit without training
+  PYTHON          Python of the environment (default: python3)
+
+GPUs: fairseq-train uses every visible GPU (one process each); CUDA_VISIBLE_DEVICES picks them.
+SLURM or several machines: DRY_RUN=1 prints the fairseq-train command; run it under
+  srun --ntasks-per-node G ... --distributed-world-size N --distributed-port 12345 (docs/reliability.md)
+
+Examples:
+  DATA=prep/data-bin RECIPE=multi30k_en_de scripts/train.sh
+  DATA=prep/data-bin RECIPE=multi30k_en_de DRY_RUN=1 scripts/train.sh --max-tokens 2048
+  DATA=wmt/data-bin RECIPE=wmt14_en_de UPDATE_FREQ=2 scripts/train.sh        # on 4 GPUs
+EOF
+}
+case "${1:-}" in
+    -h | --help) usage; exit 0 ;;
+esac
 
 # ------------------------------------------------------------------ settings (environment)
 DATA="${DATA:-}"                      # binarized data (fairseq-preprocess --destdir); required
@@ -100,7 +142,7 @@ MAX_UPDATE="${MAX_UPDATE:-$max_update}"
 FP16="${FP16:-$fp16}"
 
 # ------------------------------------------------------------------ checks
-[[ -n "$DATA" ]] || die "DATA is not set: DATA=/path/to/data-bin (the fairseq-preprocess --destdir)"
+[[ -n "$DATA" ]] || die "DATA is not set: DATA=/path/to/data-bin (the fairseq-preprocess --destdir); scripts/train.sh --help lists the settings"
 [[ -d "$DATA" ]] || die "data directory DATA='$DATA' does not exist"
 for lang in "$SRC_LANG" "$TGT_LANG"; do
     if [[ ! -f "$DATA/dict.$lang.txt" ]]; then

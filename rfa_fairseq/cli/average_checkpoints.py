@@ -18,11 +18,12 @@ import collections
 import os
 import sys
 
-import torch
+if __package__:  # loaded as a file (rfa_fairseq_cli) only to answer --help and usage errors: no torch, no fairseq
+    import torch
 
-from . import run_console_script
-from ..checkpoints import CheckpointLoadError, output_file_problem, safe_load, save_atomic
-from ..resume import EPOCH_CHECKPOINT_NAME, UPDATE_CHECKPOINT_NAME
+    from . import run_console_script
+    from ..checkpoints import CheckpointLoadError, output_file_problem, safe_load, save_atomic
+    from ..resume import EPOCH_CHECKPOINT_NAME, UPDATE_CHECKPOINT_NAME
 
 
 class AveragingError(Exception):

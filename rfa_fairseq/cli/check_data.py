@@ -2,8 +2,15 @@
 
 Console script `rfa-check-data` (also `python -m rfa_fairseq.cli.check_data`):
 
-  rfa-check-data raw -s de -t en data/train data/valid        # data/train.de + data/train.en, ...
-  rfa-check-data bin data-bin -s de -t en [--splits train valid test]
+  rfa-check-data data-bin                    # a fairseq-preprocess --destdir: binarized, its one pair
+  rfa-check-data data/train data/valid       # text: data/train.de + data/train.en, ...
+  rfa-check-data data                        # text: every PREFIX.de + PREFIX.en in the directory
+  rfa-check-data bin data-bin -s de -t en --splits train valid test   # the kind and the pair named
+
+The kind of data (raw text or binarized) and the language pair are inferred where that is unambiguous:
+a directory holding dict.<lang>.txt is binarized data, whose pair is read from its SPLIT.SRC-TGT.LANG.idx
+files; anything else is text, whose two languages are the suffixes found beside each prefix. A first
+word `raw` or `bin`, and -s/-t, name them instead (needed when a directory holds several pairs).
 
 raw (the text given to fairseq-preprocess): both files exist and are UTF-8; same number of lines;
 no empty lines; no carriage return inside a line (fairseq reads files with universal newlines, so
@@ -25,9 +32,19 @@ Exit status: 0 when clean, 1 when it found problems, 2 on usage errors.
 import argparse
 import os
 import sys
+import re
 from collections import defaultdict
 
-from ..textio import describe_utf8_error
+if __package__:
+    from ..textio import describe_utf8_error
+else:  # loaded as a file (rfa_fairseq_cli: --help and text checks without importing fairseq)
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "rfa_fairseq_textio", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "textio.py"))
+    _textio = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_textio)
+    describe_utf8_error = _textio.describe_utf8_error
 
 # fairseq's default --max-source-positions / --max-target-positions
 DEFAULT_MAX_POSITIONS = 1024
@@ -261,24 +278,149 @@ def check_binarized(data_dir, source_lang, target_lang, splits, max_positions, r
 
 # ---------------------------------------------------------------- command line
 
+MODES = ("raw", "bin")
+# SPLIT.SRC-TGT.LANG.idx, as fairseq-preprocess names binarized files
+_BIN_INDEX = re.compile(r"^[^.]+\.([^.\-]+)-([^.\-]+)\.([^.]+)\.idx$")
+
+
+class UsageError(Exception):
+    """The command line does not say (and the files do not tell) what to check."""
+
+
+def is_binarized_dir(path):
+    return os.path.isdir(path) and any(name.startswith("dict.") and name.endswith(".txt") for name in os.listdir(path))
+
+
+def binarized_pairs(data_dir):
+    """The (source, target) pairs of a fairseq-preprocess --destdir, from its index file names."""
+    pairs = set()
+    for name in os.listdir(data_dir):
+        match = _BIN_INDEX.match(name)
+        if match and match.group(3) in match.group(1, 2):
+            pairs.add(match.group(1, 2))
+    return sorted(pairs)
+
+
+def text_languages(prefix):
+    """Suffixes L of the files PREFIX.L (one dot-free word each)."""
+    directory, stem = os.path.split(prefix)
+    directory = directory or "."
+    if not os.path.isdir(directory):
+        return set()
+    return {name[len(stem) + 1:] for name in os.listdir(directory)
+            if name.startswith(stem + ".") and "." not in name[len(stem) + 1:]
+            and os.path.isfile(os.path.join(directory, name))}
+
+
+def text_prefixes_in(directory, languages=None):
+    """The prefixes of a directory of text files: every DIR/STEM with a file for both languages. Without
+    `languages`, the two suffixes found for more than one stem (e.g. train.de, valid.de, train.en, valid.en)."""
+    stems = defaultdict(set)
+    for name in os.listdir(directory):
+        stem, dot, lang = name.rpartition(".")
+        if dot and stem and os.path.isfile(os.path.join(directory, name)):
+            stems[stem].add(lang)
+    if languages is None:
+        counts = defaultdict(int)
+        for langs in stems.values():
+            for lang in langs:
+                counts[lang] += 1
+        candidates = sorted(lang for lang, count in counts.items() if count > 1)
+        if len(candidates) != 2:
+            found = ", ".join(candidates) or "none"
+            raise UsageError(f"cannot tell the language pair of the text files in {directory} (suffixes shared by "
+                             f"several files: {found}); give -s SRC -t TGT")
+        languages = candidates
+    prefixes = [os.path.join(directory, stem) for stem, langs in sorted(stems.items()) if set(languages) <= langs]
+    if not prefixes:
+        raise UsageError(f"no text pair PREFIX.{languages[0]} + PREFIX.{languages[1]} in {directory}")
+    return prefixes, languages
+
+
+def pick_pair(pairs, source, target, where):
+    """The one pair of `pairs` that agrees with the given -s/-t, or a UsageError naming the choices."""
+    if not pairs:
+        raise UsageError(f"no binarized split in {where} (no SPLIT.SRC-TGT.LANG.idx files) to read the language "
+                         "pair from; give -s SRC -t TGT")
+    oriented = pairs if source is None and target is None else sorted(set(pairs) | {(t, s) for s, t in pairs})
+    matching = [(s, t) for s, t in oriented if source in (None, s) and target in (None, t)]
+    if len(matching) == 1:
+        return matching[0]
+    listed = ", ".join(f"{s}-{t}" for s, t in pairs)
+    if not matching:
+        raise UsageError(f"{where} holds no {source or '*'}-{target or '*'} pair (pairs found: {listed})")
+    raise UsageError(f"{where} holds several language pairs ({listed}); pick one with -s SRC -t TGT")
+
+
+def resolve(args):
+    """Fill in args.mode, args.targets, args.source_lang and args.target_lang from the command line and the
+    files; returns a note on what was inferred (None when nothing was)."""
+    paths = list(args.paths)
+    mode = None
+    if paths[0] in MODES and (len(paths) > 1 or not os.path.exists(paths[0])):
+        mode = paths.pop(0)
+        if not paths:
+            raise UsageError(f"{mode} needs a path: rfa-check-data {mode} PATH [-s SRC -t TGT]")
+    inferred = []
+    if mode is None:
+        mode = "bin" if len(paths) == 1 and is_binarized_dir(paths[0]) else "raw"
+        inferred.append(f"{'binarized data' if mode == 'bin' else 'text'}")
+    source, target = args.source_lang, args.target_lang
+    if mode == "bin":
+        if len(paths) != 1:
+            raise UsageError(f"bin checks one fairseq-preprocess --destdir, got {len(paths)} paths")
+        data_dir = paths[0]
+        if (source is None or target is None) and os.path.isdir(data_dir):
+            source, target = pick_pair(binarized_pairs(data_dir), source, target, data_dir)
+            inferred.append(f"pair {source}-{target}")
+        elif source is None or target is None:
+            raise UsageError("give -s SRC -t TGT (the data directory does not exist, so the pair cannot be read from it)")
+        targets = paths
+    else:
+        if args.splits is not None:
+            raise UsageError("--splits applies to binarized data (bin) only")
+        given = [lang for lang in (source, target) if lang is not None]
+        targets = []
+        for path in paths:
+            if os.path.isdir(path):
+                prefixes, languages = text_prefixes_in(path, given if len(given) == 2 else None)
+                targets.extend(prefixes)
+            else:
+                targets.append(path)
+        if len(given) < 2:
+            found = set()
+            for prefix in targets:
+                languages = text_languages(prefix)
+                if not languages:
+                    raise UsageError(f"no file {prefix}.LANG found: give a text prefix (PREFIX.SRC and PREFIX.TGT), "
+                                     "a directory of such files, or a fairseq-preprocess --destdir")
+                found |= languages
+            candidates = sorted(found | set(given))
+            if len(candidates) != 2:
+                raise UsageError(f"cannot tell the language pair of {', '.join(targets)} (suffixes found: "
+                                 f"{', '.join(candidates) or 'none'}); give -s SRC -t TGT")
+            source = source or next(lang for lang in candidates if lang != target)
+            target = target or next(lang for lang in candidates if lang != source)
+            inferred.append(f"languages {source} and {target}")
+    args.mode, args.targets, args.source_lang, args.target_lang = mode, targets, source, target
+    return ", ".join(inferred) or None
+
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="rfa-check-data", description=__doc__,
+                                     usage="rfa-check-data [raw|bin] PATH [PATH ...] [-s SRC] [-t TGT] [options]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="mode", required=True)
-    raw = sub.add_parser("raw", help="check text files PREFIX.SRC / PREFIX.TGT")
-    raw.add_argument("prefixes", nargs="+", metavar="PREFIX", help="e.g. data/train data/valid")
-    binarized = sub.add_parser("bin", help="check a fairseq-preprocess --destdir")
-    binarized.add_argument("data_dir")
-    binarized.add_argument("--splits", nargs="+", default=None,
-                           help="splits that must exist (default: train and valid, and test if present)")
-    for p in (raw, binarized):
-        p.add_argument("-s", "--source-lang", required=True)
-        p.add_argument("-t", "--target-lang", required=True)
-        p.add_argument("--max-positions", type=int, default=DEFAULT_MAX_POSITIONS,
-                       help=f"longest sentence in tokens, end-of-sentence included (default: {DEFAULT_MAX_POSITIONS})")
-        p.add_argument("--max-errors", type=int, default=DEFAULT_MAX_ERRORS,
-                       help=f"problems of one kind shown per file (default: {DEFAULT_MAX_ERRORS})")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="a fairseq-preprocess --destdir (binarized data); or text: PREFIX (checks PREFIX.SRC and "
+                             "PREFIX.TGT) or a directory of such files. A first word raw or bin names the kind")
+    parser.add_argument("-s", "--source-lang", default=None, help="default: inferred from the file names")
+    parser.add_argument("-t", "--target-lang", default=None, help="default: inferred from the file names")
+    parser.add_argument("--splits", nargs="+", default=None,
+                        help="binarized data: splits that must exist (default: train and valid, and test if present)")
+    parser.add_argument("--max-positions", type=int, default=DEFAULT_MAX_POSITIONS,
+                        help=f"longest sentence in tokens, end-of-sentence included (default: {DEFAULT_MAX_POSITIONS})")
+    parser.add_argument("--max-errors", type=int, default=DEFAULT_MAX_ERRORS,
+                        help=f"problems of one kind shown per file (default: {DEFAULT_MAX_ERRORS})")
     return parser
 
 
@@ -287,12 +429,20 @@ def main(argv=None):
     if args.max_positions <= 0:
         print(f"rfa-check-data: error: --max-positions must be positive, got {args.max_positions}", file=sys.stderr)
         return 2
+    try:
+        note = resolve(args)
+    except UsageError as exc:
+        print(f"rfa-check-data: error: {exc}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"rfa-check-data: checking {args.mode} data ({note}; inferred from the files)", file=sys.stderr)
     report = Report(args.max_errors)
     if args.mode == "raw":
         counts = {prefix: check_raw_pair(prefix, args.source_lang, args.target_lang, args.max_positions, report)
-                  for prefix in args.prefixes}
+                  for prefix in args.targets}
     else:
-        counts = check_binarized(args.data_dir, args.source_lang, args.target_lang, args.splits, args.max_positions, report)
+        counts = check_binarized(args.targets[0], args.source_lang, args.target_lang, args.splits, args.max_positions,
+                                 report)
     problems = report.finish()
     summary = ", ".join(f"{name}: {count} pairs" for name, count in counts.items())
     if problems:
