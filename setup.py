@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,4 +65,9 @@ def cpp_kernels() -> dict:
     return {"ext_modules": [extension], "cmdclass": {"build_ext": OptionalBuildExtension}}
 
 
-setup(**cpp_kernels())
+# the plugin, and the console scripts' launcher: a package of its own (scripts/rfa_fairseq_cli), since importing
+# rfa_fairseq registers it with fairseq (seconds), and --help should answer at once
+PACKAGES = {"packages": find_packages(include=["rfa_fairseq", "rfa_fairseq.*"]) + ["rfa_fairseq_cli"],
+            "package_dir": {"rfa_fairseq_cli": "scripts/rfa_fairseq_cli"}}
+
+setup(**PACKAGES, **cpp_kernels())

@@ -4,10 +4,10 @@
 #   bash scripts/setup_env.sh                 # -> .venv next to this repo (RFA_VENV overrides)
 #   bash scripts/setup_env.sh --print-stamp   # print the stamp of the current files and exit
 #
-# Idempotent: a stamp in the venv records a hash of what the install depends on (constraints.txt,
+# Idempotent: a stamp in the venv records a hash of what the install depends on (scripts/constraints.txt,
 # setup.cfg, setup.py, pyproject.toml, this script, the C++ sources and rfa_fairseq/ops/extension.py,
 # which sets their compiler flags); when it matches, nothing is installed again, and a changed kernel
-# is rebuilt on the next run. Every pip install runs with -c constraints.txt: the exact versions the
+# is rebuilt on the next run. Every pip install runs with -c scripts/constraints.txt: the exact versions the
 # project is tested with (setup.cfg states the ranges the package accepts). The package is installed
 # with --no-build-isolation, so that setup.py sees the pinned torch and compiles the fused C++ kernels
 # ahead of time (an isolated build would pull an unpinned torch); without a C++ compiler it installs
@@ -19,7 +19,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RFA_VENV:-$REPO/.venv}"
-CONSTRAINTS="$REPO/constraints.txt"
+CONSTRAINTS="$REPO/scripts/constraints.txt"
 EXTRAS="${RFA_EXTRAS:-test,bench}"
 
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
@@ -38,7 +38,7 @@ pick_python() {
 
 # what the install depends on, relative to $REPO: names and contents enter the stamp
 stamp_files() {
-    (cd "$REPO" && printf '%s\n' constraints.txt setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
+    (cd "$REPO" && printf '%s\n' scripts/constraints.txt setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
         rfa_fairseq/ops/extension.py rfa_fairseq/ops/csrc/*)
 }
 

@@ -425,7 +425,7 @@ def test_setup_py_installs_without_the_kernels_when_the_compiler_fails(tmp_path)
 
 def test_setup_env_stamp_changes_with_the_cpp_sources(tmp_path):
     """A changed or added kernel makes scripts/setup_env.sh reinstall, which rebuilds the module."""
-    for name in ("constraints.txt", "setup.cfg", "setup.py", "pyproject.toml", "scripts/setup_env.sh",
+    for name in ("scripts/constraints.txt", "setup.cfg", "setup.py", "pyproject.toml", "scripts/setup_env.sh",
                  "rfa_fairseq/ops/extension.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(REPO, name), tmp_path / name)

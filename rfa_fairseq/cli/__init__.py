@@ -7,7 +7,7 @@
   rfa-train                 train.py              fairseq-train with --bf16 on GPUs/CPUs
 
 Each also runs as `python -m rfa_fairseq.cli.<module>`. The console scripts of check_data, scoring and
-average_checkpoints start in the top-level `rfa_fairseq_cli`, which loads the tool's file alone (without this
+average_checkpoints start in the installed `rfa_fairseq_cli` (scripts/rfa_fairseq_cli), which loads the tool's file alone (without this
 package, whose import registers the plugin with fairseq) to answer --help and usage errors at once; those files
 therefore import their package-relative modules only `if __package__`. rfa-user-dir prints the plugin folder.
 """
