@@ -14,8 +14,10 @@ are identical to the C++ kernels' and the BLEU difference (the C++ kernels' corr
 `ct2_softmax` and `ct2_softmax_int8` are the same softmax checkpoint converted by CTranslate2's
 ct2-fairseq-converter (float32 and int8 weights; converted once, beside the checkpoint) and translated by
 CTranslate2 (benchmarks/ctranslate2_generate.py: same beam, length penalty, batch size and threads), the
-engine the field uses for fast CPU inference; every row's speed_vs_ct2 is its speed over ct2_softmax's in
-the same repeat loop, and a CTranslate2 row's identical_to_softmax says how many of its hypotheses are
+engine the field uses for fast CPU inference, at its best configuration for the thread count: N threads
+within one batch (intra_threads) or N batches at once with one thread each (inter_threads), the faster of
+the two in each repeat (the CSV's ct2_config); every row's speed_vs_ct2 (speed_vs_ct2_int8) is its speed
+over ct2_softmax's (ct2_softmax_int8's) in the same repeat loop, and a CTranslate2 row's identical_to_softmax says how many of its hypotheses are
 fairseq's softmax hypotheses (how faithful the conversion is). The CTranslate2 rows need the `ctranslate2`
 package (the bench extra); without it they are left out with a message.
 
@@ -49,6 +51,8 @@ MODELS = {
     "softmax": ("softmax", []),
     "rfa": (DEFAULT_VARIANT, []),  # the default model
     "rfa_torch": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
+    # the default model with int8 linear layers (--rfa-decode-precision int8, CPU)
+    "rfa_int8": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_precision': 'int8'}"]),
     # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
     "rfa_eager": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_cuda_graphs': False}"]),
     # the default model trained at each number of features D (the study's D variants; the default's is also
@@ -65,7 +69,7 @@ DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch", *CT2_MODELS]
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
 KEY = ("device", "threads", "batch_size", "model")
 # the rfa models whose hypotheses are compared with rfa's (the same checkpoint, another decoding path)
-SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager")
+SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8")
 
 
 def log(message):
@@ -119,14 +123,21 @@ def updates_of(path) -> int:
     return int(history[-1].get("num_updates", -1))
 
 
-def generate(args, model, batch_size, threads, hyp_path):
-    """One fairseq-generate (or CTranslate2) run; returns (sentences, tokens, seconds, peak MB, hypotheses by id)."""
+def ct2_configs(threads: int):
+    """CTranslate2's ways to use `threads` cores: (intra_threads, inter_threads)."""
+    return [(threads, 1)] + ([(1, threads)] if threads > 1 else [])
+
+
+def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1)):
+    """One fairseq-generate (or CTranslate2, at ct2_config = (intra_threads, inter_threads)) run; returns
+    (sentences, tokens, seconds, peak MB, hypotheses by id, GEMM backend)."""
     checkpoint = args.checkpoints[model]
     if model in CT2_MODELS:
+        intra, inter = ct2_config
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctranslate2_generate.py"),
                "--model", args.ct2_models[model], "--source", os.path.join(args.prep, "test.spm.en"),
-               "--output", hyp_path + ".txt", "--threads", str(threads), "--batch-size", str(batch_size),
-               "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
+               "--output", hyp_path + ".txt", "--threads", str(intra), "--inter-threads", str(inter),
+               "--batch-size", str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
     else:
         # fairseq-generate as a module: the console script need not sit beside this interpreter
         cmd = [sys.executable, "-m", "fairseq_cli.generate", os.path.join(args.prep, "data-bin"),
@@ -310,13 +321,17 @@ def main(argv=None):
                 point = [m for m in args.models if args.redo or (tag, str(threads), str(batch), m) not in done]
                 if not point:
                     continue
-                best = {}
+                best, ct2_config = {}, {}
                 for repeat in range(args.repeats):
                     for model in point:  # alternating: drifting machine load hits every model alike
-                        result = generate(args, model, batch, threads, os.path.join(tmp, f"{model}.{batch}.{threads}"))
-                        if model not in best or result[2] < best[model][2]:
-                            best[model] = result
-                        log(f"threads {threads} batch {batch} {model} repeat {repeat + 1}: {result[2]:.1f} s")
+                        for config in ct2_configs(threads) if model in CT2_MODELS else [None]:
+                            result = generate(args, model, batch, threads, os.path.join(tmp, f"{model}.{batch}.{threads}"),
+                                              ct2_config=config)
+                            if model not in best or result[2] < best[model][2]:
+                                best[model], ct2_config[model] = result, config
+                            log(f"threads {threads} batch {batch} {model}"
+                                f"{f' intra {config[0]} inter {config[1]}' if config else ''} repeat {repeat + 1}: "
+                                f"{result[2]:.1f} s")
                 for model in point:
                     sentences, tokens, seconds, peak, hyps, backend = best[model]
                     row = {
@@ -333,6 +348,10 @@ def main(argv=None):
                         row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"
                     if "ct2_softmax" in best:
                         row["speed_vs_ct2"] = f"{best['ct2_softmax'][2] / seconds:.3f}"
+                    if "ct2_softmax_int8" in best:
+                        row["speed_vs_ct2_int8"] = f"{best['ct2_softmax_int8'][2] / seconds:.3f}"
+                    if model in CT2_MODELS:
+                        row["ct2_config"] = "intra_threads={} inter_threads={}".format(*ct2_config[model])
                     if model in CT2_MODELS and "softmax" in best:
                         fairseq_hyps = best["softmax"][4]
                         same = sum(fairseq_hyps.get(i) == hyps.get(i) for i in range(len(refs)))
@@ -352,6 +371,7 @@ def main(argv=None):
         for r in rows:
             print(f"{r['threads']} thr  batch {r['batch_size']:>4}  {r['model']:16s} {float(r['sentences_per_s']):7.1f} sent/s  "
                   f"x{r.get('speed_vs_softmax') or '-':>6} vs softmax  x{r.get('speed_vs_ct2') or '-':>6} vs ct2  "
+                  f"x{r.get('speed_vs_ct2_int8') or '-':>6} vs ct2 int8  "
                   f"BLEU {r['bleu']}  peak {r['peak_rss_mb']} MB"
                   + (f"  identical {r['identical_to_rfa']}" if r.get("identical_to_rfa") else ""))
     return 0

@@ -88,12 +88,14 @@ def load(args):
     parser = options.get_generation_parser()
     gen_args = options.parse_args_and_arch(parser, [
         os.path.join(args.prep, "data-bin"), "--user-dir", PLUGIN_DIR, "--path", args.path, "--gen-subset", "test",
-        "--beam", "4", "--lenpen", "1", "--max-len-a", "1", "--max-len-b", "50", "--cpu"])
+        "--beam", "4", "--lenpen", "1", "--max-len-a", "1", "--max-len-b", "50", "--cpu",
+        "--model-overrides", f"{{'rfa_decode_precision': '{args.decode_precision}'}}"])
     cfg = convert_namespace_to_omegaconf(gen_args)
     utils.import_user_module(cfg.common)
     task = tasks.setup_task(cfg.task)
     task.load_dataset("test")
-    models, _ = checkpoint_utils.load_model_ensemble([args.path], task=task)
+    models, _ = checkpoint_utils.load_model_ensemble([args.path], task=task,
+                                                     arg_overrides=eval(cfg.common_eval.model_overrides))
     model = models[0].eval()
     generator = task.build_generator(models, cfg.generation)
     if type(generator).__name__ != "StaticBeamSearchGenerator":
@@ -121,7 +123,9 @@ def instrument(model):
     timer.wrap(model.decoder, "step_layers", "decoder", in_decoder=True,
                before=lambda state, tokens, *_: rows.append(tokens.size(0)))
     # the class of the kernel set the decoder picks here (its linear layers' library included)
-    kernels = type(decode_step.step_kernels(model.decoder.rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32))
+    rfa = model.decoder.rfa
+    kernels = type(decode_step.step_kernels(rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32,
+                                            rfa.rfa_decode_precision))
     for name, part in STEP_KERNELS.items():
         timer.wrap(kernels, name, part, decoder_only=True)
     timer.wrap(kernels, "beam_candidates", "beam_candidates")
@@ -149,15 +153,19 @@ def profile_rfa(model, generator, batches, timer, rows):
 
 
 def gemm_floor(model, generator, rows):
-    """Seconds of the decoding steps' linear layers alone at each step's rows, on the same packed weights."""
+    """Seconds of the decoding steps' linear layers alone at each step's rows, on the same packed weights and
+    kernels (fp32 or int8: int8's activation quantization included)."""
     from rfa_fairseq.ops import step_kernels
 
+    rfa = model.decoder.rfa
     workspace = generator.decoder_workspace
-    kernels = step_kernels(model.decoder.rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32)
+    kernels = step_kernels(rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32, rfa.rfa_decode_precision)
     # the linear layers of every step (the cross-attention's K/V projection runs once per batch)
     weights = [packed for name, (_, packed) in workspace.packed.items() if not name.endswith("kv_proj")]
-    inputs = {(r, i): torch.randn(r, w.size(1)) for r in set(rows) for i, (w, _) in enumerate(weights)}
-    outputs = {(r, i): torch.empty(r, w.size(0)) for r in set(rows) for i, (w, _) in enumerate(weights)}
+    # input width: oneDNN's fp32 packed weight is (out, in), its int8 one (in, out) with 4 entries beside it
+    width = [packed[0].size(0) if len(packed) == 4 else packed[0].size(1) for packed in weights]
+    inputs = {(r, i): torch.randn(r, width[i]) for r in set(rows) for i in range(len(weights))}
+    outputs = {(r, i): torch.empty(r, 1) for r in set(rows) for i in range(len(weights))}  # oneDNN returns its own
     with torch.no_grad():
         start = time.perf_counter()
         for r in rows:
@@ -187,6 +195,8 @@ def main():
     p.add_argument("--prep", required=True, help="output of data-prep/prepare-multi30k.sh (data-bin/, test.spm.en)")
     p.add_argument("--path", required=True, help="the default rfa_transformer checkpoint")
     p.add_argument("--ct2-model", help="CTranslate2 conversion of the softmax twin (benchmark_generate.py makes one)")
+    p.add_argument("--decode-precision", choices=["fp32", "int8"], default="fp32",
+                   help="the rfa model's --rfa-decode-precision (its linear layers)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

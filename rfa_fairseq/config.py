@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import DECODE_KERNELS, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .ops import DECODE_KERNELS, DECODE_PRECISIONS, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 
@@ -81,6 +81,13 @@ class RFAConfig(FairseqDataclass):
             "build (built once, cached), the torch kernels otherwise (CUDA, bf16/fp16); torch = always the torch kernels "
             "(no C++ build); cpp = the C++ kernels, an error where they cannot run (not CPU fp32) or cannot be built. "
             "Same results, other speeds (default: auto)", speed_only=True),
+    )
+    rfa_decode_precision: ChoiceEnum(DECODE_PRECISIONS) = field(
+        default="fp32",
+        metadata=_meta("decoding", "the linear layers of the CPU decoding step (and the encoder's inference): fp32, or "
+            "int8 = oneDNN's int8 product on weights quantized per output channel and activations quantized at "
+            "each step (7-bit, per tensor): faster on x86 CPUs, its BLEU within docs/benchmarks.md's measured "
+            "margin of fp32's; the CPU in fp32 weights with the C++ kernels only (default: fp32)", speed_only=True),
     )
     rfa_cuda_graphs: bool = field(
         default=True,
@@ -207,6 +214,10 @@ def validate_rfa_args(args) -> None:
     if args.rfa_decode_kernel not in DECODE_KERNELS:
         raise ValueError(
             f"{flag('rfa_decode_kernel')}={args.rfa_decode_kernel!r} is not one of {', '.join(DECODE_KERNELS)}"
+        )
+    if getattr(args, "rfa_decode_precision", "fp32") not in DECODE_PRECISIONS:
+        raise ValueError(
+            f"{flag('rfa_decode_precision')}={args.rfa_decode_precision!r} is not one of {', '.join(DECODE_PRECISIONS)}"
         )
     if getattr(args, "rfa_sequence_kernel", "auto") not in SEQUENCE_KERNELS:
         raise ValueError(

@@ -16,6 +16,10 @@ small function that says what happens without it:
   layers; 2.05-2.29x torch's MKL addmm on the step's shapes, docs/design.md). Without them
   `onednn_linear_available()` is False and the step uses torch's addmm (same results, slower); calling
   one anyway is a RuntimeError naming the missing op.
+- `torch.ops.onednn.qlinear_prepack`, `qlinear_pointwise`: `onednn_int8_pack_linear_weight`,
+  `onednn_int8_linear`. oneDNN's int8 linear of torch's x86 int8 inference (not the
+  deprecated quantized-tensor API): the CPU decoding step's linear layers at --rfa-decode-precision int8.
+  Without them `onednn_int8_linear_available()` is False and int8 is an error naming why.
 - `torch.utils.cpp_extension._get_build_directory`: `cpp_extension_build_directory`. The directory
   torch's JIT build of the C++ kernels uses (TORCH_EXTENSIONS_DIR or its default), where ops/extension.py
   takes its build lock first. Without it: a RuntimeError naming it, which extension.py reports as a failed
@@ -92,6 +96,28 @@ def onednn_linear(x: Tensor, packed_weight: Tensor, bias: Optional[Tensor], acti
 def onednn_linear_add(x: Tensor, residual: Tensor, packed_weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """F.linear(x, weight, bias) + residual on a packed weight, the add fused into the product."""
     return _mkldnn_op("_linear_pointwise", "binary")(x, residual, packed_weight, bias, "add")
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_int8_linear_available() -> bool:
+    """Whether torch has oneDNN's int8 linear ops (torch.ops.onednn.qlinear_*, those of its x86 int8
+    inference: uint8 activations, int8 per-channel weights, fp32 output)."""
+    onednn = getattr(torch.ops, "onednn", None)
+    return (torch.backends.mkldnn.is_available() and onednn is not None and hasattr(onednn, "qlinear_prepack")
+            and hasattr(onednn, "qlinear_pointwise"))
+
+
+def onednn_int8_pack_linear_weight(qweight: Tensor, rows_hint: int) -> Tensor:
+    """int8 codes `qweight` (out_features, in_features) packed for onednn_int8_linear*."""
+    return torch.ops.onednn.qlinear_prepack(qweight, [rows_hint, qweight.size(1)])
+
+
+def onednn_int8_linear(codes: Tensor, x_scale: float, x_zero_point: int, packed: Tensor, w_scales: Tensor,
+                       w_zero_points: Tensor) -> Tensor:
+    """fp32 x W^T from x's uint8 codes, x = (codes - zero point) * scale, and W's int8 codes times its
+    per-output-channel scales (accumulated in int32)."""
+    return torch.ops.onednn.qlinear_pointwise(codes, x_scale, x_zero_point, packed, w_scales, w_zero_points, None, 1.0,
+                                              0, torch.float32, "none", [], "")
 
 
 def cpp_extension_build_directory(name: str, verbose: bool = False) -> str:

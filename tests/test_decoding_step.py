@@ -423,6 +423,12 @@ def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kerne
             else:  # positional scores, printed with 4 decimals
                 diffs = [abs(float(x) - float(y)) for x, y in zip(fields_a[1].split(), fields_b[1].split())]
                 assert fields_a[0] == fields_b[0] and max(diffs) <= 2e-4, (a, b)
+    # --rfa-decode-precision int8 reaches fairseq-generate's model through --model-overrides
+    proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test",
+               "--beam", "5", "--batch-size", "16", "--max-len-b", "25", "--cpu",
+               "--model-overrides", "{'rfa_decode_precision': 'int8'}")
+    assert "linear layers: oneDNN int8" in proc.stdout + proc.stderr
+    assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 40
 
 
 @pytest.mark.parametrize("cross", ["softmax", "rfa"])
@@ -458,3 +464,88 @@ def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():
     for t, (address, old) in zip(cross, before):
         assert t.data_ptr() == address
         torch.testing.assert_close(t, old[order], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- int8 linear layers (--rfa-decode-precision int8)
+
+
+def _int8_kernels():
+    if load_fused_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain; see the warning above)")
+    return step_kernels("auto", torch.device("cpu"), torch.float32, "int8")
+
+
+@torch.no_grad()
+def test_quantize_rows_and_scale_rows_equal_the_reference():
+    """The C++ activation quantizer: the reference's per-row scales, codes off by at most one (it multiplies by
+    1/scale where the reference divides) and in 1 .. 127, reconstructing each row to half a step; scale_rows
+    applies a row's scale, the bias, relu and the residual."""
+    from rfa_fairseq.ops import quantize_rows_reference
+
+    ext = _int8_kernels().ext
+    g = torch.Generator().manual_seed(0)
+    for x in (torch.randn(37, 70, generator=g) * 3 + 1, torch.rand(5, 16, generator=g), -torch.rand(4, 9, generator=g),
+              torch.zeros(3, 8)):
+        codes, scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.size(0))
+        ext.quantize_rows(x, codes, scales)
+        want, want_scales = quantize_rows_reference(x, ext.int8_row_zero_point)
+        torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
+        assert 1 <= int(codes.min()) and int(codes.max()) <= 127
+        assert (codes.int() - want.int()).abs().max() <= 1 and (codes != want).float().mean() < 0.01
+        assert ((codes.float() - 64) * scales[:, None] - x).abs().max() <= 0.5 * scales.max() * 1.0001
+    y, row_scales = torch.randn(6, 10, generator=g), torch.rand(6, generator=g)
+    bias, residual = torch.randn(10, generator=g), torch.randn(6, 10, generator=g)
+    for relu in (False, True):
+        got = y.clone()
+        ext.scale_rows(got, row_scales, bias, residual, relu)
+        want = y * row_scales[:, None] + bias
+        torch.testing.assert_close(got, (want.relu() if relu else want) + residual)
+
+
+@torch.no_grad()
+def test_int8_linear_layers_are_fp32_s_within_their_quantization_error():
+    """oneDNN's int8 product with bias, relu and residual: fp32's linear within 2 % of the output's range
+    (per-row 7-bit activations, per-channel int8 weights)."""
+    kernels = _int8_kernels()
+    g = torch.Generator().manual_seed(1)
+    x, weight, bias = torch.randn(24, 96, generator=g), torch.randn(200, 96, generator=g) / 10, torch.randn(200, generator=g)
+    residual = torch.randn(24, 200, generator=g)
+    packed = kernels.pack_linear(weight, bias)
+    want = F.linear(x, weight, bias)
+    for got, ref in ((kernels.linear(x, packed, None), want), (kernels.linear(x, packed, None, "relu"), want.relu()),
+                     (kernels.linear(x, packed, None, residual=residual), want + residual)):
+        error = ((got - ref).abs().max() / want.abs().max()).item()
+        print(f"max |int8 - fp32| / max |fp32|: {error:.4f}")
+        assert error < 0.02
+
+
+@torch.no_grad()
+def test_int8_decoding_step_logits_stay_within_a_tolerance_of_fp32():
+    """The default model decoding with --rfa-decode-precision int8 (every linear layer of the step and of the
+    encoder's inference in int8): its log-probabilities within 0.1 of fp32's (max over 3 sentences x 6 steps of
+    a tiny model, where they span ~8), and the same best token at most positions."""
+    _int8_kernels()
+    model, d = build_model(_flags("hedgehog", True, "softmax", "post"))
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=6, seed=2)
+    outputs = {}
+    for precision in ("fp32", "int8"):
+        model.decoder.rfa.rfa_decode_precision = precision  # one RFAConfig: the encoder's layers read it too
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        state = {}
+        logits = _decode_incrementally(model, encoder_out, prev, state)
+        assert state[IncrementalDecoder.KEY].kernels.gemm.startswith("oneDNN int8") == (precision == "int8")
+        assert all(layer._step_kernels(encoder_out["encoder_out"][0]).gemm == state[IncrementalDecoder.KEY].kernels.gemm
+                   for layer in model.encoder.layers)
+        outputs[precision] = torch.log_softmax(logits, dim=-1)
+    error = (outputs["int8"] - outputs["fp32"]).abs().max().item()
+    agree = (outputs["int8"].argmax(-1) == outputs["fp32"].argmax(-1)).float().mean().item()
+    print(f"max |log p int8 - fp32| {error:.4f}, same argmax {agree:.2%}")
+    assert error < 0.1 and agree >= 0.8
+
+
+def test_int8_where_it_cannot_run_is_an_error_naming_why():
+    with pytest.raises(ValueError, match="runs on the CPU in fp32 weights, not on cpu in torch.bfloat16"):
+        step_kernels("auto", torch.device("cpu"), torch.bfloat16, "int8")
+    with pytest.raises(ValueError, match="needs the C\\+\\+ kernels"):
+        step_kernels("torch", torch.device("cpu"), torch.float32, "int8")

@@ -103,12 +103,12 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         return self._infer(x, encoder_padding_mask, kernels)
 
     def _step_kernels(self, x):
-        """ops.step_kernels for x's device and dtype (the decoding step's choice), picked once per layer; None
-        where --rfa-decode-kernel cannot run here (cpp on a GPU, validating while training): fairseq's forward."""
-        where = (x.device, x.dtype)
+        """ops.step_kernels for x's device and dtype (the decoding step's choice), picked once per layer and
+        options; None where they cannot run here (cpp on a GPU, validating while training): fairseq's forward."""
+        where = (x.device, x.dtype, self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision)
         if self._packed.kernels is None or self._packed.kernels[0] != where:
             try:
-                kernels = step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype)
+                kernels = step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype, self.rfa.rfa_decode_precision)
             except ValueError:
                 kernels = None
             self._packed.kernels = (where, kernels)
@@ -358,7 +358,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         dtype, `graphs` the CUDA graphs its steps replay (None: eager)."""
         self._check_can_decode()
         weight = self.embed_tokens.weight
-        kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype)
+        kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision)
         if self._logged_kernels != kernels.name:  # once per decoder (and when the choice changes)
             self._logged_kernels = kernels.name
             logger.info(f"rfa_fairseq: decoding step kernels: {kernels.name}; linear layers: {kernels.gemm}")

@@ -84,7 +84,7 @@ class Workspace:
         """kernels.pack_linear(*build()) for the linear layer `name`, reused while the kernels and every
         parameter in `sources` (what build reads) stay the same tensors, unmodified (an in-place update bumps their
         version, and the layer is packed again; updates through `.data` do not: see forget_packed)."""
-        key = (kernels.name, tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in sources))
+        key = (kernels.name, kernels.gemm, tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in sources))
         cached = self.packed.get(name)
         if cached is None or cached[0] != key:
             with torch.no_grad():

@@ -1,5 +1,5 @@
 """Pure tensor functions of RFA: no fairseq imports here."""
-from .decode_step import DECODE_KERNELS, cpp_can_run, step_kernels  # noqa: F401
+from .decode_step import DECODE_KERNELS, DECODE_PRECISIONS, cpp_can_run, step_kernels  # noqa: F401
 from .dispatch import SEQUENCE_KERNELS, causal_rfa  # noqa: F401
 from .extension import load_fused_extension, require_fused_extension  # noqa: F401
 from .feature_maps import (  # noqa: F401
@@ -25,6 +25,7 @@ from .naive import (  # noqa: F401
     feature_map_reference,
     learned_feature_map_reference,
     noncausal_rfa_reference,
+    quantize_rows_reference,
     rfa_attention_weights,
 )
 from .rfa import (  # noqa: F401

@@ -27,7 +27,7 @@
 device and dtype, states and accumulations in fp32; `CppStepOps`, the C++ kernels of csrc/, on the CPU in fp32)
 joined with a linear-layer library (`TorchLinear`: torch's addmm; `OneDNNLinear`: oneDNN on weights packed
 once, torch's mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC,
-benchmarks/benchmark_gemm.py). `step_kernels` is the one choice of a set, for the decoder's step and the
+benchmarks/benchmark_gemm.py; `OneDNNInt8Linear`: oneDNN's int8 product, --rfa-decode-precision int8). `step_kernels` is the one choice of a set, for the decoder's step and the
 encoder's inference alike; no set falls back to another inside a call. The torch operations are what the C++
 kernels are tested against, beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a step
 can be queued (or captured) as a whole; the kernels write into buffers their caller allocated once.
@@ -44,6 +44,7 @@ from .extension import load_fused_extension, require_fused_extension
 from .feature_maps import activate_learned_pair
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
+DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
 
 
 def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,11 +52,14 @@ def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
-def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "StepKernels":
-    """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel (validated by
-    RFAConfig) and the model's device and dtype: auto = the C++ kernels on the CPU in fp32 when their module
-    loads (linear layers in oneDNN where torch has it), torch otherwise; cpp = the C++ kernels, an error where
-    they cannot run; torch = torch."""
+def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, precision: str = "fp32") -> "StepKernels":
+    """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
+    --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the C++ kernels on
+    the CPU in fp32 when their module loads (linear layers in oneDNN where torch has it), torch otherwise;
+    cpp = the C++ kernels, an error where they cannot run; torch = torch. precision int8: the C++ kernels with
+    int8 linear layers (oneDNN), an error naming why where they cannot run."""
+    if precision == "int8":
+        return _int8_kernels(decode_kernel, device, dtype)
     if decode_kernel == "torch":
         return TORCH_KERNELS
     native = cpp_can_run(device, dtype)
@@ -69,6 +73,20 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -
         if ext is None:
             return TORCH_KERNELS
     return CppOneDNNKernels(ext) if torch_internals.onednn_linear_available() else CppKernels(ext)
+
+
+def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "CppOneDNNInt8Kernels":
+    where = f"{torch.device(device).type} in {dtype}"
+    if not cpp_can_run(device, dtype):
+        raise ValueError(f"--rfa-decode-precision int8: the int8 decoding step runs on the CPU in fp32 weights, not on "
+                         f"{where}; use fp32 there")
+    if decode_kernel == "torch":
+        raise ValueError("--rfa-decode-precision int8 needs the C++ kernels (they quantize the activations): drop "
+                         "--rfa-decode-kernel torch")
+    if not torch_internals.onednn_int8_linear_available():
+        raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
+                         f"(torch.ops.onednn.qlinear_*); use fp32")
+    return CppOneDNNInt8Kernels(require_fused_extension())
 
 
 class StepKernels(Protocol):
@@ -255,6 +273,33 @@ class OneDNNLinear:
         return y if residual is None else y.add_(residual)
 
 
+class OneDNNInt8Linear:
+    """Linear layers in int8 on oneDNN (torch's x86 int8 ops, through torch_internals): each weight row quantized
+    once to int8 codes and a scale (symmetric, per output channel); each input row quantized at each call to
+    7-bit codes and a scale of its own (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in
+    int16), in C++ (quantize_rows); oneDNN's product accumulated in int32 and written in fp32 with the weights'
+    scales; then, in one C++ pass, each row's own scale, the bias, relu and the residual (scale_rows). The CPU
+    in fp32 weights."""
+
+    @staticmethod
+    def pack_linear(weight, bias):
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (O,)
+        codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        packed = torch_internals.onednn_int8_pack_linear_weight(codes, ONEDNN_ROWS_HINT)
+        zero_points = torch.zeros(w.size(0), dtype=torch.int32)  # symmetric
+        return packed, scales, zero_points, _NONE if bias is None else bias.detach().float().contiguous()
+
+    def linear(self, x, packed, out, activation=None, residual=None):
+        weight, scales, zero_points, bias = packed  # `out` is not written: the product comes in a tensor of its own
+        codes = torch.empty(x.shape, dtype=torch.uint8)
+        row_scales = torch.empty(x.size(0))
+        self.ext.quantize_rows(x, codes, row_scales)
+        y = torch_internals.onednn_int8_linear(codes, 1.0, self.ext.int8_row_zero_point, weight, scales, zero_points)
+        self.ext.scale_rows(y, row_scales, bias, _or_none(residual), activation == "relu")
+        return y
+
+
 class CppKernels(CppStepOps, TorchLinear):
     """The C++ step with torch's linear layers (a torch without oneDNN)."""
 
@@ -262,9 +307,15 @@ class CppKernels(CppStepOps, TorchLinear):
 
 
 class CppOneDNNKernels(CppStepOps, OneDNNLinear):
-    """The C++ step with oneDNN's linear layers: the CPU's fastest set."""
+    """The C++ step with oneDNN's linear layers: the CPU's fastest fp32 set."""
 
     gemm = "oneDNN (packed weights)"
+
+
+class CppOneDNNInt8Kernels(CppStepOps, OneDNNInt8Linear):
+    """The C++ step with oneDNN's int8 linear layers (--rfa-decode-precision int8)."""
+
+    gemm = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
 
 
 ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout

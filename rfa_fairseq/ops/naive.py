@@ -171,3 +171,12 @@ def rfa_attention_weights(phi_q, phi_k, log_gate=None, causal: bool = True, eps:
     if causal:
         scores = scores * _causal_decay(q, log_gate)
     return scores / scores.sum(-1, keepdim=True).clamp_min(eps)
+
+
+def quantize_rows_reference(x: Tensor, zero_point: int = 64):
+    """Symmetric per-row quantization of x (R, C) to codes zero_point +- (zero_point - 1):
+    -> (codes uint8, scales (R,)) with x ~ (codes - zero_point) * scale of the row."""
+    scales = x.abs().amax(dim=1) / (zero_point - 1)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.clamp(torch.round(x / scales[:, None]) + zero_point, 0, 2 * zero_point - 1).to(torch.uint8)
+    return codes, scales

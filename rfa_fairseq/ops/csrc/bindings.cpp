@@ -21,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
   m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
   m.def("beam_candidates", &beam_candidates, "beam search: the k best (score so far + log-probability) per sentence");
+  m.def("quantize_rows", &quantize_rows, "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
+  m.def("scale_rows", &scale_rows, "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
+  m.attr("int8_row_zero_point") = kInt8RowZeroPoint;
   // causal_layer_step's `activation` codes by feature-map activation (None in Python: "features")
   m.attr("activations") = std::map<std::string, int64_t>{{"features", kFeatures}, {"hedgehog", kHedgehog}, {"relu", kReLU}};
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);

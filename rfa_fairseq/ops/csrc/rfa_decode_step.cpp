@@ -12,9 +12,13 @@
 //   beam_candidates     beam search's candidates: per sentence, the k best of its beams' log-probabilities
 //                       plus each beam's score so far (NaN counts as -inf), in one pass, without writing
 //                       the (sentences, beam x V) sums that torch.topk would read
+//   quantize_rows       an int8 linear layer's input, quantized per row at each call: 7-bit codes
+//                       round(x / s) + 64 with s = the row's max |x| / 63 (symmetric)
+//   scale_rows          an int8 linear layer's output, in place: y * the row's scale + bias, relu, + residual
 //
 // References (tests/test_decoding.py compares against them): ops/naive.py's causal_rfa_recurrent,
-// ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention, torch.nn.functional.layer_norm.
+// ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention, torch.nn.functional.layer_norm,
+// ops/naive.py's quantize_rows_reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -360,6 +364,84 @@ void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scor
           }
         }
       }
+    }
+  });
+}
+
+namespace {
+
+RFA_SIMD_CLONES
+float max_abs(const float* __restrict__ x, int64_t n) {
+  float m = 0.0f;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+RFA_SIMD_CLONES
+void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, uint8_t* __restrict__ q) {
+  const float zero = static_cast<float>(kInt8RowZeroPoint), top = static_cast<float>(2 * kInt8RowZeroPoint - 1);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    // round half to even, as torch.round; |x| <= the row's maximum keeps the code in 1 .. 127
+    const float v = std::nearbyint(x[i] * inv_scale) + zero;
+    q[i] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), top));
+  }
+}
+
+RFA_SIMD_CLONES
+void scale_row(float* __restrict__ y, int64_t n, float s, const float* __restrict__ bias,
+               const float* __restrict__ residual, bool relu) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = y[i] * s + (bias != nullptr ? bias[i] : 0.0f);
+    if (relu) v = std::max(v, 0.0f);
+    y[i] = v + (residual != nullptr ? residual[i] : 0.0f);
+  }
+}
+
+}  // namespace
+
+void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
+  const int64_t R = x.size(0), C = x.size(1);
+  check_rows(x, R, C, "x");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == R && codes.size(1) == C,
+              "rfa static step: codes must be a contiguous (", R, ", ", C, ") uint8 tensor");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
+              "rfa static step: scales must be a contiguous fp32 tensor of ", R, " values");
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const float levels = static_cast<float>(kInt8RowZeroPoint - 1);
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float m = max_abs(xp + r * ldx, C);
+      const float scale = m > 0.0f ? m / levels : 1.0f;
+      sp[r] = scale;
+      quantize_row(xp + r * ldx, C, 1.0f / scale, cp + r * C);
+    }
+  });
+}
+
+void scale_rows(torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& residual,
+                bool relu) {
+  const int64_t R = y.size(0), O = y.size(1);
+  check_rows(y, R, O, "y");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
+              "rfa static step: scales must be a contiguous fp32 tensor of ", R, " values");
+  const bool biased = bias.numel() > 0, added = residual.numel() > 0;
+  TORCH_CHECK(!biased || (bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 && bias.numel() == O),
+              "rfa static step: bias must be a contiguous fp32 tensor of ", O, " values");
+  if (added) check_rows(residual, R, O, "residual");
+  float* yp = y.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* bp = biased ? bias.data_ptr<float>() : nullptr;
+  const float* rp = added ? residual.data_ptr<float>() : nullptr;
+  const int64_t ldy = y.stride(0), ldr = added ? residual.stride(0) : 0;
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      scale_row(yp + r * ldy, O, sp[r], bp, added ? rp + r * ldr : nullptr, relu);
     }
   });
 }

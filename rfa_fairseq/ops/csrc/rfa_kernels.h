@@ -23,3 +23,9 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
                     const torch::Tensor& beta, double eps, torch::Tensor& out);
 void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
                      torch::Tensor& scores_out, torch::Tensor& indices_out);
+// int8 linear layers' activations: the zero point of the 7-bit codes (x86 without VNNI sums pairs of u8 x s8
+// products in int16, which 8-bit codes times 7-bit weights overflow)
+constexpr int64_t kInt8RowZeroPoint = 64;
+void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales);
+void scale_rows(torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& residual,
+                bool relu);

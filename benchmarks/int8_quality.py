@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""What int8 decoding costs in quality: fairseq-generate of one rfa_transformer checkpoint with its linear layers in
+fp32 and in int8 (--model-overrides "{'rfa_decode_precision': 'int8'}"), on the test and valid splits of a
+Multi30k pair (beam 4, length penalty 1, max length source + 50, batch 64, SentencePiece-decoded), scored with
+sacreBLEU against the raw references; one CSV row per (pair, split): both BLEUs, their difference, and how many
+hypotheses are identical. Rows already in the CSV are kept (--redo measures them again).
+
+    python benchmarks/int8_quality.py --pair en-de --prep outputs/multi30k --checkpoint CKPT
+    python benchmarks/int8_quality.py --pair en-fr --prep outputs/multi30k_en_fr --checkpoint CKPT
+
+The rule docs/benchmarks.md applies: int8 BLEU within 0.3 of fp32's on every (pair, split).
+"""
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_common import PLUGIN_DIR, write_csv  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "int8_quality_multi30k.csv")
+SPLITS = {"test": "test", "valid": "valid"}  # fairseq's --gen-subset -> the prepared references' prefix
+
+
+def translate(args, split: str, precision: str):
+    """-> {sentence id: detokenized hypothesis} of fairseq-generate at `precision`."""
+    cmd = [sys.executable, "-m", "fairseq_cli.generate", os.path.join(args.prep, "data-bin"), "--user-dir", PLUGIN_DIR,
+           "--path", args.checkpoint, "--gen-subset", split, "--beam", "4", "--lenpen", "1", "--max-len-a", "1",
+           "--max-len-b", "50", "--batch-size", "64", "--required-batch-size-multiple", "1",
+           "--post-process", "sentencepiece", "--num-workers", "0", "--cpu", "-s", "en", "-t", args.target,
+           "--model-overrides", f"{{'rfa_decode_precision': '{precision}'}}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    if proc.returncode != 0:
+        sys.exit(f"int8_quality: fairseq-generate failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    hyps = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("D-"):
+            key, _, hyp = line.split("\t", 2)
+            hyps[int(key[2:])] = hyp
+    return hyps
+
+
+def main(argv=None) -> int:
+    import sacrebleu
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", choices=["en-de", "en-fr"], required=True)
+    p.add_argument("--prep", required=True, help="data-prep/prepare-multi30k.sh's output for the pair")
+    p.add_argument("--checkpoint", required=True, help="an rfa_transformer checkpoint of that pair")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--csv", default=RESULTS)
+    p.add_argument("--redo", action="store_true")
+    args = p.parse_args(argv)
+    args.target = args.pair.split("-")[1]
+    for needed in ("data-bin", f"test.raw.{args.target}", f"valid.raw.{args.target}"):
+        if not os.path.exists(os.path.join(args.prep, needed)):
+            p.error(f"--prep {args.prep} has no {needed} (data-prep/prepare-multi30k.sh --pair {args.pair} writes it)")
+    if not os.path.isfile(args.checkpoint):
+        p.error(f"--checkpoint {args.checkpoint} does not exist")
+    rows = list(csv.DictReader(open(args.csv, newline=""))) if os.path.exists(args.csv) else []
+    for split, prefix in SPLITS.items():
+        key = (args.pair, split, os.path.normpath(args.checkpoint))
+        if not args.redo and any((r["pair"], r["split"], r["checkpoint"]) == key for r in rows):
+            continue
+        refs = open(os.path.join(args.prep, f"{prefix}.raw.{args.target}"), encoding="utf-8").read().splitlines()
+        hyps = {precision: translate(args, split, precision) for precision in ("fp32", "int8")}
+        score = {precision: sacrebleu.corpus_bleu([h[i] for i in range(len(refs))], [refs]).score
+                 for precision, h in hyps.items()}
+        same = sum(hyps["fp32"][i] == hyps["int8"][i] for i in range(len(refs))) / len(refs)
+        row = {"pair": args.pair, "split": split, "checkpoint": key[2], "sentences": len(refs),
+               "bleu_fp32": f"{score['fp32']:.2f}", "bleu_int8": f"{score['int8']:.2f}",
+               "int8_minus_fp32": f"{score['int8'] - score['fp32']:.2f}", "identical": f"{same:.4f}",
+               "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+        rows = [r for r in rows if (r["pair"], r["split"], r["checkpoint"]) != key] + [row]
+        write_csv(args.csv, rows)
+        print(f"{args.pair} {split}: BLEU fp32 {row['bleu_fp32']}, int8 {row['bleu_int8']} "
+              f"({row['int8_minus_fp32']:>5}), identical {same:.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
