@@ -157,8 +157,9 @@ class TorchStepOps:
                            scaling: float, out: Tensor, weights: Optional[Tensor] = None) -> Tensor:
         N, H, S, d = key.shape
         R = q.size(0)
-        if weights is None and R % beam == 0:
-            # the sentence's beams as one query block: one fused attention over its K/V, no copies of them
+        if weights is None and R % beam == 0 and q.is_cuda:
+            # on a GPU, where each operation is a kernel launch: the sentence's beams as one query block, one fused
+            # attention over its K/V. Elsewhere the operations below (bf16 on the CPU: SDPA would round otherwise)
             n = R // beam
             query = q.view(n, beam, H, d).transpose(1, 2)  # (n, H, beam, d)
             mask = key_bias[:n].view(n, 1, 1, S) if key_bias is not None else None
