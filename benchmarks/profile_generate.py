@@ -19,9 +19,14 @@ own (benchmarks/ctranslate2_generate.py; its one translate_batch call, warm-up i
 CTranslate2's Python API has none). Writes one CSV row per (batch size, part).
 
     python benchmarks/profile_generate.py --prep outputs/multi30k --path CKPT --ct2-model CT2_DIR
+    python benchmarks/profile_generate.py ... --decode-precision int8 --ct2-model CT2_INT8_DIR --csv FILE
+
+One precision per run (--decode-precision: the rfa model's linear layers, int8's gemm_floor its quantization
+included); a run replaces its own (precision, threads, batch size) rows of the CSV and keeps the others.
 """
 import argparse
 import collections
+import csv
 import functools
 import inspect
 import os
@@ -206,26 +211,34 @@ def main():
     model, generator, batches_of = load(args)
     timer, step_rows = instrument(model)
     out = []
+    point = {"decode_precision": args.decode_precision, "threads": args.threads}
     for batch_size in args.batch_sizes:
         seconds, calls, rows, total = profile_rfa(model, generator, batches_of(batch_size), timer, step_rows)
         steps = len(rows)
+        at = dict(point, batch_size=batch_size)
         for part, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
-            out.append({"batch_size": batch_size, "threads": args.threads, "part": part, "seconds": f"{s:.3f}",
-                        "ms_per_step": f"{1e3 * s / steps:.3f}", "calls": calls.get(part, "")})
-        out.append({"batch_size": batch_size, "threads": args.threads, "part": "rfa total", "seconds": f"{total:.3f}",
-                    "ms_per_step": f"{1e3 * total / steps:.3f}", "calls": steps})
+            out.append(dict(at, part=part, seconds=f"{s:.3f}", ms_per_step=f"{1e3 * s / steps:.3f}",
+                            calls=calls.get(part, "")))
+        out.append(dict(at, part="rfa total", seconds=f"{total:.3f}", ms_per_step=f"{1e3 * total / steps:.3f}",
+                        calls=steps))
         floor = gemm_floor(model, generator, rows)
-        out.append({"batch_size": batch_size, "threads": args.threads, "part": "gemm_floor", "seconds": f"{floor:.3f}",
-                    "ms_per_step": f"{1e3 * floor / steps:.3f}", "calls": steps})
+        out.append(dict(at, part="gemm_floor", seconds=f"{floor:.3f}", ms_per_step=f"{1e3 * floor / steps:.3f}",
+                        calls=steps))
         if args.ct2_model:
             ct2 = profile_ct2(args, batch_size)
-            out.append({"batch_size": batch_size, "threads": args.threads, "part": "ctranslate2 total",
-                        "seconds": f"{ct2:.3f}", "ms_per_step": "", "calls": ""})
+            out.append(dict(at, part="ctranslate2 total", seconds=f"{ct2:.3f}", ms_per_step="", calls=""))
         for row in out:
             if row["batch_size"] == batch_size:
                 print(f"batch {batch_size:4d}  {row['part']:22s} {row['seconds']:>8s} s  {row['ms_per_step']:>8s} ms/step")
+    # the CSV keeps other precisions' and thread counts' rows (one run per precision)
+    kept = []
+    if os.path.exists(args.csv):
+        with open(args.csv, newline="") as f:
+            kept = [r for r in csv.DictReader(f)
+                    if (r.get("decode_precision") or "fp32", r["threads"], r["batch_size"]) not in
+                    {(args.decode_precision, str(args.threads), str(b)) for b in args.batch_sizes}]
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-    write_csv(args.csv, out)
+    write_csv(args.csv, kept + out)
     print(f"wrote {args.csv}")
 
 
