@@ -56,6 +56,16 @@ STATIC_SEARCH_MODELS = {"rfa_static": True, "rfa_static_eager": False}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of the decoding benchmarks
 
 
+def detokenized_hypotheses(generate_output: str) -> dict:
+    """{sentence id: hypothesis} from fairseq-generate's output: its D- lines (detokenized, --post-process)."""
+    hyps = {}
+    for line in generate_output.splitlines():
+        if line.startswith("D-"):
+            key, _, hyp = line.split("\t", 2)
+            hyps[int(key[2:])] = hyp
+    return hyps
+
+
 def make_dictionary(vocab: int):
     from fairseq.data import Dictionary
 

@@ -40,7 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import REPO, PLUGIN_DIR, device_tag, pyplot, write_csv  # noqa: E402
+from benchmark_common import REPO, PLUGIN_DIR, detokenized_hypotheses, device_tag, pyplot, write_csv  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from quality_study import DEFAULT_MODEL_VARIANTS, default_model_variant  # noqa: E402
@@ -165,14 +165,11 @@ def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1)):
     found = TRANSLATED.search(text)
     if not found:
         sys.exit(f"benchmark_generate: no 'Translated ...' line in {hyp_path}.log")
-    hyps = {}
     if model in CT2_MODELS:
         with open(hyp_path + ".txt", encoding="utf-8") as f:
             hyps = dict(enumerate(f.read().splitlines()))
-    for line in text.splitlines():
-        if line.startswith("D-"):  # detokenized hypothesis
-            key, _, hyp = line.split("\t", 2)
-            hyps[int(key[2:])] = hyp
+    else:
+        hyps = detokenized_hypotheses(text)
     sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
     return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps, gemm_backend(model, text, args.device)
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import PLUGIN_DIR, write_csv  # noqa: E402
+from benchmark_common import PLUGIN_DIR, detokenized_hypotheses, write_csv  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "int8_quality_multi30k.csv")
 SPLITS = {"test": "test", "valid": "valid"}  # fairseq's --gen-subset -> the prepared references' prefix
@@ -34,12 +34,7 @@ def translate(args, split: str, precision: str):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     if proc.returncode != 0:
         sys.exit(f"int8_quality: fairseq-generate failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    hyps = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("D-"):
-            key, _, hyp = line.split("\t", 2)
-            hyps[int(key[2:])] = hyp
-    return hyps
+    return detokenized_hypotheses(proc.stdout)
 
 
 def main(argv=None) -> int:

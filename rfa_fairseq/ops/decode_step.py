@@ -30,7 +30,8 @@ once, torch's mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a
 benchmarks/benchmark_gemm.py; `OneDNNInt8Linear`: oneDNN's int8 product, --rfa-decode-precision int8). `step_kernels` is the one choice of a set, for the decoder's step and the
 encoder's inference alike; no set falls back to another inside a call. The torch operations are what the C++
 kernels are tested against, beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a step
-can be queued (or captured) as a whole; the kernels write into buffers their caller allocated once.
+can be queued (or captured) as a whole; the kernels write into buffers their caller allocated once (the int8
+linear layers also allocate their quantized input at each call).
 """
 import math
 from typing import Optional, Protocol
@@ -194,7 +195,6 @@ class TorchStepOps:
         else:
             totals = (lprobs + prev_scores.view(N, beam, 1)).view(N, -1)  # (N, beam * V)
         torch.topk(totals, k=k, out=(scores_out, indices_out))
-
 
 
 class TorchLinear:
