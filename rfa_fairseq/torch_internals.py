@@ -20,6 +20,10 @@ small function that says what happens without it:
   `onednn_int8_linear`. oneDNN's int8 linear of torch's x86 int8 inference (not the
   deprecated quantized-tensor API): the CPU decoding step's linear layers at --rfa-decode-precision int8.
   Without them `onednn_int8_linear_available()` is False and int8 is an error naming why.
+- `torch.utils.cpp_extension.FileBaton` (a name that module imports): `torch_build_lock_is_a_baton`. Up to torch
+  2.13 the JIT build's `lock` file is a baton whose mere existence blocks (a killed builder leaves it and every
+  later load waits forever); from 2.14 it is a kernel-released file lock (filelock), left in place and harmless.
+  Without the name: False (the newer lock).
 - `torch.utils.cpp_extension._get_build_directory`: `cpp_extension_build_directory`. The directory
   torch's JIT build of the C++ kernels uses (TORCH_EXTENSIONS_DIR or its default), where ops/extension.py
   takes its build lock first. Without it: a RuntimeError naming it, which extension.py reports as a failed
@@ -118,6 +122,14 @@ def onednn_int8_linear(codes: Tensor, x_scale: float, x_zero_point: int, packed:
     per-output-channel scales (accumulated in int32)."""
     return torch.ops.onednn.qlinear_pointwise(codes, x_scale, x_zero_point, packed, w_scales, w_zero_points, None, 1.0,
                                               0, torch.float32, "none", [], "")
+
+
+def torch_build_lock_is_a_baton() -> bool:
+    """Whether torch's JIT build takes its `lock` file as a FileBaton (torch <= 2.13: a left file blocks every later
+    load) rather than as a kernel-released file lock (torch >= 2.14: a left file is harmless)."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def cpp_extension_build_directory(name: str, verbose: bool = False) -> str:

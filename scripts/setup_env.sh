@@ -14,13 +14,18 @@
 # without them (a warning). fairseq comes from `ve-fairseq` (binary wheels for cp311/cp312) installed
 # with --no-deps, so that its torchaudio requirement cannot replace our torch build; its real
 # dependencies are in setup.cfg. RFA_EXTRAS (default "test,bench") names the extras installed;
-# RFA_EXTRAS=test,bench,cuda adds flash-linear-attention on a GPU machine.
+# RFA_EXTRAS=test,bench,cuda adds flash-linear-attention on a GPU machine. RFA_TORCH=X.Y.Z installs that torch
+# instead of the constraints' one (every other pin kept): CI's run on the newest torch the package supports
+# (scripts/test_newest_torch.sh), into a venv of its own (RFA_VENV). It comes from PyPI (on Linux x86-64 a CUDA
+# build, which also runs on the CPU), and PIP_CONSTRAINT is emptied for its installs: some machines' global pip
+# configuration caps torch below the releases the package supports.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RFA_VENV:-$REPO/.venv}"
 CONSTRAINTS="$REPO/scripts/constraints.txt"
 EXTRAS="${RFA_EXTRAS:-test,bench}"
+TORCH_VERSION="${RFA_TORCH:-}"
 
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
@@ -52,15 +57,43 @@ stamp_value() {
 
 [[ -f "$CONSTRAINTS" ]] || die "missing $CONSTRAINTS (the exact versions to install)"
 [[ "$EXTRAS" =~ ^[a-z,]*$ ]] || die "RFA_EXTRAS must be a comma-separated list of extras (test, bench, cuda), got '$EXTRAS'"
-CURRENT_STAMP="$( (stamp_value; echo "extras=$EXTRAS") | sha256sum | cut -d' ' -f1)" || die "cannot read the files the stamp covers (see above)"
+[[ -z "$TORCH_VERSION" || "$TORCH_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
+    die "RFA_TORCH must be a torch release such as 2.15.0, got '$TORCH_VERSION'"
+# the checkout's path enters the stamp: an editable install points at it, and a venv kept elsewhere (CI's cache)
+# must install the package again for another checkout
+CURRENT_STAMP="$( (stamp_value; echo "extras=$EXTRAS"; echo "torch=$TORCH_VERSION"; echo "repo=$REPO") |
+    sha256sum | cut -d' ' -f1)" || die "cannot read the files the stamp covers (see above)"
 case "${1:-}" in
     "") ;;
     --print-stamp) echo "$CURRENT_STAMP"; exit 0 ;;
     *) die "unknown argument '$1' (usage: bash scripts/setup_env.sh [--print-stamp])" ;;
 esac
 
+# 0 when the source tree's prebuilt C++ module is this environment's, 1 when another environment (another torch)
+# built it there last (an editable install compiles it into the tree), 2 when none was built
+prebuilt_state() {
+    "$VENV/bin/python" - "$REPO" <<'EOF'
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("rfa_extension", os.path.join(sys.argv[1], "rfa_fairseq/ops/extension.py"))
+extension = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(extension)
+module, why_not = extension.import_prebuilt()
+sys.exit(0 if module is not None else 2 if why_not.endswith("not built at install time") else 1)
+EOF
+}
+
 STAMP="$VENV/.rfa-setup-stamp"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$CURRENT_STAMP" ]]; then
+    set +e
+    prebuilt_state
+    state=$?
+    set -e
+    if [[ $state -eq 1 ]]; then
+        echo "setup_env.sh: the source tree's C++ decoding step was built for another environment: rebuilding it for $VENV"
+        [[ -z "$TORCH_VERSION" ]] || export PIP_CONSTRAINT=/dev/null
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO" ||
+            die "pip could not rebuild rfa-fairseq's C++ decoding step in $VENV"
+    fi
     echo "setup_env.sh: reusing $VENV"
     exit 0
 fi
@@ -71,6 +104,14 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PY" -m venv "$VENV" || die "could not create a virtual environment at $VENV (is the venv module installed?)"
 fi
 rm -f "$STAMP"  # an interrupted install must not look finished
+if [[ -n "$TORCH_VERSION" ]]; then
+    # the constraints with their torch pin replaced: one constraints file, one override
+    grep -q '^torch==' "$CONSTRAINTS" || die "$CONSTRAINTS pins no torch (a line torch==X.Y.Z) for RFA_TORCH to replace"
+    sed "s/^torch==.*/torch==$TORCH_VERSION/" "$CONSTRAINTS" >"$VENV/constraints-torch-$TORCH_VERSION.txt" ||
+        die "could not write $VENV/constraints-torch-$TORCH_VERSION.txt"
+    CONSTRAINTS="$VENV/constraints-torch-$TORCH_VERSION.txt"
+    export PIP_CONSTRAINT=/dev/null  # a machine-wide cap on torch must not refuse the release asked for
+fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
 
 # torch first and pinned: an unpinned torch would pull the CUDA build (several GB)

@@ -271,9 +271,11 @@ def test_pip_install_of_the_checkout_keeps_torch_and_numpy(tmp_path):
     import json
 
     report = tmp_path / "report.json"
+    # PIP_CONSTRAINT emptied: a machine-wide pip configuration may cap torch below the one installed here (the
+    # plan would then replace it whatever the package asks); the question is what this package asks
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet",
                            "--disable-pip-version-check", "--report", str(report), REPO],
-                          capture_output=True, text=True, env=env(), timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, env=env(PIP_CONSTRAINT="/dev/null"), timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     planned = json.loads(report.read_text())["install"]
     assert [item["metadata"]["name"] for item in planned] == ["rfa-fairseq"], planned

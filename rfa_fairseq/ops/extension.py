@@ -13,15 +13,17 @@ Where the module comes from, first that works:
 2. Just in time (JIT): torch.utils.cpp_extension.load, built once and cached in the build directory
    JIT_NAME under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/py3XX_cpu/).
 
-torch's load takes the file `lock` in that directory (O_CREAT|O_EXCL, torch/utils/file_baton.py) on
-every call, cached build or not, and a process that finds the file sleeps until it is gone: forever
-when a killed process left it. So the JIT path here first takes a lock of its own, an fcntl.flock on
-BUILD_LOCK_NAME in the same directory, which the kernel releases when its holder dies (SIGKILL
-included), and waits for it at most BUILD_LOCK_TIMEOUT_S. Every process that builds in this directory
-takes that flock first (no version of the package without it used JIT_NAME), so while it is held a
-`lock` file can only be stale: it is removed, with a warning naming it, before torch's load runs. When
-the flock cannot be had in time (another live process is building), the kernels are unavailable: the
-torch path runs (auto) or a RuntimeError says so (cpp), naming the lock file; nothing waits forever.
+Up to torch 2.13, torch's load takes the file `lock` in that directory (O_CREAT|O_EXCL,
+torch/utils/file_baton.py) on every call, cached build or not, and a process that finds the file sleeps
+until it is gone: forever when a killed process left it. (From torch 2.14 that file is a kernel-released
+file lock, left in place after every load and harmless: torch_internals.torch_build_lock_is_a_baton.) So
+the JIT path here first takes a lock of its own, an fcntl.flock on BUILD_LOCK_NAME in the same directory,
+which the kernel releases when its holder dies (SIGKILL included), and waits for it at most
+BUILD_LOCK_TIMEOUT_S. Every process that builds in this directory takes that flock first (no version of the
+package without it used JIT_NAME), so while it is held a baton `lock` file can only be stale: it is removed,
+with a warning naming it, before torch's load runs. When the flock cannot be had in time (another live
+process is building), the kernels are unavailable: the torch path runs (auto) or a RuntimeError says so
+(cpp), naming the lock file; nothing waits forever.
 
 Importing this file needs only the standard library: setup.py loads it by path for the source list and
 the flags, so the ahead-of-time and the JIT build compile the same files with the same flags.
@@ -50,7 +52,7 @@ HASHED_SUFFIXES = (".cpp", ".h", ".hpp")
 BUILD_HASH_DEFINE = "RFA_BUILD_HASH"
 
 BUILD_LOCK_NAME = "rfa_build.flock"
-TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's lock file in the build directory
 # a JIT build takes about a minute on 2 busy cores: 5 minutes is well past a slow one
 BUILD_LOCK_TIMEOUT_S = 300.0
 BUILD_LOCK_POLL_S = 0.1
@@ -136,7 +138,12 @@ def build_lock(build_dir: Path, timeout_s: float):
 
 
 def remove_stale_torch_lock(build_dir: Path) -> bool:
-    """Remove torch's `lock` file, which only a killed process can have left while we hold build_lock."""
+    """Remove torch's `lock` file where it is a baton (torch <= 2.13), which only a killed process can have left
+    while we hold build_lock. (From torch 2.14 the file is a kernel-released lock that every load leaves: kept.)"""
+    from ..torch_internals import torch_build_lock_is_a_baton
+
+    if not torch_build_lock_is_a_baton():
+        return False
     torch_lock = build_dir / TORCH_LOCK_NAME
     try:
         torch_lock.unlink()
