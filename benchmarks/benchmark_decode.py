@@ -64,8 +64,8 @@ from benchmark_common import (  # noqa: E402
 
 DEFAULT_LENGTHS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
 # incremental-state entries that hold attention state: fairseq's MultiheadAttention and RFA's
-# IncrementalDecoder (its KEY; its causal states and cross-attention K/V, not its activations)
-ATTENTION_STATE_KEYS = ("attn_state", "rfa_incremental_decoder")
+# DecodingState (its KEY; its causal states and cross-attention K/V, not its activations)
+ATTENTION_STATE_KEYS = ("attn_state", "rfa_decoding_state")
 MODEL_CHOICES = sorted(MODELS) + ["ct2"]
 CT2_PIN = "ctranslate2==4.8.5"
 
@@ -161,15 +161,17 @@ def make_generator(model_name: str, model, dictionary, beam: int, length: int):
 
 
 def grab_decoding_states(model) -> list:
-    """The static beam search's IncrementalDecoders, as the decoder makes them (their attention tensors: the
-    state's size); -> the list they are appended to."""
-    states, make = [], model.decoder.incremental_decoder
+    """The static beam search's DecodingStates, as each batch starts one (their attention tensors: the state's
+    size); -> the list they are appended to. (Patches the class: one benchmark run per process.)"""
+    from rfa_fairseq.modules.decoding import DecodingState
 
-    def make_and_keep(*args, **kwargs):
-        states.append(make(*args, **kwargs))
-        return states[-1]
+    states, start = [], DecodingState.start
 
-    model.decoder.incremental_decoder = make_and_keep
+    def start_and_keep(self, *args, **kwargs):
+        states.append(self)
+        return start(self, *args, **kwargs)
+
+    DecodingState.start = start_and_keep
     return states
 
 

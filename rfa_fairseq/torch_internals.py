@@ -20,6 +20,8 @@ small function that says what happens without it:
   `onednn_int8_linear`. oneDNN's int8 linear of torch's x86 int8 inference (not the
   deprecated quantized-tensor API): the CPU decoding step's linear layers at --rfa-decode-precision int8.
   Without them `onednn_int8_linear_available()` is False and int8 is an error naming why.
+- The same operators by their dispatcher names (`onednn_operator_names`): the native decoding program
+  (ops/csrc/decode_program.cpp) calls them from C++; it is built only where the functions above are available.
 - `torch.utils.cpp_extension.FileBaton` (a name that module imports): `torch_build_lock_is_a_baton`. Up to torch
   2.13 the JIT build's `lock` file is a baton whose mere existence blocks (a killed builder leaves it and every
   later load waits forever); from 2.14 it is a kernel-released file lock (filelock), left in place and harmless.
@@ -122,6 +124,13 @@ def onednn_int8_linear(codes: Tensor, x_scale: float, x_zero_point: int, packed:
     per-output-channel scales (accumulated in int32)."""
     return torch.ops.onednn.qlinear_pointwise(codes, x_scale, x_zero_point, packed, w_scales, w_zero_points, None, 1.0,
                                               0, torch.float32, "none", [], "")
+
+
+def onednn_operator_names():
+    """(name, overload) of oneDNN's linear, its residual-add form and its int8 linear, flattened, as the native
+    decoding program looks them up in torch's dispatcher (the operators behind onednn_linear, onednn_linear_add and
+    onednn_int8_linear)."""
+    return ["mkldnn::_linear_pointwise", "", "mkldnn::_linear_pointwise", "binary", "onednn::qlinear_pointwise", ""]
 
 
 def torch_build_lock_is_a_baton() -> bool:

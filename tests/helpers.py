@@ -83,3 +83,41 @@ def use_decoding_step(path: str, monkeypatch) -> None:
         if missing:
             pytest.skip(f"the fused decoding step cannot be built here: {', '.join(missing)} not on PATH")
         pytest.fail("a C++ toolchain is present but the fused decoding step did not build (see the warning above)")
+
+
+class CppKernels:
+    """The C++ module's kernels with the torch kernels' interface (ops.decode_step.TorchKernels), for testing one
+    kernel against the other and the references: the native program runs them inside one call, where no test can
+    reach them one by one."""
+
+    name = "cpp"
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def causal_layer_step(self, phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps,
+                          activation=None, sigma=None, matrix=None):
+        R, H, d = v.size(0), state_out.size(1), state_out.size(3) - 1
+        out = torch.empty(R, H * d)
+        self.ext.causal_layer_step(phi_q, phi_k, v, _or_empty(gate_logits), _or_empty(key_pad), _or_empty(state_in),
+                                   _or_empty(order), state_out, out, eps, self.ext.activations[activation or "features"],
+                                   _or_empty(sigma), _or_empty(matrix))
+        return out
+
+    def softmax_cross_step(self, q, key, value, key_bias, beam, scaling, need_weights=False):
+        out = torch.empty(q.size(0), key.size(1) * key.size(3))
+        weights = torch.empty(q.size(0), key.size(2)) if need_weights else None
+        self.ext.softmax_cross_step(q, key, value, _or_empty(key_bias), beam, scaling, out, _or_empty(weights))
+        return out, weights
+
+    def add_layer_norm(self, x, residual, weight, bias, eps, out=None):
+        out = torch.empty_like(x) if out is None else out
+        self.ext.add_layer_norm(x, _or_empty(residual), weight, bias, eps, out)
+        return out
+
+    def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
+        self.ext.beam_candidates(lprobs, _or_empty(prev_scores), beam, scores_out, indices_out)
+
+
+def _or_empty(t):
+    return torch.empty(0) if t is None else t

@@ -139,9 +139,9 @@ def test_decoding_step_kernels_on_cuda_with_beam_order(gated):
         q, k = features(rows, H, 1, F_), features(rows, H, 1, F_)
         v = torch.randn(rows, H, 1, D, device="cuda")
         gate = torch.randn(rows, H, device="cuda") if gated else None
-        out, new_state = torch.empty(rows, H * D, device="cuda"), torch.empty(4, H, F_, D + 1, device="cuda")
-        kernels.causal_layer_step(q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1), gate, None, state, order,
-                                  new_state, out, 1e-3)
+        new_state = torch.empty(4, H, F_, D + 1, device="cuda")
+        out = kernels.causal_layer_step(q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1), gate, None, state,
+                                        order, new_state, 1e-3)
         keys, log_gate = gate_keys(k, gate.unsqueeze(-1) if gated else None, None)
         entering = state[order] if order is not None else state
         want_out, want_state = causal_rfa_recurrent(q.double(), keys.double(), v.double(),
@@ -227,16 +227,44 @@ GRAPH_VARIANTS = [(fm, gate, fm != "hedgehog") for fm in ("sincos", "positive", 
                   for gate in (False, True)]  # every map, gated and ungated; hedgehog with softmax cross-attention
 
 
+class CountingBackend:
+    """A graph backend that counts the captures and replays of the one it wraps (CUDAGraphBackend)."""
+
+    def __init__(self, backend):
+        self.backend, self.captures, self.replays = backend, 0, 0
+
+    def reset(self):
+        self.backend.reset()
+
+    def capture(self, step):
+        self.captures += 1
+        return self.backend.capture(step)
+
+    def replay(self, graph, outputs):
+        self.replays += 1
+        self.backend.replay(graph, outputs)
+
+
+def counted(graphs):
+    """`graphs` (StepGraphs or None) with its backend counting; -> its CountingBackend, or None."""
+    if graphs is None:
+        return None
+    if not isinstance(graphs.backend, CountingBackend):
+        graphs.backend = CountingBackend(graphs.backend)
+    return graphs.backend
+
+
 @pytest.fixture
 def graph_counts(monkeypatch):
-    """The StepGraphs of every batch decoded in the test (their captures and replays)."""
+    """The graph backends of every batch decoded in the test (their captures and replays)."""
     import rfa_fairseq.models.rfa_transformer as rfa_transformer
 
     made, original = [], rfa_transformer.step_graphs_for
 
     def spy(device, enabled):
-        made.append(original(device, enabled))
-        return made[-1]
+        graphs = original(device, enabled)
+        made.append(counted(graphs))
+        return graphs
 
     monkeypatch.setattr(rfa_transformer, "step_graphs_for", spy)
     return made
@@ -277,14 +305,17 @@ def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, r
         if name == "static":
             eager = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12, cuda_graphs=False)
             graphed = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12)
-        else:
+            counted(graphed.graphs)  # made as the generator prepared its weights: counted from here
             eager = graphed = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
         model.decoder.rfa.rfa_cuda_graphs = False  # --no-rfa-cuda-graphs (the SequenceGenerator path's switch)
         want_tokens, want_scores = decode(eager)
         model.decoder.rfa.rfa_cuda_graphs = True
         graph_counts.clear()
         got_tokens, got_scores = decode(graphed)
-        graphs = [graphed.graphs] if name == "static" else [g for g in graph_counts if g is not None]
+        if name == "static":
+            graphs = [graphed.graphs.backend]
+        else:
+            graphs = [g for g in graph_counts if g is not None]
         captures, replays = sum(g.captures for g in graphs), sum(g.replays for g in graphs)
         lengths = sorted({len(t) for sent in want_tokens for t in sent})
         print(f"{name}: lengths {lengths}, captures {captures}, replays {replays}, "

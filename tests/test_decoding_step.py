@@ -8,21 +8,27 @@ from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.sequence_generator import SequenceGenerator
-from helpers import build_model, random_batch
+from helpers import CppKernels, build_model, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 
-from rfa_fairseq.modules.decoding import IncrementalDecoder
-from rfa_fairseq.ops import AFFINE_FEATURE_MAPS, activate_learned, causal_rfa_recurrent, gate_keys, load_fused_extension
-from rfa_fairseq.ops import step_kernels
+from rfa_fairseq.modules.decoding import DecodingState
+from rfa_fairseq.ops import (AFFINE_FEATURE_MAPS, FEATURE_MAPS, RANDOM_FEATURE_MAPS, activate_learned,
+                             causal_rfa_recurrent, draw_random_matrix, feature_map, gate_keys, learned_feature_map,
+                             load_fused_extension, scale_inputs, step_kernels)
 
 TORCH_KERNELS = ["--rfa-decode-kernel", "torch"]
+TORCH = step_kernels("torch", torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(params=["cpp", "torch"])
 def kernels(request):
-    if request.param == "cpp" and load_fused_extension() is None:
+    """The torch kernels, or the C++ module's (which the native step runs) behind the same interface."""
+    if request.param == "torch":
+        return step_kernels("torch", torch.device("cpu"), torch.float32)
+    ext = load_fused_extension()
+    if ext is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain; see the warning above)")
-    return step_kernels(request.param, torch.device("cpu"), torch.float32)
+    return CppKernels(ext)
 
 
 # ---------------------------------------------------------------- kernels
@@ -52,10 +58,9 @@ def test_causal_layer_step_equals_the_recurrence(kernels, case, gated, activatio
     order = torch.tensor([5, 0, 0, 3]) if case == "reorder_and_shrink" else None
     pad = torch.tensor([False, True, False, False, True, False]) if case == "padded_key" else None
 
-    out = torch.full((R, H * d), float("nan"))
     state_out = torch.full((R0 + 2, H, F_, d + 1), float("nan"))  # more rows than needed: rows only shrink
-    kernels.causal_layer_step(given_q.reshape(R, -1), given_k.reshape(R, -1), v, gate, pad, state, order, state_out,
-                              out, 1e-6, activation)
+    out = kernels.causal_layer_step(given_q.reshape(R, -1), given_k.reshape(R, -1), v, gate, pad, state, order,
+                                    state_out, 1e-6, activation)
 
     k, log_gate = gate_keys(phi_k.unsqueeze(2), gate.unsqueeze(-1) if gated else None,
                             pad.unsqueeze(-1) if pad is not None else None)
@@ -66,23 +71,53 @@ def test_causal_layer_step_equals_the_recurrence(kernels, case, gated, activatio
     assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
 
 
-def test_the_cpp_activation_table_names_the_learned_maps_activations():
-    """The C++ module's activation codes (its one table) cover exactly the maps whose step takes p = W x + b."""
+def test_the_cpp_activation_table_names_every_feature_map():
+    """The C++ module's feature-map codes (its one table) cover every map (the native step computes each) and
+    precomputed features; the learned affine maps are among them."""
     ext = load_fused_extension()
     if ext is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
-    assert set(ext.activations) == {"features", *AFFINE_FEATURE_MAPS} and len(set(ext.activations.values())) == 3
+    assert set(ext.activations) == {"features", *FEATURE_MAPS} and set(AFFINE_FEATURE_MAPS) <= set(ext.activations)
+    assert len(set(ext.activations.values())) == len(ext.activations)
+
+
+@pytest.mark.parametrize("kind", RANDOM_FEATURE_MAPS + ("elu",))
+@torch.no_grad()
+def test_causal_layer_step_computes_the_random_and_elu_maps_as_the_modules(kind):
+    """The C++ kernel's own features of raw per-head inputs (sigma-scaled, l2-normalized random projections; elu)
+    equal the feature-map modules' (ops/feature_maps.py), through the whole causal step."""
+    ext = load_fused_extension()
+    if ext is None:
+        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    g = torch.Generator().manual_seed(4)
+    R, H, d, D = 5, 2, 4, 6
+    matrix = draw_random_matrix(H, D, d, "orthogonal", seed=3)
+    sigma = 0.5 + torch.rand(H, d, generator=g)
+    q, k, v = (torch.randn(R, H * d, generator=g) for _ in range(3))
+    heads = lambda x: x.view(R, H, 1, d)  # noqa: E731
+    if kind == "elu":
+        phi_q, phi_k = (learned_feature_map(heads(x), None, None, "elu").view(R, H, -1) for x in (q, k))
+    else:
+        phi_q = feature_map(scale_inputs(heads(q), sigma), matrix, kind, is_query=True).view(R, H, -1)
+        phi_k = feature_map(scale_inputs(heads(k), sigma), matrix, kind, is_query=False).view(R, H, -1)
+    F_ = phi_q.size(-1)
+    state = torch.rand(R, H, F_, d + 1, generator=g)
+    want = TORCH.causal_layer_step(phi_q.reshape(R, -1), phi_k.reshape(R, -1), v, None, None, state, None,
+                                   torch.empty(R, H, F_, d + 1), 1e-3)
+    got = CppKernels(ext).causal_layer_step(q, k, v, None, None, state, None, torch.empty(R, H, F_, d + 1), 1e-3,
+                                            kind, sigma if kind != "elu" else None, matrix if kind != "elu" else None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @torch.no_grad()
 def test_causal_layer_step_refuses_an_order_out_of_range():
     if load_fused_extension() is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
-    state, out = torch.zeros(2, 1, 2, 3), torch.empty(2, 2)
+    state = torch.zeros(2, 1, 2, 3)
     with pytest.raises(RuntimeError, match="order\\[1\\] = 7 is out of range for 2 rows"):
-        step_kernels("cpp", torch.device("cpu"), torch.float32).causal_layer_step(
+        CppKernels(load_fused_extension()).causal_layer_step(
             torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, state, torch.tensor([0, 7]),
-            torch.empty(2, 1, 2, 3), out, 1e-3)
+            torch.empty(2, 1, 2, 3), 1e-3)
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -97,8 +132,7 @@ def test_softmax_cross_step_equals_softmax_attention(kernels, beam, with_weights
     pad = torch.zeros(N, S, dtype=torch.bool)
     pad[1, :3] = True  # left padding of sentence 1
     bias = torch.zeros(N, S).masked_fill(pad, float("-inf"))
-    out, weights = torch.empty(R, H * d), (torch.empty(R, S) if with_weights else None)
-    kernels.softmax_cross_step(q, key, value, bias, beam, d ** -0.5, out, weights)
+    out, weights = kernels.softmax_cross_step(q, key, value, bias, beam, d ** -0.5, with_weights)
     for r in range(R):
         n = r // beam
         scores = torch.einsum("hd,hsd->hs", q[r].view(H, d) * d ** -0.5, key[n]).masked_fill(pad[n], float("-inf"))
@@ -115,11 +149,13 @@ def test_add_layer_norm_equals_torch(kernels, residual, out_is):
     x, res = torch.randn(5, 12, generator=g) * 3 + 1, torch.randn(5, 12, generator=g)
     weight, bias = torch.randn(12, generator=g), torch.randn(12, generator=g)
     want = F.layer_norm(x + res if residual else x, (12,), weight, bias, 1e-5)
-    out = {"new": torch.empty(5, 12), "x": x, "residual": res}[out_is]
-    got = kernels.add_layer_norm(x, res if residual else None, weight, bias, 1e-5, out)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if kernels.name == "cpp":  # in place, into out; the torch kernels return a tensor of their own
+    if kernels.name == "torch":  # a tensor of its own
+        got = kernels.add_layer_norm(x, res if residual else None, weight, bias, 1e-5)
+    else:  # the C++ kernel writes into out, which may be x or the residual (the native step's in-place norms)
+        out = {"new": torch.empty(5, 12), "x": x, "residual": res}[out_is]
+        got = kernels.add_layer_norm(x, res if residual else None, weight, bias, 1e-5, out)
         assert got is out
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- the step in a model
@@ -191,7 +227,7 @@ def test_bf16_decoding_step_is_as_close_to_fp32_as_the_bf16_full_forward(feature
         full = log_probs(model(src, src_lengths, prev)[0])
         state = {}
         incremental = log_probs(_decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state))
-    assert state[IncrementalDecoder.KEY].kernels.name == "torch"
+    assert state[DecodingState.KEY].kernels.name == "torch"
     full_error, step_error = (full - want).abs().max().item(), (incremental - want).abs().max().item()
     print(f"max |log p - fp32 full|: bf16 full forward {full_error:.3f}, bf16 decoding step {step_error:.3f}")
     assert step_error <= 4 * full_error + 0.02
@@ -214,15 +250,17 @@ def assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengt
     model's device."""
     beam, k, device = 3, 3, src.device
     expand = torch.arange(3, device=device).repeat_interleave(beam)  # how SequenceGenerator lays out beams
-    src, src_lengths = src[expand], src_lengths[expand]
     prev = prev[torch.arange(9, device=device) % 3]  # different prefixes per beam
     orders = [torch.tensor([1, 1, 0, 5, 3, 4, 8, 6, 6]), torch.tensor([0, 2, 1, 7, 6, 8])]  # then sentence 1 leaves
     with torch.no_grad():
         model.decoder.set_beam_size(beam)
-        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        # the expansion to beams as SequenceGenerator makes it: a reorder of the encoder output, which records
+        # which rows read which sentence
+        encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, src_lengths=src_lengths), expand)
+        src, src_lengths = src[expand], src_lengths[expand]
         state, rows = {}, torch.arange(9, device=device)
         _decode_incrementally(model, encoder_out, prev[:, :k], state)
-        decoding = state[IncrementalDecoder.KEY]
+        decoding = state[DecodingState.KEY]
         assert (decoding.beam, decoding.sentences) == (beam, 3)
         for step, order in enumerate(orders):
             order = order.to(device)
@@ -322,14 +360,13 @@ def test_step_reuses_its_buffers_and_never_overwrites_what_the_caller_keeps():
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         pointers = []
-        for _ in range(2):  # two batches: the second one reuses the first one's workspace
+        for _ in range(2):  # two batches: the second one reuses the first one's buffers
             state, kept = {}, []
             for t in range(prev.size(1)):
                 logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
                 if t < 2:
                     kept.append((logits, logits.clone()))  # the caller keeps these: never overwritten
-            workspace = state[IncrementalDecoder.KEY].workspace
-            pointers.append({name: buf.data_ptr() for name, buf in workspace.buffers.items() if "logits" not in name})
+            pointers.append([t.data_ptr() for t in state[DecodingState.KEY].attention_tensors()])
             for held, copy in kept:
                 assert torch.equal(held, copy)
             del state
@@ -349,7 +386,7 @@ def test_fp32_and_bf16_decode_through_the_same_state_and_what_the_step_cannot_se
         with torch.no_grad():
             model.decoder(prev[:, :1], encoder_out=model.encoder(src, src_lengths=src_lengths), incremental_state=state)
         kinds[dtype] = {key: type(entry).__name__ for key, entry in state.items()}  # one reference, nothing else
-    assert kinds[torch.float32] == kinds[torch.bfloat16] == {IncrementalDecoder.KEY: "IncrementalDecoder"}
+    assert kinds[torch.float32] == kinds[torch.bfloat16] == {DecodingState.KEY: "DecodingState"}
     model.float()
     with torch.no_grad(), pytest.raises(ValueError, match="does not support alignment_layer other than the last"):
         model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state={}, alignment_layer=0)
@@ -430,10 +467,10 @@ def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kerne
 
 @pytest.mark.parametrize("cross", ["softmax", "rfa"])
 def test_reorders_that_read_nothing_back_still_move_kv_kept_per_row(cross, monkeypatch):
-    """On CUDA a reorder reads no rows back (IncrementalDecoder.NO_HOST_READS_ON; here the CPU stands in): K/V kept
+    """On CUDA a reorder reads no rows back (DecodingState.NO_HOST_READS_ON; here the CPU stands in): K/V kept
     once per row (beam 1) must follow orders that move rows between sentences, K/V kept once per sentence
     stay through within-beam reorders and compact when a sentence leaves."""
-    monkeypatch.setattr(IncrementalDecoder, "NO_HOST_READS_ON", ("cpu",))
+    monkeypatch.setattr(DecodingState, "NO_HOST_READS_ON", ("cpu",))
     model, d = build_model(_flags("hedgehog", True, cross, "post"))
     model.eval()
     batch = random_batch(d, bsz=4, src_len=8, tgt_len=9, seed=3)
@@ -452,7 +489,7 @@ def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():
     with torch.no_grad():
         state = {}
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :2], state)
-        decoding = state[IncrementalDecoder.KEY]
+        decoding = state[DecodingState.KEY]
         cross = [t for layer in decoding.layers for t in layer.cross.tensors()]
         before = [(t.data_ptr(), t.clone()) for t in cross]
         order = torch.tensor([2, 0, 3, 1])
@@ -509,8 +546,8 @@ def test_int8_linear_layers_are_fp32_s_within_their_quantization_error():
     residual = torch.randn(24, 200, generator=g)
     packed = kernels.pack_linear(weight, bias)
     want = F.linear(x, weight, bias)
-    for got, ref in ((kernels.linear(x, packed, None), want), (kernels.linear(x, packed, None, "relu"), want.relu()),
-                     (kernels.linear(x, packed, None, residual=residual), want + residual)):
+    for got, ref in ((kernels.linear(x, packed), want), (kernels.linear(x, packed, "relu"), want.relu()),
+                     (kernels.linear(x, packed, residual=residual), want + residual)):
         error = ((got - ref).abs().max() / want.abs().max()).item()
         print(f"max |int8 - fp32| / max |fp32|: {error:.4f}")
         assert error < 0.02
@@ -531,8 +568,8 @@ def test_int8_decoding_step_logits_stay_within_a_tolerance_of_fp32():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state = {}
         logits = _decode_incrementally(model, encoder_out, prev, state)
-        assert state[IncrementalDecoder.KEY].kernels.gemm.startswith("oneDNN int8") == (precision == "int8")
-        assert all(layer._step_kernels(encoder_out["encoder_out"][0]).gemm == state[IncrementalDecoder.KEY].kernels.gemm
+        assert state[DecodingState.KEY].kernels.gemm.startswith("oneDNN int8") == (precision == "int8")
+        assert all(layer._step_kernels(encoder_out["encoder_out"][0]).gemm == state[DecodingState.KEY].kernels.gemm
                    for layer in model.encoder.layers)
         outputs[precision] = torch.log_softmax(logits, dim=-1)
     error = (outputs["int8"] - outputs["fp32"]).abs().max().item()

@@ -44,13 +44,14 @@ JIT_STEP = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     phi_q, phi_k = torch.rand(3, 16, generator=g), torch.rand(3, 16, generator=g)
     v, state, order = torch.randn(3, 8, generator=g), torch.rand(3, 2, 8, 5, generator=g), torch.tensor([2, 0, 0])
-    results = []
-    for kernel in ("cpp", "torch"):
-        out, new_state = torch.empty(3, 8), torch.empty(3, 2, 8, 5)
-        step_kernels(kernel, torch.device("cpu"), torch.float32).causal_layer_step(
-            phi_q, phi_k, v, None, None, state, order, new_state, out, 1e-3)
-        results.append((out, new_state))
-    torch.testing.assert_close(results[0], results[1])
+    cpp = step_kernels("cpp", torch.device("cpu"), torch.float32)  # the native step's kernels, from the JIT build
+    out, new_state = torch.empty(3, 8), torch.empty(3, 2, 8, 5)
+    cpp.ext.causal_layer_step(phi_q, phi_k, v, torch.empty(0), torch.empty(0), state, order, new_state, out, 1e-3,
+                              cpp.ext.activations["features"], torch.empty(0), torch.empty(0))
+    want_state = torch.empty(3, 2, 8, 5)
+    want = step_kernels("torch", torch.device("cpu"), torch.float32).causal_layer_step(
+        phi_q, phi_k, v, None, None, state, order, want_state, 1e-3)
+    torch.testing.assert_close((out, new_state), (want, want_state))
     print("module", extension.require_fused_extension().__file__)
 """)
 

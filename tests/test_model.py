@@ -8,7 +8,9 @@ from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, r
 from rfa_fairseq.conversion import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.modules.decoding import IncrementalDecoder
+from rfa_fairseq.modules.decoding import DecodingState
+from rfa_fairseq.modules.rfa_attention import RFACrossRecord
+from rfa_fairseq.modules.softmax_cross_attention import SoftmaxCrossRecord
 from rfa_fairseq.ops import num_feature_dims
 
 VARIANTS = [
@@ -57,9 +59,9 @@ def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders
 
 
 def _state_tensors(incremental_state):
-    """Every tensor of the incremental state: fairseq's attention buffers, or the IncrementalDecoder's."""
+    """Every tensor of the incremental state: fairseq's attention buffers, or the DecodingState's attention state."""
     return [t for entry in incremental_state.values()
-            for t in (entry.tensors() if isinstance(entry, IncrementalDecoder)
+            for t in (entry.attention_tensors() if isinstance(entry, DecodingState)
                       else [value for value in entry.values() if value is not None])]
 
 
@@ -136,24 +138,30 @@ def test_incremental_state_size_does_not_grow(feature_map, gate):
     # per RFA layer: S and z only, (bsz, heads, F, head_dim + 1)
     attn = model.decoder.layers[0].self_attn
     F_ = num_feature_dims(feature_map, attn.num_features, attn.head_dim)
-    causal = state[IncrementalDecoder.KEY].layers[0].self_attn.states[0]
+    causal = state[DecodingState.KEY].layers[0].self_attn.states[0]
     assert causal.shape == (2, attn.num_heads, F_, attn.head_dim + 1)
 
 
+@pytest.mark.parametrize("step", ["fused", "torch"])
 @pytest.mark.parametrize("cross", ["rfa", "softmax"])
-def test_cross_attention_state_is_computed_once_per_source(cross):
+def test_cross_attention_state_is_computed_once_per_source(cross, step, monkeypatch):
+    """The cross-attention's record makes its per-sentence tensors once, at the batch's start; every step reads the
+    same tensors (native or torch step)."""
+    use_decoding_step(step, monkeypatch)
     model, d = build_model(["--no-rfa-softmax-cross-attn" if cross == "rfa" else "--rfa-softmax-cross-attn"])
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=5)
-    cross = model.decoder.layers[0].encoder_attn
-    prepared, read = [], []  # the K/V (softmax) or S (RFA) that each step reads
-    start_step, step = cross.start_step, cross.step
-    cross.start_step = lambda *a, **k: prepared.append(1) or start_step(*a, **k)
-    cross.step = lambda h, cache, *a, **k: read.append(cache.tensors()) or step(h, cache, *a, **k)
+    record_class = RFACrossRecord if cross == "rfa" else SoftmaxCrossRecord
+    started, start = [], record_class.start
+    monkeypatch.setattr(record_class, "start", lambda self, *a, **k: started.append(1) or start(self, *a, **k))
+    read, state = [], {}
     with torch.no_grad():
-        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
-    assert len(prepared) == 1 and len(read) == prev.size(1)
-    assert all(len(r) == len(read[0]) and all(a is b for a, b in zip(r, read[0])) for r in read)
+        encoder_out = model.encoder(src, src_lengths=src_lengths)
+        for t in range(prev.size(1)):
+            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+            read.append([(x.data_ptr(), x.sum().item()) for x in state[DecodingState.KEY].layers[0].cross.tensors()])
+    assert len(started) == len(model.decoder.layers) and len(read) == prev.size(1)
+    assert read[0] and all(r == read[0] for r in read)
 
 
 def test_random_matrices_per_update_are_shared_across_copies_and_fixed_in_eval():
@@ -228,7 +236,7 @@ def test_bf16_model_keeps_fp32_states_and_finite_outputs():
         full, _ = model(src, src_lengths, prev)
         _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert full.dtype == torch.bfloat16 and torch.isfinite(full.float()).all()
-    assert all(t.dtype == torch.float32 for t in state[IncrementalDecoder.KEY].attention_tensors())
+    assert all(t.dtype == torch.float32 for t in state[DecodingState.KEY].attention_tensors())
 
 
 @pytest.mark.parametrize(
@@ -385,7 +393,7 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
             with torch.no_grad():
                 outputs[kernel] = _decode_incrementally(model, encoder_out, prev, state)
         assert len(builds) == (kernel == "auto"), "the kernels are chosen once per batch; torch never loads C++"
-        assert state[IncrementalDecoder.KEY].kernels.name == ("torch" if kernel == "torch" else "cpp")
+        assert state[DecodingState.KEY].kernels.name == ("torch" if kernel == "torch" else "cpp")
     for kernel, out in outputs.items():
         torch.testing.assert_close(out, outputs["torch"], rtol=1e-5, atol=1e-5)
     with pytest.raises(SystemExit):

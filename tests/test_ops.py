@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import CppKernels
 
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
@@ -318,7 +319,8 @@ def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_
 
     if kernel == "cpp" and load_fused_extension() is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
-    kernels = step_kernels(kernel, torch.device("cpu"), torch.float32)
+    kernels = CppKernels(load_fused_extension()) if kernel == "cpp" else step_kernels(kernel, torch.device("cpu"),
+                                                                                       torch.float32)
     H, Fdim, d = 3, 10, 5
     g = torch.Generator().manual_seed(7)
     orders = [None, None, torch.tensor([1, 1, 0, 5, 3, 4]), None, torch.tensor([2, 0, 3, 3]),
@@ -334,9 +336,8 @@ def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_
             k, log_gate = gate_keys(phi_k.unsqueeze(2), gate.unsqueeze(-1) if gated else None, None)
             start = ref_state if order is None or ref_state is None else ref_state[order]
             ref_out, ref_state = causal_rfa_recurrent(phi_q.unsqueeze(2), k, v.view(rows, H, 1, d), log_gate, start)
-            out = torch.empty(rows, H * d)
-            kernels.causal_layer_step(phi_q.view(rows, -1), phi_k.view(rows, -1), v, gate, None,
-                                      None if step == 0 else buffers[0], order, buffers[1], out, DENOMINATOR_EPS)
+            out = kernels.causal_layer_step(phi_q.view(rows, -1), phi_k.view(rows, -1), v, gate, None,
+                                            None if step == 0 else buffers[0], order, buffers[1], DENOMINATOR_EPS)
             buffers.reverse()
             torch.testing.assert_close(out, ref_out.reshape(rows, H * d), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(buffers[0][:rows], ref_state, rtol=1e-5, atol=1e-6)
@@ -352,7 +353,7 @@ def test_cpp_beam_candidates_equal_torch_topk_of_the_sums(first_step):
 
     if load_fused_extension() is None:
         pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
-    cpp, ref = (step_kernels(name, torch.device("cpu"), torch.float32) for name in ("cpp", "torch"))
+    cpp, ref = CppKernels(load_fused_extension()), step_kernels("torch", torch.device("cpu"), torch.float32)
     N, K, V, k = 5, 3, 301, 6
     g = torch.Generator().manual_seed(3)
     lprobs = torch.log_softmax(torch.randn(N * K, V, generator=g) * 3, dim=-1)

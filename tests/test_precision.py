@@ -10,7 +10,7 @@ from helpers import build_model, random_batch
 
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
-from rfa_fairseq.modules.decoding import IncrementalDecoder
+from rfa_fairseq.modules.decoding import DecodingState
 from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, noncausal_rfa, step_kernels
 
 LONG = 8192
@@ -79,10 +79,11 @@ def test_states_are_accumulated_in_fp32_for_bf16_inputs():
     assert state.dtype == torch.float32
     _, state = causal_rfa_recurrent(phi_q[:, :, :5], phi_k[:, :, :5], v[:, :, :5], log_gate[:, :, :5])
     assert state.dtype == torch.float32
-    state, out = torch.empty(2, 3, 8, 5), torch.empty(2, 3 * 4, dtype=torch.bfloat16)  # the step's fp32 state
-    step_kernels("auto", torch.device("cpu"), torch.bfloat16).causal_layer_step(
+    state = torch.empty(2, 3, 8, 5)  # the step's fp32 state
+    out = step_kernels("auto", torch.device("cpu"), torch.bfloat16).causal_layer_step(
         phi_q[:, :, 0].reshape(2, -1), phi_k[:, :, 0].reshape(2, -1), v[:, :, 0].reshape(2, -1), None, None, None, None,
-        state, out, 1e-3)
+        state, 1e-3)
+    assert out.dtype == torch.bfloat16
     torch.testing.assert_close(state, causal_rfa_recurrent(phi_q[:, :, :1], phi_k[:, :, :1], v[:, :, :1])[1])
     _, state = noncausal_rfa(phi_q, phi_k, v)
     assert state.dtype == torch.float32
@@ -111,7 +112,7 @@ def test_bf16_model_forward_backward_on_8192_tokens():
 def _decoding_state_tensors(model, state):
     """(key, tensor) of the attention state the decoder keeps between steps: every causal layer's state
     buffers and the cross-attention's per-sentence K/V or states (fp32 and bf16 models alike)."""
-    decoding = state[IncrementalDecoder.KEY]
+    decoding = state[DecodingState.KEY]
     out = []
     for i, layer in enumerate(decoding.layers):
         out += [(f"layer{i}.self.states{j}", t) for j, t in enumerate(layer.self_attn.states)]

@@ -50,12 +50,19 @@ class _Recorder(TorchDispatchMode):
 
 
 class TracingGraphs(StepGraphs):
-    """StepGraphs on the CPU: a capture records the step's dispatched operations (and changes nothing), a replay
-    runs the step at hand (of this batch, at this step) for real, which must dispatch the same operations on the
-    same buffers."""
+    """StepGraphs on the CPU, its own graph backend: a capture records the step's dispatched operations (and changes
+    nothing), a replay runs the step at hand (of this batch, at this step) for real, which must dispatch the same
+    operations on the same buffers."""
 
     persistent = staticmethod(lambda: [])  # -> the tensors whose addresses a graph may capture (set by the test)
     written = staticmethod(lambda: [])  # -> those of them a step may write (restored after a capture)
+
+    def __init__(self, backend=None):
+        super().__init__(backend=self)
+        self.captures = self.replays = 0
+
+    def reset(self) -> None:
+        pass
 
     def run(self, key, shape, step):
         self.current = step  # what this step would dispatch (a real replay runs the capture's kernels instead)
@@ -68,15 +75,17 @@ class TracingGraphs(StepGraphs):
             step()
         return recorder.ops
 
-    def _capture(self, step):
+    def capture(self, step):
         saved = [(t, t.clone()) for t in self.written()]
         trace = self._trace(step)
         for tensor, copy in saved:  # a capture records without running
             tensor.copy_(copy)
+        self.captures += 1
         return (step, trace), ()
 
-    def _replay(self, graph, outputs) -> None:
+    def replay(self, graph, outputs) -> None:
         _, captured = graph
+        self.replays += 1
         assert self._trace(self.current) == captured, "a replay dispatched other operations or buffers than its capture"
 
 
@@ -93,11 +102,11 @@ def cuda_like_search(monkeypatch):
     def make(model, d, graphs: bool, **options):
         generator = StaticBeamSearchGenerator(model, d, cuda_graphs=graphs, **{"max_len_b": 14, **options})
         # what a captured step may read at fixed addresses: the generator's buffers, the model's parameters
-        generator.graphs = generator.graphs or (TracingGraphs(torch.device("cpu")) if graphs else None)
+        generator.graphs = generator.graphs or (TracingGraphs() if graphs else None)
         if graphs:
+            lane = generator.lanes[0]  # a CUDA batch is never split
             generator.graphs.written = lambda: (
-                list(generator.search_workspace.buffers.values()) + list(generator.decoder_workspace.buffers.values())
-                + list(generator._host_flags))
+                list(lane.buffers.buffers.values()) + lane.state.attention_tensors() + list(lane.host_flags))
             generator.graphs.persistent = lambda: generator.graphs.written() + list(model.parameters())
         return generator
 

@@ -1,10 +1,10 @@
-"""The decoding step as CUDA graphs (modules.decoding.StepGraphs), checked on the CPU with a stand-in graph.
+"""The decoding step as CUDA graphs (modules.decoding.StepGraphs), checked on the CPU with a stand-in graph backend.
 
 A CUDA graph replays the kernels it captured on the addresses it captured: it sees no Python. The stand-in
-(`RerunStepGraphs`) runs the captured step again at each replay and writes its outputs where the captured
-ones are, and it records the addresses every causal step reads and writes (state in, beam order, state
-out, inputs): a replay whose addresses differ from its capture's is what a real graph would get wrong
-(a stale beam order, the wrong state buffer), and fails here. Beam search with the stand-in must give
+(`RerunBackend`, in place of CUDAGraphBackend) runs the captured step again at each replay and writes its outputs
+where the captured ones are, and it records the addresses every causal step reads and writes that outlive the step
+(state in, beam order, state out): a replay whose addresses differ from its capture's is what a real graph would get
+wrong (a stale beam order, the wrong state buffer), and fails here. Beam search with the stand-in must give
 exactly the eager step's hypotheses and scores. tests/test_cuda.py replays real graphs on a GPU.
 """
 import pytest
@@ -14,29 +14,37 @@ from helpers import build_model, random_batch
 from test_model import assert_beam_reorder_equals_decoding_the_reordered_batch
 
 import rfa_fairseq.models.rfa_transformer as rfa_transformer
-from rfa_fairseq.modules.decoding import StepGraphs, step_graphs_for
+from rfa_fairseq.modules.decoding import CUDAGraphBackend, StepGraphs, step_graphs_for
 from rfa_fairseq.ops.decode_step import TorchKernels
 
 # the default model's maps, its softmax cross-attention; the torch kernels are the ones CUDA runs
 FLAGS = ["--rfa-feature-map", "hedgehog", "--rfa-gate", "--rfa-softmax-cross-attn", "--rfa-decode-kernel", "torch"]
 
 
-class RerunStepGraphs(StepGraphs):
-    """StepGraphs on the CPU: a 'graph' is the step itself plus the addresses its causal steps used."""
+class RerunBackend:
+    """A graph backend on the CPU: a 'graph' is the step itself plus the addresses its causal steps used."""
 
     recording = None  # the address list of the capture or replay running now
 
-    def _capture(self, step):
-        RerunStepGraphs.recording = addresses = []
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def reset(self) -> None:
+        pass
+
+    def capture(self, step):
+        RerunBackend.recording = addresses = []
         outputs = step()
-        RerunStepGraphs.recording = None
+        RerunBackend.recording = None
+        self.captures += 1
         return (step, addresses), outputs
 
-    def _replay(self, graph, outputs) -> None:
+    def replay(self, graph, outputs) -> None:
         step, captured = graph
-        RerunStepGraphs.recording = addresses = []
+        RerunBackend.recording = addresses = []
         fresh = step()
-        RerunStepGraphs.recording = None
+        RerunBackend.recording = None
+        self.replays += 1
         assert addresses == captured, "a replay read or wrote other buffers than its capture"
         for out, new in zip(outputs, fresh):
             if out is not None and out.data_ptr() != new.data_ptr():
@@ -45,21 +53,20 @@ class RerunStepGraphs(StepGraphs):
 
 @pytest.fixture
 def rerun_graphs(monkeypatch):
-    """Every batch decodes through RerunStepGraphs; -> the list of them."""
+    """Every batch decodes through StepGraphs on a RerunBackend; -> the list of their backends."""
     made = []
 
     def factory(device, enabled):
-        made.append(RerunStepGraphs(torch.device(device)))
-        return made[-1]
+        made.append(RerunBackend())
+        return StepGraphs(made[-1])
 
     monkeypatch.setattr(rfa_transformer, "step_graphs_for", factory)
     original = TorchKernels.causal_layer_step
 
-    def recorded(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, *args, **kwargs):
-        if RerunStepGraphs.recording is not None:
-            RerunStepGraphs.recording.append(tuple(None if t is None else t.data_ptr()
-                                                   for t in (phi_q, v, key_pad, state_in, order, state_out, out)))
-        return original(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, *args, **kwargs)
+    def recorded(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, *args, **kwargs):
+        if RerunBackend.recording is not None:
+            RerunBackend.recording.append(tuple(None if t is None else t.data_ptr() for t in (state_in, order, state_out)))
+        return original(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, *args, **kwargs)
 
     monkeypatch.setattr(TorchKernels, "causal_layer_step", staticmethod(recorded))
     return made
@@ -90,7 +97,7 @@ def test_graph_replays_give_the_eager_steps_hypotheses(rerun_graphs, monkeypatch
     rerun_graphs.clear()
     got = _hypotheses(make(), model, sample)
     assert got == want
-    graphs = rerun_graphs[-1]
+    graphs = rerun_graphs[-1]  # the last batch's backend
     lengths = sorted({len(tokens) for sent in want for tokens, _ in sent})
     print(f"hypothesis lengths {lengths}; captures {graphs.captures}, replays {graphs.replays}")
     assert len(lengths) > 1  # sentences finished at different steps
@@ -113,10 +120,13 @@ def test_two_graphs_per_shape_one_per_state_buffer(rerun_graphs, monkeypatch):
                 out.append(logits[:, -1].clone())
         return torch.stack(out, 1)
 
+    captured = []
+    original_run = StepGraphs.run
+    monkeypatch.setattr(StepGraphs, "run", lambda self, key, *a: captured.append(key) or original_run(self, key, *a))
     graphed = decode()
     graphs = rerun_graphs[-1]
     assert (graphs.captures, graphs.replays) == (2, prev.size(1) - 2)
-    assert len({key[-1] for key in graphs.graphs}) == 2  # the two state buffers
+    assert len({key[-1] for key in captured}) == 2  # the two state buffers
     rerun_graphs.clear()
     monkeypatch.setattr(rfa_transformer, "step_graphs_for", lambda device, enabled: None)
     torch.testing.assert_close(graphed, decode(), rtol=0, atol=0)
@@ -125,7 +135,8 @@ def test_two_graphs_per_shape_one_per_state_buffer(rerun_graphs, monkeypatch):
 def test_graphs_only_on_cuda_and_when_enabled():
     assert step_graphs_for("cpu", True) is None
     assert step_graphs_for("cuda", False) is None
-    assert type(step_graphs_for("cuda", True)) is StepGraphs  # made without touching the device
+    graphs = step_graphs_for("cuda", True)  # made without touching the device
+    assert type(graphs) is StepGraphs and type(graphs.backend) is CUDAGraphBackend
 
 
 def test_no_rfa_cuda_graphs_reaches_the_decoder(monkeypatch):

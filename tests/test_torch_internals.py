@@ -32,6 +32,18 @@ def test_private_names_exist_in_installed_torch():
     assert not missing, f"torch {torch.__version__} lacks private APIs rfa_fairseq uses: {missing}"
 
 
+def test_onednn_operator_names_resolve_in_the_dispatcher():
+    """The names the native decoding program looks up in torch's dispatcher are the operators behind the functions
+    above."""
+    if not torch_internals.onednn_linear_available():
+        pytest.skip(f"torch {torch.__version__} has no oneDNN linear ops: the native program uses addmm")
+    names = torch_internals.onednn_operator_names()
+    for qualified, overload in zip(names[::2], names[1::2]):
+        namespace, op = qualified.split("::")
+        packet = getattr(getattr(torch.ops, namespace), op)
+        assert hasattr(packet, overload or "default"), f"{qualified}.{overload or 'default'}"
+
+
 def test_storage_use_count_counts_views():
     buf = torch.empty(8)
     assert torch_internals.storage_use_count(buf) == 1, "a fresh tensor's storage must count 1 (itself)"
@@ -48,7 +60,7 @@ def test_tensor_version_counts_in_place_updates():
     t.add_(1)
     t[:1].mul_(2)  # through a view
     assert torch_internals.tensor_version(t) == before + 2
-    t.data.add_(1)  # .data leaves the version alone (why Workspace.forget_packed exists)
+    t.data.add_(1)  # .data leaves the version alone (why the decoder drops its runtime in train())
     assert torch_internals.tensor_version(t) == before + 2
 
 

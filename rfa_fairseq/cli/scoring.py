@@ -18,14 +18,21 @@ import sys
 
 if __package__:
     from ..textio import InputEncodingError, read_utf8_lines
+    from . import run_console_script
 else:  # run as a file (scripts/generate.sh), so that importing the package does not import fairseq
     import importlib.util
 
-    _spec = importlib.util.spec_from_file_location(
-        "rfa_fairseq_textio", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "textio.py"))
-    _textio = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_textio)
+    def _load_beside(name: str, relative: str):
+        """A standard-library-only module of the package, loaded by its path relative to this file."""
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                         relative))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    _textio = _load_beside("rfa_fairseq_textio", os.path.join(os.pardir, "textio.py"))
     InputEncodingError, read_utf8_lines = _textio.InputEncodingError, _textio.read_utf8_lines
+    run_console_script = _load_beside("rfa_fairseq_cli_runner", "__init__.py").run_console_script
 
 SPM_SPACE = "\u2581"  # SentencePiece's word-boundary marker
 # fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
@@ -266,14 +273,7 @@ def run(args):
 
 
 def main(argv=None):
-    # not cli.run_console_script: scripts/generate.sh runs this file outside the package (see the imports)
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except ScoringError as exc:
-        print(f"rfa-score: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_console_script("rfa-score", build_parser(), run, ScoringError, argv)
 
 
 if __name__ == "__main__":

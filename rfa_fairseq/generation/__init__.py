@@ -70,7 +70,7 @@ def wrap_build_generator(original):
             len_penalty=getattr(args, "lenpen", 1), unk_penalty=getattr(args, "unkpen", 0),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
             symbols_to_strip_from_output=(extra_gen_cls_kwargs or {}).get("symbols_to_strip_from_output"),
-            cuda_graphs=models[0].rfa_config.rfa_cuda_graphs)
+            cuda_graphs=models[0].rfa_config.rfa_cuda_graphs, parts=models[0].rfa_config.rfa_decode_parts)
 
     build_generator.rfa_fairseq_wrapper = True
     return build_generator

@@ -14,28 +14,72 @@ batch of that shape (the buffers are the generator's, kept across batches). The 
 sentences finished one step late (a copy into pinned memory that the next step overlaps), which is all
 it needs to stop or halve; on the CPU it reads them at once.
 
+On the CPU the whole step is one native call (the decoding runtime's program, ops/csrc/decode_program.cpp: the
+decoder's layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and at
+N threads the batch is split into N parts decoded at once, one thread each (CTranslate2's inter_threads), where
+each part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides): each part is the same search on
+fewer sentences, so the hypotheses are those of one part.
+
 The arithmetic follows SequenceGenerator._generate and search.BeamSearch.step operation by operation
 (same masks, same fp32 additions, same top-k over 2 * beam candidates, same finalization and length
 normalization), so hypotheses and scores agree with fairseq's. Shapes: N places (sentences still in the
 batch), K beams, R = N * K rows, V the vocabulary, L the token buffer's length (max_len + 2).
 """
 import math
-from typing import Dict, List, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
-from ..modules.decoding import StepGraphs, Workspace
+from ..modules.decoding import CUDAGraphBackend, DecodingState, StepGraphs
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
+MIN_PART_SENTENCES = 8  # auto: a batch is split into parts of at least this many sentences (docs/benchmarks.md)
+
+
+def parts_for(sentences: int, threads: int, requested: int) -> int:
+    """How many parts of a batch of `sentences` are decoded at once, one thread each: `requested` when > 0
+    (--rfa-decode-parts), else one per thread while each part keeps MIN_PART_SENTENCES sentences."""
+    if requested > 0:
+        return max(1, min(requested, sentences))
+    return max(1, min(threads, sentences // MIN_PART_SENTENCES))
+
+
+class SearchBuffers:
+    """The search's named buffers, grown on demand and kept across batches (a batch of a shape seen before runs on
+    the same addresses: its CUDA graphs replay); `generation` is bumped whenever one is (re)allocated."""
+
+    def __init__(self):
+        self.buffers: Dict[str, Tensor] = {}
+        self.generation = 0
+
+    def take(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self.buffers[name] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self.generation += 1
+        return buf[:numel].view(shape)
+
+
+class Lane:
+    """What one part of a batch decodes on, kept across batches: its decoding state and the search's buffers (the
+    host's pinned copies of the finished flags on CUDA). threads: the native step's OpenMP threads (0: the caller's)."""
+
+    def __init__(self, threads: int = 0):
+        self.state = DecodingState(threads=threads)
+        self.buffers = SearchBuffers()
+        self.host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
 
 
 class StaticBeamSearchGenerator(nn.Module):
     """SequenceGenerator's beam search for a single RFATransformerModel (`generate` returns what
     SequenceGenerator.generate returns). Built by `generation.build_generator` only for options it
     serves: plain beam search, lenpen, min/max length, unkpen, no-repeat n-grams, prefix tokens.
-    cuda_graphs=False runs every CUDA step uncaptured (--no-rfa-cuda-graphs: the graphs' reference)."""
+    cuda_graphs=False runs every CUDA step uncaptured (--no-rfa-cuda-graphs: the graphs' reference). parts: the
+    parts a CPU batch is split into, one thread each (--rfa-decode-parts; 0: parts_for decides)."""
 
     # device types where reading the finished flags back would wait for the device: the host reads each step's one
     # step later; and where K/V are padded to SOURCE_BUCKET (graphs shared by nearby source lengths)
@@ -45,7 +89,7 @@ class StaticBeamSearchGenerator(nn.Module):
 
     def __init__(self, model, tgt_dict, beam_size=1, max_len_a=0, max_len_b=200, max_len=0, min_len=1,
                  normalize_scores=True, len_penalty=1.0, unk_penalty=0.0, no_repeat_ngram_size=0,
-                 symbols_to_strip_from_output=None, cuda_graphs: bool = True):
+                 symbols_to_strip_from_output=None, cuda_graphs: bool = True, parts: int = 0):
         super().__init__()
         self.model = model
         self.tgt_dict = tgt_dict
@@ -58,13 +102,14 @@ class StaticBeamSearchGenerator(nn.Module):
         self.normalize_scores, self.len_penalty, self.unk_penalty = normalize_scores, len_penalty, unk_penalty
         self.repeat_ngram_blocker = NGramRepeatBlock(no_repeat_ngram_size) if no_repeat_ngram_size > 0 else None
         self.cuda_graphs = cuda_graphs
+        self.parts = int(parts)
         self.model.eval()
         # kept across batches: a batch of a shape seen before runs on the same addresses (and graphs)
-        self.decoder_workspace = model.decoder.new_workspace()
-        self.search_workspace = Workspace()
+        self.lanes: List[Lane] = [Lane()]  # lane 0 decodes an unsplit batch; lanes 1.. the parts of a split one
+        self.part_lanes: List[Lane] = []
+        self._pool: Optional[ThreadPoolExecutor] = None
         self.graphs: Optional[StepGraphs] = None
-        self._graph_generations = None  # the workspaces' generations the graphs were captured at
-        self._host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
+        self._graph_generations = None  # the buffers' generations the graphs were captured at
         self._prepare_weights()
 
     @torch.no_grad()
@@ -77,26 +122,27 @@ class StaticBeamSearchGenerator(nn.Module):
         sample = {"net_input": {"src_tokens": src_tokens, "src_lengths": torch.ones(1, dtype=torch.long, device=device)}}
         self.generate([self.model], sample, max_steps=1)
 
-    def _graphs_for(self, device) -> Optional[StepGraphs]:
-        """The CUDA graphs of the steps on `device` (None: every step eager), dropped when a buffer they read
-        moved (a larger batch, weights packed again): a graph replays the addresses it captured."""
+    def _graphs_for(self, lane: Lane, device) -> Optional[StepGraphs]:
+        """The CUDA graphs of the steps on `device` (None: every step as it is), dropped when a buffer they read
+        moved (a larger batch, another runtime): a graph replays the addresses it captured."""
         if device.type not in self.GRAPHS_ON or not self.cuda_graphs:
             return None
-        generations = (self.decoder_workspace.generation, self.search_workspace.generation)
+        generations = (id(lane.state.runtime), lane.state.generation, lane.buffers.generation)
         if self.graphs is None:
-            self.graphs = StepGraphs(device)
+            self.graphs = StepGraphs(CUDAGraphBackend(device))
         elif generations != self._graph_generations:
             self.graphs.clear()
         self._graph_generations = generations
         return self.graphs
 
-    def host_flags(self, N: int) -> List[Tensor]:
+    @staticmethod
+    def host_flags(lane: Lane, N: int) -> List[Tensor]:
         """Two pinned host buffers of (N,) bools, the same ones for every batch (a graph copies into them)."""
-        if not self._host_flags or self._host_flags[0].numel() < N:
+        if not lane.host_flags or lane.host_flags[0].numel() < N:
             pinned = torch.cuda.is_available()  # the device's copies into them then overlap the next step
-            self._host_flags = [torch.empty(N, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
-            self.search_workspace.generation += 1  # graphs that copy into the old ones are stale
-        return [flags[:N] for flags in self._host_flags]
+            lane.host_flags = [torch.empty(N, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+            lane.buffers.generation += 1  # graphs that copy into the old ones are stale
+        return [flags[:N] for flags in lane.host_flags]
 
     @torch.no_grad()
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], prefix_tokens: Optional[Tensor] = None,
@@ -111,19 +157,51 @@ class StaticBeamSearchGenerator(nn.Module):
         K, device = self.beam_size, src_tokens.device
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])
+        key, pad = self.model.decoder.encoder_keys(encoder_out)  # once per sentence: no copies for the beams
+        runtime = self.model.decoder.decoding_runtime()
+        bos = self.eos if bos_token is None else bos_token
+        parts = 1
+        if runtime.program is not None and max_steps is None:
+            parts = parts_for(N, torch.get_num_threads(), self.parts)
+        if parts == 1:
+            return self._search(self.lanes[0], runtime, key, pad, N, src_len, max_len, bos, prefix_tokens, max_steps)
+        # one part per thread: sentences dealt out in turn (a batch is sorted by length: each part gets its share of
+        # long and short ones), each part searched on its own lane with one thread
+        while len(self.part_lanes) < parts:
+            self.part_lanes.append(Lane(threads=1))
+        if self._pool is None or self._pool._max_workers < parts:
+            self._pool = ThreadPoolExecutor(max_workers=parts, thread_name_prefix="rfa-decode-part")
+        members = [torch.arange(i, N, parts, device=device) for i in range(parts)]
+
+        def search_part(i: int):
+            part_key = key.index_select(1, members[i]) if key is not None else None
+            part_pad = pad.index_select(0, members[i]) if pad is not None else None
+            part_prefix = prefix_tokens.index_select(0, members[i]) if prefix_tokens is not None else None
+            return self._search(self.part_lanes[i], runtime, part_key, part_pad, members[i].numel(), src_len, max_len,
+                                bos, part_prefix, None)
+
+        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
+        for i, hypos in zip(range(parts), self._pool.map(search_part, range(parts))):
+            for n, sentence in zip(members[i].tolist(), hypos):
+                finalized[n] = sentence
+        return finalized
+
+    def _search(self, lane: Lane, runtime, key: Optional[Tensor], pad: Optional[Tensor], N: int, src_len: int,
+                max_len: int, bos: int, prefix_tokens: Optional[Tensor], max_steps: Optional[int]):
+        """The beam search of N sentences on `lane`: key (S, N, C) their encoder output (or None), pad (N, S) or None.
+        -> their finalized hypotheses, best first."""
+        K, device = self.beam_size, runtime.device
         bucketed = device.type in self.BUCKETED_ON  # on the CPU K/V keep their length (no padded positions to compute)
         source_len = -(-src_len // SOURCE_BUCKET) * SOURCE_BUCKET if bucketed else src_len
         buffer_len = max_len
         if bucketed:  # the longest max_len of the bucket's source lengths: one token buffer length per bucket
             buffer_len = max(max_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
 
-        encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])
-        key, pad = self.model.decoder.encoder_keys(encoder_out)  # once per sentence: no copies for the beams
-        graphs = self._graphs_for(device)
-        decoder = self.model.decoder.incremental_decoder(N * K, K, self.decoder_workspace)
-        decoder.start(key, pad, source_len=source_len if key is not None else None)
-        search = _Search(self, decoder, N, buffer_len, self.eos if bos_token is None else bos_token, device,
-                         lagged=device.type in self.LAGGED_READS_ON)
+        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None)
+        graphs = self._graphs_for(lane, device)
+        search = _Search(self, lane, state, N, buffer_len, bos, device, lagged=device.type in self.LAGGED_READS_ON)
+        native = runtime.program is not None
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
         sentence_ids = list(range(N))  # the batch's sentence at each place of the search (places only halve)
         decided_at = -1  # flags of steps launched before the last halving describe other places: not read
@@ -131,18 +209,25 @@ class StaticBeamSearchGenerator(nn.Module):
 
         for step in range(last_step + 1):  # one extra step for EOS
             prefix = prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len
-            plain = not (step == 0 or step >= max_len or prefix or self.repeat_ngram_blocker is not None)
+            first, last = step == 0, step >= max_len
+            plain = not (first or last or prefix or self.repeat_ngram_blocker is not None)
+            finished_count = None  # how many places have finished, where the native step says
             if graphs is not None and plain:
-                graphs = self._graphs_for(device)  # a step that allocated (a new shape) makes the graphs stale
+                graphs = self._graphs_for(lane, device)  # a step that allocated (a new shape) makes the graphs stale
                 shape = (search.N, source_len, buffer_len)
                 graphs.run(shape + (search.parity,), shape,
-                           lambda: self._step(search, decoder, step, False, False, None))
+                           lambda: self._step(search, state, step, False, False, None))
+            elif native and not prefix and self.repeat_ngram_blocker is None:
+                finished_count = runtime.program.search_step(state.native_batch(), search.native(), step, search.parity,
+                                                             state.parity, first, last, state.threads)
             else:
-                self._step(search, decoder, step, first=step == 0, last=step >= max_len,
+                self._step(search, state, step, first=first, last=last,
                            prefix_tokens=prefix_tokens if prefix else None)
-            search.after_step(decoder, step)
+            search.after_step(state, step)
             if step >= last_step:
                 break
+            if finished_count is not None and 0 < 2 * (search.N - finished_count) and 2 * finished_count < search.N:
+                continue  # fewer than half the places finished: nothing to halve, no flags to read
             flags = search.finished_at(step - 1 if search.lagged else step, decided_at)
             if flags is None:
                 continue
@@ -155,7 +240,7 @@ class StaticBeamSearchGenerator(nn.Module):
                 # without this); halving keeps the shapes to log2(N) + 1 sizes
                 search.collect(finalized, sentence_ids, places=flags.nonzero().squeeze(1).tolist())  # the dropped
                 kept = unfinished.to(device)
-                search.keep_sentences(decoder, kept)
+                search.keep_sentences(state, kept)
                 sentence_ids = [sentence_ids[n] for n in unfinished.tolist()]
                 if prefix_tokens is not None:
                     prefix_tokens = prefix_tokens.index_select(0, kept)
@@ -168,7 +253,8 @@ class StaticBeamSearchGenerator(nn.Module):
             finalized[n] = [hypos[i] for i in best_first]
         return finalized
 
-    def _step(self, search: "_Search", decoder, step: int, first: bool, last: bool, prefix_tokens: Optional[Tensor]):
+    def _step(self, search: "_Search", state: DecodingState, step: int, first: bool, last: bool,
+              prefix_tokens: Optional[Tensor]):
         """One step of the search on the device, reading the step number from search.step (a CUDA graph captures
         it whole when first, last and prefix_tokens are off: they are the host's only say). -> no outputs: every
         result is in the search's buffers."""
@@ -177,7 +263,7 @@ class StaticBeamSearchGenerator(nn.Module):
         tokens = torch.index_select(search.tokens, 1, t).view(R)  # (R,) the last tokens
         positions = torch.index_select(search.positions, 0, t) if search.positions is not None else None  # (1, C)
         # pad is never chosen (its log-probability is -inf), so no input is padding
-        logits, _ = decoder.compute(tokens, positions, need_weights=False, padded_inputs=False)  # (R, V)
+        logits, _ = state.compute(tokens, positions, need_weights=False, padded_inputs=False)  # (R, V)
         # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32
         lprobs = torch.log_softmax(logits.float(), dim=-1, out=search.lprobs)
         lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel
@@ -192,7 +278,7 @@ class StaticBeamSearchGenerator(nn.Module):
         if self.repeat_ngram_blocker is not None:
             lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, N, K, step)
 
-        cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, decoder.kernels)  # (N, 2K) each
+        cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, state.kernels)  # (N, 2K) each
         eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
         eos_mask[:, :K] &= ~search.cands_to_ignore
         eos_mask &= ~search.finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
@@ -222,8 +308,9 @@ class _Search:
     rejected ones), the step number, the beam order the decoder's next step applies, and the finished flags
     (with their copies for the host on CUDA)."""
 
-    def __init__(self, gen: StaticBeamSearchGenerator, decoder, N: int, max_len: int, bos: int, device, lagged: bool):
-        self.gen, self.ws, self.device = gen, gen.search_workspace, device
+    def __init__(self, gen: StaticBeamSearchGenerator, lane: Lane, state: DecodingState, N: int, max_len: int, bos: int,
+                 device, lagged: bool):
+        self.gen, self.lane, self.state, self.ws, self.device = gen, lane, state, lane.buffers, device
         self.K, self.V, self.L = gen.beam_size, gen.vocab_size, max_len + 2  # +2: BOS and EOS
         self.cand_size = 2 * self.K  # 2 x beam in case half are EOS (SequenceGenerator)
         self.lagged = lagged  # the host reads a step's flags one step later (CUDA: no wait for the device)
@@ -248,7 +335,8 @@ class _Search:
         self.positions = None
         if positions is not None:
             self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)
-        decoder.use_order_buffer(self.order)  # the causal layers read the pending beam order here
+        state.use_order_buffer(self.order)  # the causal layers read the pending beam order here
+        self._native = None
 
     def _views(self, N: int) -> None:
         """The buffers for N places (prefixes of the workspace's: halving keeps their addresses)."""
@@ -272,7 +360,27 @@ class _Search:
         self.step = take("step", (1,), torch.long, device)
         self.order = take("order", (R,), torch.long, device)
         if self.lagged:
-            self.finished_host = self.gen.host_flags(N)
+            self.finished_host = self.gen.host_flags(self.lane, N)
+        self._native = None
+
+    def native(self):
+        """These buffers as the native program's NativeSearch (made again after a halving's new views)."""
+        if self._native is None:
+            ext = self.state.runtime.kernels.ext
+            native = ext.NativeSearch()
+            native.tokens0, native.tokens1 = self.token_pair
+            native.scores0, native.scores1 = self.score_pair
+            native.cand_scores, native.cand_indices = self.cand_scores, self.cand_indices
+            native.cands_to_ignore, native.finished, native.fin_count = self.cands_to_ignore, self.finished, self.fin_count
+            native.fin_tokens, native.fin_scores, native.fin_steps = self.fin_tokens, self.fin_scores, self.fin_steps
+            native.order, native.eos_bias, native.step = self.order, self.eos_bias, self.step
+            if self.positions is not None:
+                native.positions = self.positions
+            native.N, native.K = self.N, self.K
+            native.eos, native.pad, native.unk = self.gen.eos, self.gen.pad, self.gen.unk
+            native.unk_penalty = float(self.gen.unk_penalty)
+            self._native = native
+        return self._native
 
     @property
     def tokens(self) -> Tensor:
@@ -336,11 +444,11 @@ class _Search:
         scores.index_copy_(1, t, torch.gather(cand_scores, 1, active).view(-1, 1))
         t.add_(1)
 
-    def after_step(self, decoder, step: int) -> None:
+    def after_step(self, state: DecodingState, step: int) -> None:
         """What a step changes on the host side (a replayed graph runs no Python): the buffer pairs turn; the
         finished flags start on their way to the host, which reads them one step later (lagged)."""
         self.parity = 1 - self.parity
-        decoder.step_done()
+        state.step_done()
         if self.lagged:  # outside the graph: a copy into pinned memory is queued after it, waited for later
             self.finished_host[self.parity].copy_(self.finished, non_blocking=True)
         if self.events is not None:
@@ -358,12 +466,12 @@ class _Search:
         # step s copied into the buffer that the parity names after it; one step later that is the other one
         return self.finished_host[1 - self.parity]
 
-    def keep_sentences(self, decoder, kept: Tensor) -> None:
+    def keep_sentences(self, state: DecodingState, kept: Tensor) -> None:
         """Halve in place: the places `kept` (N',) become the first N' of every buffer; the decoder's state follows
         (its pending order applied there)."""
         K = self.K
         kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
-        decoder.keep_sentences(kept, self.order.index_select(0, kept_rows))
+        state.keep_sentences(kept, self.order.index_select(0, kept_rows))
         compacted = {"tokens": self.tokens, "scores": self.scores, "cands_to_ignore": self.cands_to_ignore,
                      "finished": self.finished, "fin_count": self.fin_count}
         moved = {name: value.index_select(0, kept_rows if value.size(0) == self.N * K else kept)
@@ -380,7 +488,7 @@ class _Search:
         for value, new in zip((self.fin_tokens, self.fin_scores, self.fin_steps), fin_moved):
             value[: new.size(0)] = new
         torch.arange(self.N * K, out=self.order)  # the pending order was applied to the state
-        decoder.use_order_buffer(self.order)
+        state.use_order_buffer(self.order)
 
     def collect(self, finalized: List[List[Dict[str, Tensor]]], sentence_ids: List[int], places) -> None:
         """Append the finalized hypotheses of `places` that `finalized` does not hold yet (read from the device
@@ -388,16 +496,25 @@ class _Search:
         the score normalized by length ** lenpen."""
         gen, K = self.gen, self.K
         counts = self.fin_count.tolist()
-        tokens, scores, steps = self.fin_tokens.cpu(), self.fin_scores.cpu(), self.fin_steps.tolist()
+        slots = [slot for n in places for slot in range(n * K, n * K + counts[n])]
+        if not slots:
+            return
+        rows = torch.tensor(slots, device=self.device)
+        # read once, and a copy of their own: the buffers serve the next batch (views of them would change)
+        tokens = self.fin_tokens.index_select(0, rows).cpu()
+        scores = self.fin_scores.index_select(0, rows).cpu()  # cumulative
+        steps = self.fin_steps.index_select(0, rows).tolist()
+        positional = scores.clone()
+        positional[:, 1:] -= scores[:, :-1]  # cumulative -> per position (the ones past a hypothesis' end unread)
+        final = scores.gather(1, torch.tensor(steps).unsqueeze(1)).squeeze(1)  # the score at each hypothesis' EOS
+        if gen.normalize_scores:
+            final = final / torch.tensor([(step + 1) ** gen.len_penalty for step in steps], dtype=final.dtype)
         empty = torch.empty(0)  # a finalized hypothesis' attention and alignment (fairseq's empty tensors, one shared)
+        i = 0
         for n in places:
             hypos = finalized[sentence_ids[n]]
-            for slot in range(n * K, n * K + counts[n]):
-                step = steps[slot]
-                positional = scores[slot, : step + 1].clone()
-                score = positional[step: step + 1].clone()
-                positional[1:] = positional[1:] - positional[:-1]  # cumulative -> per position
-                if gen.normalize_scores:
-                    score /= (step + 1) ** gen.len_penalty
-                hypos.append({"tokens": tokens[slot, 1: step + 2].clone(), "score": score[0], "attention": empty,
-                              "alignment": empty, "positional_scores": positional})
+            for _ in range(counts[n]):
+                step = steps[i]
+                hypos.append({"tokens": tokens[i, 1: step + 2], "score": final[i], "attention": empty,
+                              "alignment": empty, "positional_scores": positional[i, : step + 1]})
+                i += 1

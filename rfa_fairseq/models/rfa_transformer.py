@@ -2,8 +2,9 @@
 
 Training and scoring run fairseq's own forward passes through the `build_*` hooks. Incremental decoding
 (fairseq-generate, fairseq-interactive, any SequenceGenerator) runs RFA's decoding step on every device and
-dtype: RFATransformerDecoder.forward -> RFATransformerDecoderLayer.step -> RFAAttention.step /
-SoftmaxCrossAttention.step -> the kernels picked once per batch (ops.step_kernels). docs/design.md draws it.
+dtype: RFATransformerDecoder.forward -> its DecodingState (modules/decoding.py) -> the native step (the CPU) or the
+records' torch step (DecoderLayerRecord.step -> CausalRecord / SoftmaxCrossRecord.step), the kernels picked once per
+runtime (ops.step_kernels). docs/design.md draws it.
 Defaults follow the paper's MT setup: RFA in decoder self-attention and in encoder-decoder attention,
 softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
@@ -36,15 +37,18 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
-from ..modules import RFAAttention, SoftmaxCrossAttention
+from ..modules import RFAAttention, SoftmaxCrossAttention, native_step
 from ..modules.decoding import (
-    CausalCache,
-    HeldWorkspaces,
-    IncrementalDecoder,
-    SentenceCache,
-    Workspace,
-    follow_rows,
+    DecodingCache,
+    DecodingRuntime,
+    DecodingState,
+    LayerCache,
+    NormRecord,
+    PackedLinears,
+    RowSources,
+    feed_forward,
     step_graphs_for,
+    weights_key,
 )
 from ..ops import step_kernels
 
@@ -59,15 +63,6 @@ def _wrap_layer(layer, cfg):
     if checkpoint:
         layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
-
-
-def feed_forward(kernels, h, fc1, fc2, activation_fn, hidden, out, residual):
-    """The FFN sublayer on packed weights: out <- fc2(activation(fc1(h))) + residual; ReLU fused into fc1."""
-    relu = activation_fn is F.relu
-    hidden = kernels.linear(h, fc1, hidden, activation="relu" if relu else None)
-    if not relu:
-        hidden = activation_fn(hidden)
-    return kernels.linear(hidden, fc2, out, residual=residual)
 
 
 class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
@@ -87,11 +82,11 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
     def __init__(self, cfg, return_fc=False):
         super().__init__(cfg, return_fc=return_fc)
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
-        self._packed = Workspace()  # the packed weights (packed again when a parameter changes) and the kernels
+        self._packed = PackedLinears()  # packed again when a parameter changes; the kernels, picked once
 
     def train(self, mode: bool = True):
         if mode:  # a training step changes the weights through .data, which the packed weights' key cannot see
-            self._packed.forget_packed()
+            self._packed.clear()
         return super().train(mode)
 
     def forward(self, x, encoder_padding_mask, attn_mask=None):
@@ -121,7 +116,7 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
 
     def _linear(self, name: str, kernels, *modules):
         """The linear layers `modules` (one, or q, k, v as one) packed for the kernels."""
-        return self._packed.packed_linears(name, kernels, modules)
+        return self._packed.get(name, kernels, modules)
 
     def _infer(self, x, key_padding_mask, kernels):
         """x (T, B, C), key_padding_mask (B, T) bool or None -> the layer's output (T, B, C)."""
@@ -129,18 +124,17 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
         attn, H = self.self_attn, self.self_attn.num_heads
         x = x.reshape(T * B, C)
         h = self.self_attn_layer_norm(x) if self.normalize_before else x
-        qkv = kernels.linear(h, self._linear("qkv", kernels, attn.q_proj, attn.k_proj, attn.v_proj),
-                             x.new_empty(T * B, 3 * C))
+        qkv = kernels.linear(h, self._linear("qkv", kernels, attn.q_proj, attn.k_proj, attn.v_proj))
         q, k, v = qkv.view(T, B, 3, H, C // H).permute(2, 1, 3, 0, 4).unbind(0)  # (B, H, T, d) each
         mask = None if key_padding_mask is None else ~key_padding_mask.view(B, 1, 1, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scale d^-0.5, fairseq's scaling
         o = o.permute(2, 0, 1, 3).reshape(T * B, C)
-        x = kernels.linear(o, self._linear("out_proj", kernels, attn.out_proj), x.new_empty(T * B, C), residual=x)
+        x = kernels.linear(o, self._linear("out_proj", kernels, attn.out_proj), residual=x)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.normalize_before else x
         x = feed_forward(kernels, h, self._linear("fc1", kernels, self.fc1), self._linear("fc2", kernels, self.fc2),
-                         self.activation_fn, x.new_empty(T * B, self.fc1.out_features), x.new_empty(T * B, C), residual=x)
+                         self.activation_fn, residual=x)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x.view(T, B, C)
@@ -170,66 +164,79 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
 
     # ------------------------------------------------------------ the decoding step
 
-    def start_step(self, decoder: IncrementalDecoder, index: int, key, key_padding_mask,
-                   source_len=None) -> "DecoderLayerCache":
-        """A batch's start: this layer's cache. key: (S, sentences, C) encoder output, or None; source_len: the
-        cross-attention's K/V length (>= S: padded, masked; None: S)."""
+    def decoding_record(self, kernels) -> "DecoderLayerRecord":
+        """What the decoding step reads of this layer (built once per runtime): its attentions' records, its norms,
+        its FFN's linear layers packed for the kernels."""
         for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"):  # fairseq's --scale-* options
             if getattr(self, name, None) is not None:
                 raise ValueError(f"RFA incremental decoding does not support decoder layers with {name} (--scale-*)")
-        name = f"layer{index}"
-        cross = None
-        if self.encoder_attn is not None and key is not None:
-            cross = self.encoder_attn.start_step(decoder, f"{name}.cross", key, key_padding_mask, source_len=source_len)
-        return DecoderLayerCache(self.self_attn.start_step(decoder, f"{name}.self"), cross,
-                                 decoder.packed_linear(f"{name}.fc1", self.fc1),
-                                 decoder.packed_linear(f"{name}.fc2", self.fc2))
-
-    def step(self, x, cache: "DecoderLayerCache", decoder: IncrementalDecoder, key_pad, need_weights: bool):
-        """x (R, C) the layer's input -> its output (in x, or a tensor of the torch kernels' own), the
-        cross-attention weights (R, S) or None."""
-        y, _ = self.self_attn.step(self._input(self.self_attn_layer_norm, x, decoder), cache.self_attn, decoder,
-                                   key_pad, residual=x)
-        x = self._residual(self.self_attn_layer_norm, y, x, decoder)
-        weights = None
-        if cache.cross is not None:
-            h = self._input(self.encoder_attn_layer_norm, x, decoder)
-            y, weights = self.encoder_attn.step(h, cache.cross, decoder, need_weights=need_weights, residual=x)
-            x = self._residual(self.encoder_attn_layer_norm, y, x, decoder)
-        R, C = x.shape
-        y = feed_forward(decoder.kernels, self._input(self.final_layer_norm, x, decoder), cache.fc1, cache.fc2,
-                         self.activation_fn, decoder.buffer("ffn", R, self.fc1.out_features), decoder.buffer("y", R, C),
-                         residual=x)
-        return self._residual(self.final_layer_norm, y, x, decoder), weights
-
-    def _input(self, norm, x, decoder: IncrementalDecoder):
-        """What a sublayer reads: x, or its layer norm (pre-norm) in a workspace buffer."""
-        if not self.normalize_before:
-            return x
-        return decoder.kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, decoder.buffer("h", *x.shape))
-
-    def _residual(self, norm, y, x, decoder: IncrementalDecoder) -> Tensor:
-        """The residual stream after a sublayer: y, its output with x already added (into x: the next sublayer
-        writes y's buffer again), then the layer norm when the layer normalizes after (post-norm: in x, or a
-        tensor of the torch kernels' own)."""
-        if self.normalize_before:
-            return x.copy_(y)
-        return decoder.kernels.add_layer_norm(y, None, norm.weight, norm.bias, norm.eps, x)
+        cross = self.encoder_attn.decoding_record(kernels) if self.encoder_attn is not None else None
+        with torch.no_grad():
+            fc1 = kernels.pack_linear(self.fc1.weight.detach(), _detached(self.fc1.bias))
+            fc2 = kernels.pack_linear(self.fc2.weight.detach(), _detached(self.fc2.bias))
+        return DecoderLayerRecord(
+            self.self_attn.decoding_record(kernels), NormRecord.of(self.self_attn_layer_norm), cross,
+            NormRecord.of(self.encoder_attn_layer_norm) if cross is not None else None, fc1, fc2, self.activation_fn,
+            NormRecord.of(self.final_layer_norm), self.normalize_before)
 
 
 @dataclass
-class DecoderLayerCache:
-    """A decoder layer's decoding cache: its self-attention's, its cross-attention's (None without a source) and
-    its FFN's linear layers packed for the kernels."""
+class DecoderLayerRecord:
+    """A decoder layer's part of the decoding step: its causal attention's and cross-attention's records (cross None
+    without encoder attention), its norms, its FFN's packed linear layers; post-norm or pre-norm (normalize_before).
+    `step` is its part of the torch step; the native program reads the same fields (modules/native_step.py)."""
 
-    self_attn: CausalCache
-    cross: Optional[SentenceCache]
-    fc1: tuple
-    fc2: tuple
+    self_attn: "CausalRecord"
+    self_attn_norm: NormRecord
+    cross: Optional[object]
+    cross_norm: Optional[NormRecord]
+    fc1: object
+    fc2: object
+    activation_fn: object
+    final_norm: NormRecord
+    normalize_before: bool
+
+    def start(self, previous: Optional[LayerCache], rows: int, key: Optional[Tensor], key_padding_mask, source_len,
+              runtime) -> "tuple[LayerCache, bool]":
+        """A batch's cache for this layer (reusing the previous batch's buffers where they fit). key: (S, sentences,
+        C) encoder output, or None; source_len: the cross-attention's K/V length (>= S: padded, masked; None: S).
+        -> (the cache, whether a buffer is new)"""
+        self_attn, allocated = self.self_attn.start(previous.self_attn if previous else None, rows, runtime.device)
+        cross = None
+        if self.cross is not None and key is not None:
+            cross, new = self.cross.start(previous.cross if previous else None, key, key_padding_mask, source_len,
+                                          runtime.kernels)
+            allocated = allocated or new
+        return LayerCache(self_attn, cross), allocated
+
+    def step(self, kernels, x: Tensor, cache: LayerCache, state, order, key_pad, need_weights: bool):
+        """x (R, C) the layer's input -> its output (R, C), the cross-attention weights (R, S) or None."""
+        pre = self.normalize_before
+
+        def sublayer_input(norm):
+            return norm(kernels, x) if pre else x
+
+        def residual_stream(norm, y):  # y: the sublayer's output with x already added
+            return y if pre else norm(kernels, y)
+
+        y = self.self_attn.step(kernels, sublayer_input(self.self_attn_norm), cache.self_attn, state, order, key_pad,
+                                residual=x)
+        x = residual_stream(self.self_attn_norm, y)
+        weights = None
+        if cache.cross is not None:
+            y, weights = self.cross.step(kernels, sublayer_input(self.cross_norm), cache.cross, state.beam,
+                                         need_weights, residual=x)
+            x = residual_stream(self.cross_norm, y)
+        y = feed_forward(kernels, sublayer_input(self.final_norm), self.fc1, self.fc2, self.activation_fn, residual=x)
+        return residual_stream(self.final_norm, y), weights
+
+
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
-    # encoder_out entry: the source row each row is a copy of (beam search copies every sentence beam times)
+    # encoder_out entry: the source sentence each row reads (RowSources; beam search copies every sentence beam times)
     ROW_SOURCE = "rfa_row_source"
 
     def build_encoder_layer(self, cfg):
@@ -240,48 +247,47 @@ class RFATransformerEncoder(TransformerEncoderBase):
     def reorder_encoder_out(self, encoder_out, new_order):
         """fairseq's reorder, skipped when it would replace every row by an identical copy: beam search
         reorders within each sentence's beams at every step, and those rows are copies of one source row.
-        Which rows are copies of which is recorded at the first reorder (the expansion to beams)."""
+        Which rows are copies of which (RowSources) is recorded at the first reorder (the expansion to beams); the
+        decoder reads it at a batch's first step."""
         if not encoder_out["encoder_out"]:
             return super().reorder_encoder_out(encoder_out, new_order)
-        recorded = encoder_out.get(self.ROW_SOURCE)
-        source = recorded[0] if recorded else torch.arange(encoder_out["encoder_out"][0].size(1), device=new_order.device)
-        new_source = follow_rows(source, new_order)
-        if new_source is None:
+        sources = row_sources(encoder_out)
+        if sources is None:
+            sources = RowSources.identity(encoder_out["encoder_out"][0].size(1), new_order.device)
+        followed = sources.follow(new_order)
+        if followed is None:
             return encoder_out
         reordered = super().reorder_encoder_out(encoder_out, new_order)
-        reordered[self.ROW_SOURCE] = [new_source]
+        reordered[self.ROW_SOURCE] = [followed.source]
         return reordered
 
 
+def row_sources(encoder_out) -> Optional[RowSources]:
+    """The RowSources that reorder_encoder_out recorded in encoder_out, or None (no reorder happened)."""
+    recorded = encoder_out.get(RFATransformerEncoder.ROW_SOURCE) if encoder_out is not None else None
+    return RowSources(recorded[0]) if recorded else None
+
+
 class RFATransformerDecoder(TransformerDecoderBase):
-    """fairseq's decoder with RFA layers. Incremental decoding runs the decoding step: the batch's
-    IncrementalDecoder is made at its first step, and every step runs in place from its buffers."""
+    """fairseq's decoder with RFA layers. Incremental decoding runs the decoding step: the batch's DecodingState
+    is started at its first step on the decoder's runtime (built once per weights), and every step runs in place
+    from its buffers."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
-        self._workspace = None
-        self._trainings = 0  # train() calls: a workspace a batch in flight returns after one has stale packed weights
-        self._held_workspaces = HeldWorkspaces()  # new_workspace()'s: their packed weights are dropped by train()
+        self._decoding = DecodingCache()  # the runtime (rebuilt when the weights change) and a spare batch state
         self._logged_kernels = None
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
 
     def train(self, mode: bool = True):
-        if mode:  # a training step changes the weights through .data, which the packed weights' key cannot see
-            self._trainings += 1
-            for workspace in [self._workspace, *self._held_workspaces]:
-                if workspace is not None:
-                    workspace.forget_packed()
+        if mode:  # a training step changes the weights through .data, which the runtime's key cannot see
+            self._decoding.clear()
         return super().train(mode)
-
-    def new_workspace(self) -> Workspace:
-        """A workspace that a caller keeps across batches (the static beam search): its packed weights are
-        dropped whenever the decoder trains, as the decoder's own are."""
-        return self._held_workspaces.add(Workspace())
 
     def set_beam_size(self, beam_size: int) -> None:
         super().set_beam_size(beam_size)
@@ -300,13 +306,13 @@ class RFATransformerDecoder(TransformerDecoderBase):
                                    alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                                    src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
         self._check_can_decode(features_only, alignment_layer, alignment_heads, return_all_hiddens)
-        decoder = incremental_state.get(IncrementalDecoder.KEY)
-        if decoder is None:
-            decoder = incremental_state[IncrementalDecoder.KEY] = self._start(prev_output_tokens, encoder_out)
+        state = incremental_state.get(DecodingState.KEY)
+        if state is None:
+            state = incremental_state[DecodingState.KEY] = self._start(prev_output_tokens, encoder_out)
         positions = None  # (R, C)
         if self.embed_positions is not None:
             positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1]
-        logits, attn = decoder.step(prev_output_tokens[:, -1], positions)
+        logits, attn = state.step(prev_output_tokens[:, -1], positions)
         return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None}
 
     def _check_can_decode(self, *call_options) -> None:
@@ -331,18 +337,23 @@ class RFATransformerDecoder(TransformerDecoderBase):
                 return name
         return None
 
-    def _start(self, prev_output_tokens, encoder_out) -> IncrementalDecoder:
-        """A batch's first step (fairseq's generators): its IncrementalDecoder, which rows read which sentence."""
+    def _start(self, prev_output_tokens, encoder_out) -> DecodingState:
+        """A batch's first step (fairseq's generators): its DecodingState (the last batch's buffers reused), K/V
+        once per sentence where the rows say which sentence they read (RowSources recorded by reorder_encoder_out)."""
         rows = prev_output_tokens.size(0)
         key, pad = self.encoder_keys(encoder_out)
-        beam = self._beam_of(key, pad, rows)
-        if key is not None:
+        beam, sentences = 1, None
+        sources = row_sources(encoder_out)
+        if key is not None and sources is not None and self.beam_size > 1 and sources.source.numel() == rows:
+            sentences = sources.beam_layout(self.beam_size)
+            beam = self.beam_size if sentences is not None else 1
+        if key is not None and beam > 1:
             key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
-        workspace, self._workspace = self._workspace or Workspace(), None
-        graphs = step_graphs_for(self.embed_tokens.weight.device, self.rfa.rfa_cuda_graphs)
-        decoder = self.incremental_decoder(rows, beam, workspace, graphs=graphs)
-        weakref.finalize(decoder, self._return_workspace, workspace, self._trainings)  # the next batch reuses it
-        return decoder.start(key, pad)
+        runtime = self.decoding_runtime()
+        state = self._decoding.take_spare() or DecodingState()
+        state.graphs = step_graphs_for(self.embed_tokens.weight.device, self.rfa.rfa_cuda_graphs)
+        weakref.finalize(state, self._decoding.keep_spare, state.__dict__, runtime)  # the next batch reuses its buffers
+        return state.start(runtime, rows, beam, key, pad)
 
     def encoder_keys(self, encoder_out):
         """The encoder output (S, rows, C) and its padding mask (rows, S) that cross-attention reads, or Nones."""
@@ -351,18 +362,23 @@ class RFATransformerDecoder(TransformerDecoderBase):
         pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out.get("encoder_padding_mask", [])) else None
         return encoder_out["encoder_out"][0], pad
 
-    def incremental_decoder(self, rows: int, beam: int, workspace: Workspace, graphs=None) -> IncrementalDecoder:
-        """A batch's IncrementalDecoder on this decoder (its `start` makes the layers' caches): rows = sentences x
-        beam, every buffer taken from `workspace` (by name: a workspace kept across batches hands the same
-        addresses to batches of the same shapes), the kernels of --rfa-decode-kernel for the weights' device and
-        dtype, `graphs` the CUDA graphs its steps replay (None: eager)."""
+    def decoding_runtime(self) -> DecodingRuntime:
+        """The runtime every batch decodes on: the kernels of --rfa-decode-kernel / --rfa-decode-precision for the
+        weights' device and dtype, the layers' records, the native program. Built once and again only when a
+        parameter or buffer changes (or after training, which updates them through .data)."""
         self._check_can_decode()
         weight = self.embed_tokens.weight
-        kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision)
-        if self._logged_kernels != kernels.name:  # once per decoder (and when the choice changes)
-            self._logged_kernels = kernels.name
-            logger.info(f"rfa_fairseq: decoding step kernels: {kernels.name}; linear layers: {kernels.gemm}")
-        return IncrementalDecoder(self, kernels, workspace, rows, beam, graphs=graphs)
+        options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
+        key = (options, weights_key(self))
+        if self._decoding.runtime is None or self._decoding.key != key:
+            kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
+                                   native_step.unsupported(self))
+            if self._logged_kernels != (kernels.name, kernels.gemm):  # once per decoder (and when the choice changes)
+                self._logged_kernels = (kernels.name, kernels.gemm)
+                logger.info(f"rfa_fairseq: decoding step: {'native' if kernels.native else 'torch'} "
+                            f"({kernels.name}); linear layers: {kernels.gemm}")
+            self._decoding.set_runtime(key, DecodingRuntime(self, kernels))
+        return self._decoding.runtime
 
     @torch.no_grad()
     def step_positions(self, length: int) -> Optional[Tensor]:
@@ -373,60 +389,10 @@ class RFATransformerDecoder(TransformerDecoderBase):
         tokens = torch.full((1, length), self.dictionary.eos(), dtype=torch.long, device=self.embed_tokens.weight.device)
         return self.embed_positions(tokens)[0]
 
-    def _return_workspace(self, workspace: Workspace, trainings: int) -> None:
-        if trainings != self._trainings:
-            workspace.forget_packed()
-        self._workspace = workspace
-
-    def _beam_of(self, enc, pad, rows: int) -> int:
-        """fairseq's beam search feeds each sentence `beam` times in a row; keep K/V once per sentence when
-        the rows say so (a mismatch, e.g. a caller that does not lay out beams, keeps one per row)."""
-        beam = self.beam_size
-        if enc is None or beam <= 1 or rows % beam:
-            return 1
-        grouped = enc.view(enc.size(0), -1, beam, enc.size(2))
-        if not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
-            return 1
-        if pad is not None:
-            pad_groups = pad.view(-1, beam, pad.size(1))
-            if not torch.equal(pad_groups, pad_groups[:, :1].expand_as(pad_groups)):
-                return 1
-        return beam
-
-    def step_layers(self, decoder: IncrementalDecoder, tokens: Tensor, positions: Optional[Tensor],
-                    need_weights: bool = True, padded_inputs: bool = True):
-        """Embeddings, the layers' steps, the logits into the workspace: tokens (R,), positions (R, C), (1, C) or
-        None -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S) (need_weights) or None.
-        padded_inputs=False: no token is padding (a beam search never feeds pad), so no key is masked.
-        Reads the decoder's pending beam order, reads and writes only its buffers and launches no host
-        synchronization: a CUDA graph can capture it (IncrementalDecoder.compute)."""
-        R, C, kernels = tokens.size(0), self.embed_dim, decoder.kernels
-        x = torch.index_select(self.embed_tokens.weight, 0, tokens, out=decoder.buffer("x", R, C))
-        if self.embed_scale != 1.0:
-            x.mul_(self.embed_scale)
-        if positions is not None:
-            x.add_(positions)
-        if self.layernorm_embedding is not None:
-            norm = self.layernorm_embedding
-            x = kernels.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps, x)
-        key_pad = None
-        if padded_inputs:
-            key_pad = torch.eq(tokens, self.padding_idx, out=decoder.buffer("key_pad", R, dtype=torch.bool))
-        attn = None  # fairseq returns the last layer's head-averaged cross-attention weights
-        for i, (layer, cache) in enumerate(zip(self.layers, decoder.layers)):
-            x, weights = layer.step(x, cache, decoder, key_pad, need_weights=need_weights and i == len(self.layers) - 1)
-            attn = weights if weights is not None else attn
-        if self.layer_norm is not None:
-            x = kernels.add_layer_norm(x, None, self.layer_norm.weight, self.layer_norm.bias, self.layer_norm.eps, x)
-        out = self.output_projection
-        logits = kernels.linear(x, decoder.packed_linear("output_projection", out),
-                                decoder.buffer("logits", R, out.weight.size(0), returned=True))
-        return logits, attn
-
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
-        decoder = incremental_state.get(IncrementalDecoder.KEY)
-        if decoder is not None:
-            decoder.reorder(new_order)
+        state = incremental_state.get(DecodingState.KEY)
+        if state is not None:
+            state.reorder(new_order)
 
 
 @register_model("rfa_transformer")

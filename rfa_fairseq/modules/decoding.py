@@ -1,169 +1,174 @@
-"""A batch's incremental decoding: `IncrementalDecoder`, the one object a beam search drives (start, step,
-reorder), and the caches that each layer's attention owns.
+"""Incremental decoding: the runtime built once per weights, and one batch's state.
 
-Every tensor of an RFA decoding step keeps its shape for the whole batch: the causal state never grows and
-the cross-attention reads a source K/V (or an RFA state) fixed per sentence. So at a batch's start each decoder
-layer makes its cache (`start_step`: its attentions make theirs) and every later step (`step`) runs in place from
-them:
+Every tensor of an RFA decoding step keeps its shape for the whole batch: the causal state never grows and the
+cross-attention reads a source K/V (or an RFA state) fixed per sentence. So decoding is two objects:
 
-- a causal layer's `CausalCache`: two fp32 state buffers (rows, H, F, d + 1) used in turn: a step reads one
-  (through the pending beam order, so a reorder costs no pass of its own) and writes the other;
-- a cross-attention's `SentenceCache`: K and V (or the RFA state) once per source sentence, shared by its
-  beams; when sentences finish, the kept ones are compacted (rows shrink, nothing grows);
-- activations and logits in a workspace that outlives the batch (the decoder keeps it for the next one), so
-  steady-state decoding allocates no large tensor; the caches' buffers come from it too;
-- the linear layers' weights as the kernels want them (oneDNN's packed layout on the CPU), in the same
-  workspace: packed at the first batch and again only when a parameter they derive from changes.
+- `DecodingRuntime`, built once per (weights, kernels, device, dtype) by RFATransformerDecoder.decoding_runtime():
+  the kernel set (ops.step_kernels) and one record per decoder layer (`DecoderLayerRecord`: its linear layers
+  packed for the kernels, its norms, its attentions' records), with the embedding and output records. On the CPU
+  in fp32 (and int8) it also holds the native program: the same step compiled ahead of time in C++
+  (ops/csrc/decode_program.cpp), built from the same records.
+- `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives: its rows,
+  which source sentence each row reads (`RowSources`), the pending beam order, and one cache per layer that owns
+  its buffers (`LayerCache`: the causal attention's `CausalCache`, two fp32 state buffers (rows, H, F, d + 1) used
+  in turn; the cross-attention's `SentenceCache`, K and V or the RFA state once per source sentence). A state kept
+  across batches (the static beam search, fairseq's generator through the decoder) reuses its buffers, so a batch
+  of a shape seen before runs on the same addresses (and CUDA graphs).
 
-fairseq's incremental_state holds one reference to the batch's IncrementalDecoder and nothing else.
+The step is one function in two implementations: the records' `step` methods in torch (the reference, CUDA, bf16)
+and the native program (the CPU), chosen once by the kernel set. On CUDA the step is captured as a CUDA graph and
+replayed (`StepGraphs`).
 
-On CUDA the SequenceGenerator path captures a step as a CUDA graph and replays it (`StepGraphs`): its inputs
-(the last tokens, their position embeddings and the pending beam order) are copied into fixed buffers first,
-so the same kernels run on the same addresses each step with one launch; the beam reorder happens inside the
-graph. The static beam search captures its whole step instead (generation/static_beam_search.py), this
-object's `compute` inside it.
-
-`follow_rows` is the one account of which rows are copies of which: the decoder's sentences and the
-encoder's reorder_encoder_out both follow beam search's reorders with it.
+fairseq's incremental_state holds one reference to the batch's DecodingState and nothing else.
 """
 import math
-import weakref
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import torch_internals
+from . import native_step
 
 
-class Workspace:
-    """Named flat buffers, grown on demand and reused between steps and batches."""
+# ---------------------------------------------------------------- which row reads which sentence
+
+
+class RowSources:
+    """The one account of which rows are copies of which: `source[i]` is the source sentence row i reads. Beam search
+    copies every sentence `beam` times and then reorders rows; the encoder output (RFATransformerEncoder's
+    reorder_encoder_out) and the decoding state follow its reorders with `follow`."""
+
+    def __init__(self, source: Tensor):
+        self.source = source
+
+    @classmethod
+    def identity(cls, rows: int, device) -> "RowSources":
+        return cls(torch.arange(rows, device=device))
+
+    @classmethod
+    def beams(cls, sentences: int, beam: int, device) -> "RowSources":
+        """Rows n * beam .. n * beam + beam - 1 read sentence n."""
+        return cls(torch.arange(sentences, device=device).repeat_interleave(beam))
+
+    def follow(self, new_order: Tensor) -> Optional["RowSources"]:
+        """Row i continues row new_order[i]: the new account, or None when nothing changes (every row keeps a copy of
+        the same source: beam search's reorders within a sentence's beams)."""
+        moved = self.source.index_select(0, new_order)
+        return None if moved.numel() == self.source.numel() and torch.equal(moved, self.source) else RowSources(moved)
+
+    def beam_layout(self, beam: int) -> Optional[Tensor]:
+        """The sentences (n,) when rows n * beam .. n * beam + beam - 1 all read one sentence, else None."""
+        rows = self.source.numel()
+        if beam < 1 or rows % beam:
+            return None
+        groups = self.source.view(-1, beam)
+        return groups[:, 0] if beam == 1 or bool((groups == groups[:, :1]).all()) else None
+
+
+# ---------------------------------------------------------------- linear layers packed once
+
+
+class PackedLinears:
+    """Linear layers packed for a kernel set (oneDNN's blocked layout, int8 codes), kept while the kernels and the
+    parameters they derive from stay the same tensors, unmodified: an in-place update bumps a parameter's version
+    and the layer is packed again. Updates through `.data` (fairseq's optimizers) do not: `clear` drops them all,
+    and modules call it from `train()`. A cache: copies and pickles of a model start with an empty one (oneDNN's
+    packed tensors cannot be copied)."""
 
     def __init__(self):
-        self.buffers: Dict[str, Tensor] = {}
-        self.packed: Dict[str, tuple] = {}  # name -> (key of the parameters and kernels, packed weight)
+        self._packed: Dict[str, tuple] = {}
         self.kernels = None  # (where, kernels) for a module that picks its kernels once (SoftmaxEncoderLayer)
-        # bumped whenever a buffer or a packed weight is (re)allocated: a CUDA graph captured over this workspace
-        # is valid while it stays the same (the addresses it captured are still the buffers')
-        self.generation = 0
 
-    # a cache: copies and pickles of a model start with an empty one (oneDNN's packed tensors cannot be copied,
-    # nor can the kernels' C++ module)
     def __deepcopy__(self, memo):
-        return Workspace()
+        return PackedLinears()
 
     def __reduce__(self):
-        return (Workspace, ())
+        return (PackedLinears, ())
 
-    def take(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
-             returned: bool = False) -> Tensor:
-        """A (shape) view of buffer `name`. returned=True for what a step hands to its caller (logits,
-        log-probabilities): two buffers are used in turn (beam search still holds the last step's
-        log-probabilities while it asks for the next), and one that a caller still views is never
-        overwritten: a new buffer replaces it."""
-        numel = math.prod(shape)
-        names = (name + ".0", name + ".1") if returned else (name,)
-        target = names[0]  # where a new buffer goes when none can be used
-        for key in names:
-            buf = self.buffers.get(key)
-            if returned and buf is not None and _viewed_elsewhere(buf):
-                continue
-            if buf is not None and buf.numel() >= numel and buf.dtype == dtype and buf.device == device:
-                return buf[:numel].view(shape)
-            target = key
-            break
-        buf = self.buffers[target] = torch.empty(max(numel, 1), dtype=dtype, device=device)
-        self.generation += 1
-        return buf[:numel].view(shape)
+    def clear(self) -> None:
+        self._packed.clear()
 
-    def tensors(self) -> List[Tensor]:
-        return list(self.buffers.values())
-
-    def packed_linear(self, name: str, kernels, sources: Sequence[Tensor],
-                      build: Callable[[], Tuple[Tensor, Optional[Tensor]]]):
-        """kernels.pack_linear(*build()) for the linear layer `name`, reused while the kernels and every
-        parameter in `sources` (what build reads) stay the same tensors, unmodified (an in-place update bumps their
-        version, and the layer is packed again; updates through `.data` do not: see forget_packed)."""
-        key = (kernels.name, kernels.gemm, tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in sources))
-        cached = self.packed.get(name)
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = self.packed[name] = (key, kernels.pack_linear(*build()))
-            self.generation += 1
-        return cached[1]
-
-    def forget_packed(self) -> None:
-        """Drop the packed weights (packed again at their next use). For what the key above cannot see: fairseq's
-        optimizers update parameters through `.data`, which leaves their version counters alone."""
-        self.packed.clear()
-        self.generation += 1
-
-    def packed_linears(self, name: str, kernels, linears: Sequence[torch.nn.Linear]):
-        """packed_linear of nn.Linear layers that read the same input, as one product (their outputs side
-        by side: q, k, v or k, v); their biases all present or all absent."""
-        if len(linears) == 1:
-            weight, bias = linears[0].weight, linears[0].bias
-            return self.packed_linear(name, kernels, [p for p in (weight, bias) if p is not None], lambda: (weight, bias))
+    def get(self, name: str, kernels, linears: Sequence[torch.nn.Linear]):
+        """The nn.Linear layers `linears` (reading the same input) as one packed product, their outputs side by side
+        (q, k, v or k, v); their biases all present or all absent."""
         biased = [m.bias is not None for m in linears]
         if any(biased) != all(biased):
             raise ValueError(f"{name}: linear layers packed as one need all or none of their biases")
-
-        def build():
-            bias = torch.cat([m.bias for m in linears]) if all(biased) else None
-            return torch.cat([m.weight for m in linears]), bias
-
-        return self.packed_linear(name, kernels, [p for m in linears for p in (m.weight, m.bias) if p is not None], build)
-
-
-class HeldWorkspaces:
-    """The workspaces a module handed to callers that keep them across batches (weakly: a generator that is gone
-    holds none). A cache, as a workspace is: copies and pickles of a model start with none."""
-
-    def __init__(self):
-        self._held = weakref.WeakSet()
-
-    def add(self, workspace: Workspace) -> Workspace:
-        self._held.add(workspace)
-        return workspace
-
-    def __iter__(self):
-        return iter(list(self._held))
-
-    def __deepcopy__(self, memo):
-        return HeldWorkspaces()
-
-    def __reduce__(self):
-        return (HeldWorkspaces, ())
+        sources = [p for m in linears for p in (m.weight, m.bias) if p is not None]
+        key = (kernels.name, kernels.gemm, tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in sources))
+        cached = self._packed.get(name)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+                bias = (torch.cat([m.bias for m in linears]) if len(linears) > 1 else linears[0].bias) if all(biased) else None
+                cached = self._packed[name] = (key, kernels.pack_linear(weight, bias))
+        return cached[1]
 
 
-def _viewed_elsewhere(buf: Tensor) -> bool:
-    """Whether any tensor besides `buf` shares its storage (a view handed out and still alive). Without
-    the storage's use count (a torch internal), every handed-out buffer counts as still viewed."""
-    use_count = torch_internals.storage_use_count(buf)
-    return use_count is None or use_count > 1  # buf itself
+def weights_key(module: torch.nn.Module) -> tuple:
+    """What a runtime built from `module`'s parameters and buffers depends on: each tensor's identity, storage and
+    version (an in-place update bumps it; `.data` updates do not: the decoder drops its runtime in `train()`)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in tensors)
 
 
-def follow_rows(source: Tensor, new_order: Tensor) -> Optional[Tensor]:
-    """Beam search's reorder of a row -> source map (source[i]: what row i is a copy of): source[new_order],
-    or None when it changes nothing (every row keeps a copy of the same source: within-beam reorders)."""
-    moved = source.index_select(0, new_order)
-    return None if moved.numel() == source.numel() and torch.equal(moved, source) else moved
+@dataclass
+class NormRecord:
+    """A LayerNorm's parameters: the step applies it with kernels.add_layer_norm."""
+
+    weight: Tensor
+    bias: Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, norm) -> Optional["NormRecord"]:
+        return None if norm is None else cls(norm.weight.detach(), norm.bias.detach(), float(norm.eps))
+
+    def __call__(self, kernels, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+        return kernels.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+# ---------------------------------------------------------------- the caches, each owning its buffers
+
+
+def reuse_or_allocate(buffer: Optional[Tensor], shape: Tuple[int, ...], dtype, device) -> Tuple[Tensor, bool]:
+    """A contiguous (shape) tensor at the start of `buffer`'s storage when that is large enough and of this dtype and
+    device (a batch of a shape seen before gets the same addresses), else a new tensor.
+    -> (the tensor, whether a new one was allocated)."""
+    numel = math.prod(shape)
+    if buffer is not None and buffer.dtype == dtype and buffer.device == device:
+        storage = buffer.untyped_storage()
+        if storage.nbytes() >= max(numel, 1) * buffer.element_size():
+            return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape), False
+    return torch.empty(max(numel, 1), dtype=dtype, device=device)[:numel].view(shape), True
 
 
 class CausalCache:
-    """A causal RFA layer's cache: its input projection [q | k | v | gate logits] (q_width: H * D or C) and output
-    projection packed for the kernels, and two fp32 state buffers (>= rows, H, F, d + 1) used in turn: a step reads
-    `states[0]` (through the pending beam order) and writes `states[1]`, and `swap` turns them after it."""
+    """A causal RFA layer's cache: two fp32 state buffers (>= rows, H, F, d + 1) used in turn (the decoding state's
+    parity names the one a step reads; it writes the other)."""
 
-    def __init__(self, proj, q_width: int, out_proj, states: List[Tensor]):
-        self.proj, self.q_width, self.out_proj, self.states = proj, q_width, out_proj, states
+    def __init__(self):
+        self.states: List[Tensor] = []
 
-    def swap(self) -> None:
-        self.states.reverse()
+    def allocate(self, rows: int, heads: int, features: int, head_dim: int, device) -> bool:
+        """States for `rows` rows, reusing the buffers when large enough. -> whether any buffer is new."""
+        shape, new = (rows, heads, features, head_dim + 1), False
+        states = []
+        for j in range(2):
+            state, allocated = reuse_or_allocate(self.states[j] if len(self.states) > j else None, shape,
+                                                 torch.float32, device)
+            states.append(state)
+            new |= allocated
+        self.states = states
+        return new
 
-    def keep_rows(self, row_sources: Tensor) -> None:
-        """Row i' of the state read next becomes row row_sources[i'] of it (in place, from the first row)."""
-        self.states[0][: row_sources.numel()].copy_(self.states[0].index_select(0, row_sources))
+    def keep_rows(self, row_sources: Tensor, read: int) -> None:
+        """Row i' of the state read next becomes its row row_sources[i'] (in place, from the first row)."""
+        state = self.states[read]
+        state[: row_sources.numel()].copy_(state.index_select(0, row_sources))
 
     def tensors(self, rows: int) -> List[Tensor]:
         return [t[:rows] for t in self.states]
@@ -171,7 +176,7 @@ class CausalCache:
 
 class SentenceCache:
     """A cross-attention's cache: tensors kept once per source sentence (the fields named in SENTENCE_TENSORS,
-    shared by the sentence's beams) and its projections packed for the kernels."""
+    shared by the sentence's beams)."""
 
     SENTENCE_TENSORS: Tuple[str, ...] = ()
 
@@ -203,39 +208,139 @@ class SentenceCache:
                 setattr(self, name, value.view(-1)[: moved.numel()].view(moved.shape).copy_(moved))
 
 
-class IncrementalDecoder:
-    """One batch's incremental decoding on a decoder (RFATransformerDecoder): `start` makes the layers' caches
-    from the encoder output, `step` decodes one token per row (eagerly or as a CUDA graph's replay), `reorder`
-    follows beam search. `compute` and `step_done` are a step's two halves for a caller that captures the
-    step itself (the static beam search): the device work, and what the host does after it.
+@dataclass
+class LayerCache:
+    """A decoder layer's cache: its causal attention's and its cross-attention's (None without a source)."""
+
+    self_attn: CausalCache
+    cross: Optional[SentenceCache]
+
+
+# ---------------------------------------------------------------- the runtime
+
+
+class DecodingRuntime:
+    """What every batch's decoding reads, built once per (weights, kernels, device, dtype): the kernel set, the
+    embedding and output records, one record per decoder layer, and on the CPU the native program built from them
+    (None where the kernel set runs the torch step)."""
+
+    def __init__(self, decoder, kernels):
+        weight = decoder.embed_tokens.weight
+        self.kernels = kernels
+        self.device, self.dtype = weight.device, weight.dtype
+        self.embed = weight.detach()
+        self.embed_scale = float(decoder.embed_scale)
+        self.embed_norm = NormRecord.of(decoder.layernorm_embedding)
+        self.padding_idx = decoder.padding_idx
+        self.layers = [layer.decoding_record(kernels) for layer in decoder.layers]
+        self.final_norm = NormRecord.of(decoder.layer_norm)
+        out = decoder.output_projection
+        self.vocab_size = out.weight.size(0)
+        self.output = kernels.pack_linear(out.weight.detach(), None if out.bias is None else out.bias.detach())
+        self.program = native_step.build_program(self) if kernels.native else None
+
+    def embed_step(self, tokens: Tensor, positions: Optional[Tensor]) -> Tensor:
+        """(R,) tokens and (R, C) / (1, C) position embeddings or None -> the first layer's input (R, C)."""
+        x = torch.index_select(self.embed, 0, tokens)
+        if self.embed_scale != 1.0:
+            x.mul_(self.embed_scale)
+        if positions is not None:
+            x.add_(positions)
+        return x if self.embed_norm is None else self.embed_norm(self.kernels, x)
+
+
+class DecodingCache:
+    """What a decoder keeps between batches: its runtime (with the key it was built for) and the last batch's
+    state, whose buffers the next batch reuses. A cache: copies and pickles of a model start with an empty one
+    (oneDNN's packed tensors and the native program cannot be copied)."""
+
+    def __init__(self):
+        self.key, self.runtime, self.spare = None, None, None
+
+    def __deepcopy__(self, memo):
+        return DecodingCache()
+
+    def __reduce__(self):
+        return (DecodingCache, ())
+
+    def clear(self) -> None:
+        self.key, self.runtime, self.spare = None, None, None
+
+    def set_runtime(self, key, runtime: "DecodingRuntime") -> None:
+        self.key, self.runtime, self.spare = key, runtime, None
+
+    def take_spare(self) -> Optional["DecodingState"]:
+        spare, self.spare = self.spare, None
+        return spare
+
+    def keep_spare(self, state_dict: dict, runtime: "DecodingRuntime") -> None:
+        """A finished batch's state (its attributes: the state itself is gone) serves the next batch, unless the
+        runtime changed since (weights updated)."""
+        if self.runtime is runtime and self.spare is None:
+            spare = DecodingState()
+            spare.__dict__.update(state_dict)
+            self.spare = spare
+
+
+# ---------------------------------------------------------------- one batch
+
+
+_EMPTY = torch.empty(0)  # the native program's "absent"
+
+
+class DecodingState:
+    """One batch's incremental decoding on a runtime: `start` makes (or reuses) the layers' caches from the encoder
+    output, `step` decodes one token per row, `reorder` follows beam search. `compute` and `step_done` are a step's
+    two halves for a caller that runs the step itself (the static beam search: captured in its graph, or its native
+    whole step): the device work, and what the host does after it.
 
     rows: the batch's rows (beam search: sentences x beam). beam, sentences: rows n * beam .. n * beam + beam - 1
     read source sentence n (beam 1 once a reorder breaks that layout). order: the pending beam order, applied by
-    the next step. layers: each decoder layer's cache.
+    the next step. parity: the causal state buffer the next step reads. threads: the OpenMP threads of a native
+    step (0: the caller's torch threads; 1 for a thread that decodes its own part of a batch).
     """
 
-    KEY = "rfa_incremental_decoder"  # its entry in fairseq's incremental_state
+    KEY = "rfa_decoding_state"  # its entry in fairseq's incremental_state
     NO_HOST_READS_ON = ("cuda",)  # device types whose reorders read nothing back (a read waits for the device)
 
-    def __init__(self, decoder, kernels, workspace: Workspace, rows: int, beam: int,
-                 graphs: Optional["StepGraphs"] = None):
-        weight = decoder.embed_tokens.weight
-        self.decoder, self.kernels, self.workspace = decoder, kernels, workspace
-        self.rows, self.beam, self.sentences = rows, beam, rows // beam
-        self.device, self.dtype = weight.device, weight.dtype
+    def __init__(self, graphs: Optional["StepGraphs"] = None, threads: int = 0):
+        self.graphs = graphs  # CUDA graphs of the steps (None: every step runs as it is)
+        self.threads = threads
+        self.runtime: Optional[DecodingRuntime] = None
+        self.layers: List[LayerCache] = []
+        self.rows = self.beam = self.sentences = 0
+        self.rows_map: Optional[RowSources] = None
         self.order: Optional[Tensor] = None
         self.order_buffer: Optional[Tensor] = None  # use_order_buffer's
-        self.first = True
-        self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(beam)
-        self.layers: list = []
-        self.graphs = graphs  # CUDA graphs of the steps (None: every step runs eagerly)
+        self.parity, self.first = 0, True
+        self.generation = 0  # bumped whenever a buffer is (re)allocated: a captured graph is stale then
+        self._inputs: Dict[str, Tensor] = {}  # the graphs' fixed input buffers (tokens, positions, order)
+        self._native = None  # the native program's view of this batch's buffers (NativeBatch), made on demand
 
-    def start(self, key: Optional[Tensor], key_padding_mask: Optional[Tensor], source_len: Optional[int] = None):
-        """The layers' caches: key (S, sentences, C) the encoder output once per sentence (or None), its padding
-        (sentences, S) or None. source_len >= S pads the cross-attention's K/V to that length (masked), so that
-        batches of nearby source lengths share shapes. -> self"""
-        self.layers = [layer.start_step(self, i, key, key_padding_mask, source_len)
-                       for i, layer in enumerate(self.decoder.layers)]
+    @property
+    def kernels(self):
+        return self.runtime.kernels
+
+    def start(self, runtime: DecodingRuntime, rows: int, beam: int, key: Optional[Tensor],
+              key_padding_mask: Optional[Tensor], source_len: Optional[int] = None) -> "DecodingState":
+        """A batch of `rows` rows, `beam` per sentence, on `runtime`: key (S, sentences, C) the encoder output once
+        per sentence (or None), its padding (sentences, S) or None. source_len >= S pads the cross-attention's K/V
+        to that length (masked), so that batches of nearby source lengths share shapes. -> self"""
+        if self.runtime is not runtime:
+            self.layers, self.runtime = [], runtime
+            self.generation += 1
+        self.rows, self.beam, self.sentences = rows, beam, rows // beam
+        self.rows_map = RowSources.beams(self.sentences, beam, runtime.device)
+        caches = []
+        for i, record in enumerate(runtime.layers):
+            previous = self.layers[i] if i < len(self.layers) else None
+            cache, allocated = record.start(previous, rows, key, key_padding_mask, source_len, runtime)
+            caches.append(cache)
+            self.generation += int(allocated)
+        self.layers = caches
+        self.order = self.order_buffer = None
+        self.parity, self.first = 0, True
+        self._native = None
         return self
 
     def use_order_buffer(self, order: Tensor) -> None:
@@ -245,8 +350,8 @@ class IncrementalDecoder:
     # ------------------------------------------------------------ a step
 
     def step(self, tokens: Tensor, positions: Optional[Tensor]):
-        """One step of every row: tokens (R,) the last tokens, positions (R, C) or None -> logits (R, V) in a
-        buffer no caller views, the last layer's head-averaged cross-attention weights (R, S) or None."""
+        """One step of every row: tokens (R,) the last tokens, positions (R, C) or None -> logits (R, V) that no
+        later step overwrites, the last layer's head-averaged cross-attention weights (R, S) or None."""
         R = tokens.size(0)
         if R != self.rows:
             raise RuntimeError(f"RFA decoding: {R} rows for a state of {self.rows} (reorder missing?)")
@@ -254,48 +359,80 @@ class IncrementalDecoder:
             logits, attn = self.compute(tokens, positions)
         else:
             # a graph reads its inputs from fixed buffers, the beam order included (identity when none is pending)
-            tokens = self.buffer("step.tokens", R, dtype=torch.long).copy_(tokens)
+            tokens = self._input("tokens", tokens.shape, torch.long).copy_(tokens)
             if positions is not None:
-                positions = self.buffer("step.positions", *positions.shape).copy_(positions)
-            order = self.buffer("step.order", R, dtype=torch.long)
+                positions = self._input("positions", positions.shape, positions.dtype).copy_(positions)
+            order = self._input("order", (R,), torch.long)
             if self.order is not None:
                 order.copy_(self.order)
             else:
                 torch.arange(R, out=order)
             self.order = order
-            shape, key = self.graph_key()
-            replayed, attn = self.graphs.run(key, shape, lambda: self.compute(tokens, positions))
-            # a graph writes the same logits buffer at every replay, and a caller may still hold the last step's:
-            # handed out as the eager step hands them out, in a buffer no caller views
-            logits = self.buffer("logits.replayed", *replayed.shape, returned=True).copy_(replayed)
+            shape = (self.rows, self.beam, self.sentences)
+            replayed, attn = self.graphs.run(shape + (self.generation, self.parity), shape,
+                                             lambda: self.compute(tokens, positions))
+            logits = replayed.clone()  # a graph writes the same buffer at every replay; a caller may hold this one
         self.step_done()
         return logits, attn
 
     def compute(self, tokens: Tensor, positions: Optional[Tensor], need_weights: bool = True,
                 padded_inputs: bool = True):
-        """The step's device work (the decoder's step_layers): reads and writes only this batch's buffers and
-        reads nothing back to the host, so a CUDA graph can capture it."""
-        return self.decoder.step_layers(self, tokens, positions, need_weights=need_weights, padded_inputs=padded_inputs)
+        """The step's device work -> logits (R, V), the last layer's head-averaged cross-attention weights (R, S)
+        (need_weights, softmax cross-attention) or None. padded_inputs=False: no token is padding (a beam search
+        never feeds pad), so no key is masked. Reads and writes only this batch's buffers and reads nothing back to
+        the host: a CUDA graph can capture it."""
+        runtime = self.runtime
+        if runtime.program is not None:
+            return self._compute_native(tokens, positions, need_weights, padded_inputs)
+        kernels = runtime.kernels
+        x = runtime.embed_step(tokens, positions)
+        key_pad = torch.eq(tokens, runtime.padding_idx) if padded_inputs else None
+        order = None if self.first else self.order
+        attn = None
+        for i, (record, cache) in enumerate(zip(runtime.layers, self.layers)):
+            last = i == len(self.layers) - 1
+            x, weights = record.step(kernels, x, cache, self, order, key_pad, need_weights and last)
+            attn = weights if weights is not None else attn
+        if runtime.final_norm is not None:
+            x = runtime.final_norm(kernels, x)
+        return kernels.linear(x, runtime.output), attn
+
+    def _compute_native(self, tokens, positions, need_weights, padded_inputs):
+        weights = None
+        last = self.runtime.layers[-1] if self.runtime.layers else None
+        if need_weights and last is not None and self.layers[-1].cross is not None and last.cross.has_weights:
+            weights = torch.empty(tokens.size(0), self.layers[-1].cross.key.size(2), device=tokens.device)
+        logits = self.runtime.program.decode(
+            self.native_batch(), tokens, _EMPTY if positions is None else positions,
+            _EMPTY if self.first or self.order is None else self.order, self.parity, self.first, padded_inputs,
+            _EMPTY if weights is None else weights, self.threads)
+        return logits, weights
+
+    def native_batch(self):
+        """The native program's view of this batch's buffers (the caches' own tensors), made again after a
+        change of tensors."""
+        if self._native is None:
+            self._native = native_step.native_batch(self.runtime.kernels.ext, self.layers, self.beam)
+        return self._native
 
     def step_done(self) -> None:
         """What the host does after a step (a replayed graph runs no Python): the causal states turn."""
-        for layer in self.layers:
-            layer.self_attn.swap()
+        self.parity ^= 1
         self.order, self.first = self.order_buffer, False
 
-    def graph_key(self) -> Tuple[tuple, tuple]:
-        """(shape, key) of this step's CUDA graph (StepGraphs.run): the rows and their layout, and with them the
-        causal state buffer the step reads (each shape has a graph per buffer)."""
-        shape = (self.rows, self.beam, self.sentences)
-        state_in = self.layers[0].self_attn.states[0].data_ptr() if self.layers else 0
-        return shape, shape + (state_in,)
+    def _input(self, name: str, shape, dtype) -> Tensor:
+        buffer, allocated = reuse_or_allocate(self._inputs.get(name), tuple(shape), dtype, self.runtime.device)
+        if allocated:
+            self._inputs[name] = buffer
+            self.generation += 1
+        return buffer
 
     # ------------------------------------------------------------ beam search
 
     def reorder(self, new_order: Tensor) -> None:
         """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).
         The causal states apply it in the next step; K/V move only when rows read another sentence."""
-        new_order = new_order.to(self.device)
+        new_order = new_order.to(self.runtime.device)
         self.order = new_order if self.order is None else self.order.index_select(0, new_order)
         unchanged_rows, self.rows = self.rows == new_order.numel(), new_order.numel()
         if not unchanged_rows and self.graphs is not None:
@@ -307,21 +444,21 @@ class IncrementalDecoder:
             # attention does.
             if unchanged_rows and self.beam > 1:
                 return
-            kept = self.sentence_of_row.index_select(0, new_order).view(-1, self.beam)[:, 0]
+            kept = self.rows_map.source.index_select(0, new_order).view(-1, self.beam)[:, 0]
         else:
-            sentence = follow_rows(self.sentence_of_row, new_order)
-            if sentence is None:
+            followed = self.rows_map.follow(new_order)
+            if followed is None:
                 return
-            groups = sentence.view(-1, self.beam) if self.beam > 1 and self.rows % self.beam == 0 else None
-            if groups is not None and bool((groups == groups[:, :1]).all()):
-                kept = groups[:, 0]
-            else:  # rows of one sentence went apart: keep K/V once per row from now on
-                kept, self.beam = sentence, 1
+            kept = followed.beam_layout(self.beam) if self.beam > 1 else None
+            if kept is None:  # rows of one sentence went apart (or beam 1): keep K/V once per row from now on
+                kept, self.beam = followed.source, 1
         resized = any([layer.cross.select_sentences(kept) for layer in self.layers if layer.cross is not None])
-        if resized and self.graphs is not None:
-            self.graphs.clear()
+        if resized:
+            self._native = None
+            if self.graphs is not None:
+                self.graphs.clear()
         self.sentences = kept.numel()
-        self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
+        self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
 
     def keep_sentences(self, kept: Tensor, row_sources: Tensor) -> None:
         """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
@@ -330,23 +467,12 @@ class IncrementalDecoder:
         next (the order is applied here: it is the identity afterwards); per-sentence tensors keep their kept
         sentences."""
         for layer in self.layers:
-            layer.self_attn.keep_rows(row_sources)
+            layer.self_attn.keep_rows(row_sources, self.parity)
             if layer.cross is not None:
                 layer.cross.keep_sentences(kept)
         self.rows, self.sentences = row_sources.numel(), kept.numel()
-        self.sentence_of_row = torch.arange(self.sentences, device=self.device).repeat_interleave(self.beam)
-
-    # ------------------------------------------------------------ buffers
-
-    def buffer(self, name: str, *shape: int, dtype=None, returned: bool = False) -> Tensor:
-        return self.workspace.take(name, shape, dtype or self.dtype, self.device, returned=returned)
-
-    def packed_linear(self, name: str, *linears, sources: Sequence[Tensor] = (), build=None):
-        """The nn.Linear layers `linears` as one product (Workspace.packed_linears), or the (weight, bias)
-        that build() derives from `sources` (Workspace.packed_linear), packed for the kernels."""
-        if linears:
-            return self.workspace.packed_linears(name, self.kernels, linears)
-        return self.workspace.packed_linear(name, self.kernels, sources, build)
+        self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
+        self._native = None
 
     def attention_tensors(self) -> List[Tensor]:
         """The attention state proper: every causal layer's state buffers (the batch's rows) and the
@@ -354,61 +480,29 @@ class IncrementalDecoder:
         causal = [t for layer in self.layers for t in layer.self_attn.tensors(self.rows)]
         return causal + [t for layer in self.layers if layer.cross is not None for t in layer.cross.tensors()]
 
-    def tensors(self) -> List[Tensor]:
-        """Every tensor the batch keeps between steps: K/V and the workspace (the causal states are in it)."""
-        cross = [t for layer in self.layers if layer.cross is not None for t in layer.cross.tensors()]
-        return cross + self.workspace.tensors()
+
+# ---------------------------------------------------------------- CUDA graphs
 
 
 def step_graphs_for(device, enabled: bool) -> Optional["StepGraphs"]:
     """CUDA graphs for a batch's steps on `device`: on CUDA when enabled (--rfa-cuda-graphs), else None."""
     if torch.device(device).type != "cuda" or not enabled:
         return None
-    return StepGraphs(torch.device(device))
+    return StepGraphs(CUDAGraphBackend(torch.device(device)))
 
 
-class StepGraphs:
-    """The decoding step captured as CUDA graphs and replayed.
-
-    A step launches some 15 kernels per layer, each a few microseconds of work at decoding's batch sizes: on a
-    GPU the launches, not the arithmetic, set the step's time. Captured once, a step is one graph launch.
-    A graph fixes every address it reads and writes, so one is kept per (rows, state buffer read): the causal
-    states alternate between two buffers, hence two graphs per batch shape, replayed in turn. The inputs that
-    change each step go through fixed buffers (the decoder copies them there); the kernels read no value back
-    to the host, so a step captures whole. A shape's first step runs eagerly (it warms the kernels for that
-    shape and is all a shape seen once needs), its next steps are captured and replayed. `clear` drops the
-    graphs when the rows change (sentences left: new shapes, compacted K/V).
-    """
+class CUDAGraphBackend:
+    """Captures a step as a CUDA graph (`capture(step) -> (graph, outputs)`) and replays it (`replay(graph)`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.graphs: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph, the step's outputs)
-        self.seen: set = set()  # shapes that ran eagerly once
-        self.pool = None  # one memory pool for the batch's graphs
+        self.pool = None  # one memory pool for a batch's graphs
         self.stream = None  # the side stream captures run on
-        self.captures = self.replays = 0
 
-    def clear(self) -> None:
-        self.graphs.clear()
+    def reset(self) -> None:
         self.pool = None  # a pool whose graphs are all gone cannot take another capture (torch asserts): a new one
 
-    def run(self, key: tuple, shape: tuple, step: Callable[[], object]):
-        """The step's outputs: step() itself at a shape's first step, else its graph's replay (captured now
-        if missing). key: what the graph's addresses depend on (shape and buffers); step: reads only
-        fixed buffers and writes into them."""
-        entry = self.graphs.get(key)
-        if entry is None:
-            if shape not in self.seen:
-                self.seen.add(shape)
-                return step()
-            entry = self.graphs[key] = self._capture(step)
-            self.captures += 1
-        graph, outputs = entry
-        self._replay(graph, outputs)  # a capture records without running: its first replay computes this step
-        self.replays += 1
-        return outputs
-
-    def _capture(self, step: Callable[[], object]):
+    def capture(self, step: Callable[[], object]):
         # capture_begin/end on a side stream rather than `with torch.cuda.graph(...)`, which synchronizes, runs
         # the garbage collector and empties the allocator's cache at every capture (tens of ms in fairseq-generate,
         # for a batch's few captures)
@@ -428,5 +522,53 @@ class StepGraphs:
         current.wait_stream(self.stream)
         return graph, outputs
 
-    def _replay(self, graph, outputs) -> None:
+    def replay(self, graph, outputs) -> None:
         graph.replay()
+
+
+class StepGraphs:
+    """The decoding step captured as graphs and replayed (a `CUDAGraphBackend` on CUDA).
+
+    A step launches some 15 kernels per layer, each a few microseconds of work at decoding's batch sizes: on a
+    GPU the launches, not the arithmetic, set the step's time. Captured once, a step is one graph launch.
+    A graph fixes every address it reads and writes, so one is kept per key (the rows and the state buffer read,
+    the buffers' generation): the causal states alternate between two buffers, hence two graphs per batch shape,
+    replayed in turn. The inputs that change each step go through fixed buffers; the step reads no value back to
+    the host, so it captures whole. A shape's first step runs as it is (it warms the kernels for that shape and is
+    all a shape seen once needs), its next steps are captured and replayed. `clear` drops the graphs when the rows
+    change (sentences left: new shapes, compacted K/V).
+    """
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.graphs: Dict[tuple, Tuple[object, object]] = {}  # key -> (graph, the step's outputs)
+        self.seen: set = set()  # shapes that ran once without a graph
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.backend.reset()
+
+    def run(self, key: tuple, shape: tuple, step: Callable[[], object]):
+        """The step's outputs: step() itself at a shape's first step, else its graph's replay (captured now if
+        missing). key: what the graph's addresses depend on; step: reads only fixed buffers and writes into them."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            if shape not in self.seen:
+                self.seen.add(shape)
+                return step()
+            entry = self.graphs[key] = self.backend.capture(step)
+        graph, outputs = entry
+        self.backend.replay(graph, outputs)  # a capture records without running: its first replay computes the step
+        return outputs
+
+
+# ---------------------------------------------------------------- the step's pieces shared by the records
+
+
+def feed_forward(kernels, h: Tensor, fc1, fc2, activation_fn, residual: Tensor) -> Tensor:
+    """The FFN sublayer on packed weights: fc2(activation(fc1(h))) + residual; ReLU fused into fc1."""
+    relu = activation_fn is F.relu
+    hidden = kernels.linear(h, fc1, activation="relu" if relu else None)
+    if not relu:
+        hidden = activation_fn(hidden)
+    return kernels.linear(hidden, fc2, residual=residual)

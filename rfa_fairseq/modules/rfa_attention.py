@@ -8,10 +8,12 @@ Inputs are T x B x C like fairseq's. Three roles, chosen at construction:
 Projection names (q_proj, k_proj, v_proj, out_proj) match fairseq's MultiheadAttention,
 so softmax transformer weights load into RFA layers unchanged.
 
-Incremental decoding does not go through forward: the decoder layer calls the attention's part of the
-decoding step, `start_step` at a batch's start (its cache) and `step` at every step (modules/decoding.py).
+Incremental decoding does not go through forward: the attention gives the decoding runtime its record
+(`decoding_record`: CausalRecord or RFACrossRecord, modules/decoding.py), whose `start` makes a batch's cache and
+whose `step` is its part of the torch step (the native step reads the same record).
 """
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -19,8 +21,8 @@ from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor, nn
 
 from ..config import RFAConfig
-from ..ops import causal_rfa, denominator_eps, draw_random_matrix, gate_keys, noncausal_rfa, noncausal_rfa_state, random_matrix_seed
-from .decoding import CausalCache, SentenceCache
+from ..ops import activate_learned, causal_rfa, denominator_eps, draw_random_matrix, gate_keys, noncausal_rfa, noncausal_rfa_state, random_matrix_seed
+from .decoding import CausalCache, SentenceCache, reuse_or_allocate
 from .feature_maps import LEGACY_PARAMETER_NAMES, build_feature_map
 
 # b_g starts at 2: g = sigmoid(2) = 0.88, a memory of ~8 tokens, so a fresh gated
@@ -249,28 +251,24 @@ class RFAAttention(nn.Module):
 
     # ------------------------------------------------------------ the decoding step
 
-    def start_step(self, decoder, name: str, key: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
-                   source_len: Optional[int] = None) -> Union[CausalCache, "RFACrossCache"]:
-        """A batch's start: this attention's cache, its buffers from the IncrementalDecoder `decoder`'s workspace
-        and its linear layers packed for the kernels under `name`. Causal: the fused input projection and two fp32
-        state buffers (rows, H, F, d + 1) used in turn. Cross: S = phi(K)^T [V, 1] of key (S, sentences, C), once
-        per source sentence (its size does not depend on S: source_len, softmax K/V's padded length, is moot)."""
-        out_proj = decoder.packed_linear(f"{name}.out_proj", self.out_proj)
-        if not self.causal:
-            phi_k = self.features(self.k_proj(key), self.random_matrix(), is_query=False)  # (n, H, S, F)
-            if key_padding_mask is not None:
-                phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-            sentence_states = noncausal_rfa_state(phi_k, self._heads(self.v_proj(key)))  # (n, H, F, d + 1)
-            kept = decoder.buffer(f"{name}.rfa_state", *sentence_states.shape, dtype=sentence_states.dtype)
-            return RFACrossCache(kept.copy_(sentence_states), decoder.packed_linear(f"{name}.q_proj", self.q_proj),
-                                 out_proj)
+    def decoding_record(self, kernels) -> Union["CausalRecord", "RFACrossRecord"]:
+        """What the decoding step reads of this attention, its linear layers packed for `kernels` (built once per
+        runtime): causal, one fused input projection [q | k | v | gate logits]; cross, the query and output
+        projections and what makes the per-sentence state."""
         H, d, C = self.num_heads, self.head_dim, self.embed_dim
+        map_record = FeatureMapRecord.of(self.phi, self.random_matrix())
+        out_proj = kernels.pack_linear(*_weight_and_bias(self.out_proj))
         linear = self.phi.linear_part()
         q_width = linear[0].size(1) * H if linear is not None else C  # H * D (learned linear map) or C
-        proj = decoder.packed_linear(f"{name}.proj", sources=list(self.parameters()), build=self._fused_input_projection)
-        states = [decoder.buffer(f"{name}.state{j}", decoder.rows, H, self.phi.output_dim, d + 1, dtype=torch.float32)
-                  for j in range(2)]
-        return CausalCache(proj, q_width, out_proj, states)
+        if not self.causal:
+            with torch.no_grad():  # a learned map's linear part folded into the query projection, as below
+                wq, bq = self.q_proj.weight, _bias(self.q_proj, C)
+                q_proj = kernels.pack_linear(*(_fold(*linear, wq, bq, H, d) if linear is not None else (wq, bq)))
+            return RFACrossRecord(self, q_proj, out_proj, q_width, H, d, self.eps, map_record)
+        with torch.no_grad():
+            proj = kernels.pack_linear(*self._fused_input_projection())
+        return CausalRecord(proj, out_proj, q_width, H, d, self.phi.output_dim, self.gate_proj is not None, self.eps,
+                            map_record)
 
     def _fused_input_projection(self) -> Tuple[Tensor, Tensor]:
         """Causal: one (N, C) weight and (N,) bias giving [q | k | v | gate logits] from x, where a learned
@@ -287,42 +285,6 @@ class RFAAttention(nn.Module):
             pieces.append((self.gate_proj.weight, self.gate_proj.bias))
         return torch.cat([w for w, _ in pieces], dim=0).contiguous(), torch.cat([b for _, b in pieces]).contiguous()
 
-    def step(self, h: Tensor, cache, decoder, key_pad: Optional[Tensor] = None, need_weights: bool = False,
-             residual: Optional[Tensor] = None) -> Tuple[Tensor, None]:
-        """One step of the (R, C) normalized inputs h (key_pad: (R,) padded decoder inputs, causal only)
-        -> the (R, C) output projection (plus `residual`), and no weights: RFA forms none."""
-        R, C = h.size(0), self.embed_dim
-        attn = self._causal_step(h, cache, decoder, key_pad) if self.causal else self._cross_step(h, cache, decoder)
-        return decoder.kernels.linear(attn, cache.out_proj, decoder.buffer("y", R, C), residual=residual), None
-
-    def _causal_step(self, h: Tensor, cache: CausalCache, decoder, key_pad: Tensor) -> Tensor:
-        R, C, H = h.size(0), self.embed_dim, self.num_heads
-        packed, width = cache.proj, cache.q_width
-        proj = decoder.kernels.linear(h, packed, decoder.buffer("proj", R, packed[1].numel()))  # [q | k | v | gate]
-        q, k = proj[:, :width], proj[:, width: 2 * width]
-        activation = self.phi.step_activation  # None: the step takes features, computed here
-        if activation is None:
-            q, k = self.phi.step_features(q, k, self.random_matrix())
-        v = proj[:, 2 * width: 2 * width + C]
-        gate = proj[:, 2 * width + C: 2 * width + C + H] if self.gate_proj is not None else None
-        # rows only shrink, so the first step's buffers fit; the first step reads no state
-        state_in, order = (None, None) if decoder.first else (cache.states[0], decoder.order)
-        attn = decoder.buffer("attn", R, C)
-        decoder.kernels.causal_layer_step(q, k, v, gate, key_pad, state_in, order, cache.states[1], attn, self.eps,
-                                          activation)
-        return attn
-
-    def _cross_step(self, h: Tensor, cache: "RFACrossCache", decoder) -> Tensor:
-        R, C, H = h.size(0), self.embed_dim, self.num_heads
-        q = decoder.kernels.linear(h, cache.q_proj, decoder.buffer("q", R, C))
-        phi_q = self.features(q.unsqueeze(0), self.random_matrix(), is_query=True)  # (R, H, 1, F)
-        n, beam = cache.rfa_state.size(0), decoder.beam
-        grouped = phi_q.view(n, beam, H, 1, -1).transpose(1, 2).reshape(n, H, beam, -1)
-        out, _ = noncausal_rfa(grouped, None, None, state=cache.rfa_state, eps=self.eps)  # (n, H, beam, d)
-        attn = decoder.buffer("attn", R, C)
-        attn.view(n, beam, H, -1).copy_(out.transpose(1, 2))
-        return attn
-
     def extra_repr(self) -> str:
         role = "causal" if self.causal else ("cross" if self.encoder_decoder_attention else "self")
         return (
@@ -332,14 +294,125 @@ class RFAAttention(nn.Module):
         )
 
 
+@dataclass
+class FeatureMapRecord:
+    """A feature map as the decoding step applies it: `activation` on the fused projection's pre-activations of a
+    learned affine map (hedgehog, relu), or the map module itself on raw per-head q / k (`phi`, with its random
+    matrix and sigma for the native program). `kind` names it for the native program's table."""
+
+    kind: str
+    activation: Optional[str]
+    phi: nn.Module
+    random_matrix: Optional[Tensor]
+    sigma: Optional[Tensor]
+
+    @classmethod
+    def of(cls, phi, random_matrix: Optional[Tensor]) -> "FeatureMapRecord":
+        sigma = phi.current_sigma().detach().float().contiguous() if hasattr(phi, "current_sigma") else None
+        matrix = random_matrix.detach().float().contiguous() if random_matrix is not None else None
+        return cls(phi.kind, phi.step_activation, phi, matrix, sigma)
+
+    def features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+        """phi(q), phi(k) of one step's raw (R, H * d) inputs -> (R, H * F) fp32 each (maps without an activation)."""
+        return self.phi.step_features(q, k, self.random_matrix)
+
+
+@dataclass
+class CausalRecord:
+    """A causal RFA layer's part of the decoding step: its fused input projection [q | k | v | gate logits] (q and
+    k q_width wide: H * D pre-activations of a learned affine map, else C) and output projection packed for the
+    kernels, its shape and feature map."""
+
+    proj: object
+    out_proj: object
+    q_width: int
+    heads: int
+    head_dim: int
+    features: int
+    gated: bool
+    eps: float
+    map: FeatureMapRecord
+
+    def start(self, previous: Optional[CausalCache], rows: int, device) -> Tuple[CausalCache, bool]:
+        """A batch's cache: two state buffers for `rows` rows (the previous batch's when large enough)."""
+        cache = previous if previous is not None else CausalCache()
+        return cache, cache.allocate(rows, self.heads, self.features, self.head_dim, device)
+
+    def step(self, kernels, h: Tensor, cache: CausalCache, state, order: Optional[Tensor], key_pad: Optional[Tensor],
+             residual: Tensor) -> Tensor:
+        """One step of the (R, C) normalized inputs h -> the output projection plus `residual` (R, C). Reads the
+        state buffer state.parity through `order` (None: row r reads row r), writes the other."""
+        C, H, width = self.heads * self.head_dim, self.heads, self.q_width
+        proj = kernels.linear(h, self.proj)  # [q | k | v | gate]
+        q, k = proj[:, :width], proj[:, width: 2 * width]
+        if self.map.activation is None:  # the step takes features, computed here
+            q, k = self.map.features(q, k)
+        v = proj[:, 2 * width: 2 * width + C]
+        gate = proj[:, 2 * width + C: 2 * width + C + H] if self.gated else None
+        # rows only shrink, so the first step's buffers fit; the first step reads no state
+        state_in = None if state.first else cache.states[state.parity]
+        attn = kernels.causal_layer_step(q, k, v, gate, key_pad, state_in, order, cache.states[1 - state.parity],
+                                         self.eps, self.map.activation)
+        return kernels.linear(attn, self.out_proj, residual=residual)
+
+
 class RFACrossCache(SentenceCache):
-    """RFA cross-attention's cache: each source sentence's state S = phi(K)^T [V, 1] (sentences, H, F, d + 1),
-    its query and output projections packed for the kernels."""
+    """RFA cross-attention's cache: each source sentence's state S = phi(K)^T [V, 1] (sentences, H, F, d + 1)."""
 
     SENTENCE_TENSORS = ("rfa_state",)
 
-    def __init__(self, rfa_state: Tensor, q_proj, out_proj):
-        self.rfa_state, self.q_proj, self.out_proj = rfa_state, q_proj, out_proj
+    def __init__(self):
+        self.rfa_state: Optional[Tensor] = None
+
+
+@dataclass
+class RFACrossRecord:
+    """RFA cross-attention's part of the decoding step: its query and output projections packed for the kernels, its
+    map; `attention` (the module) makes each sentence's state at a batch's start."""
+
+    attention: "RFAAttention"
+    q_proj: object  # gives q, or a learned affine map's pre-activations (q_width: H * D)
+    out_proj: object
+    q_width: int
+    heads: int
+    head_dim: int
+    eps: float
+    map: FeatureMapRecord
+    has_weights = False  # RFA forms no attention weights
+
+    def start(self, previous: Optional[RFACrossCache], key: Tensor, key_padding_mask: Optional[Tensor],
+              source_len: Optional[int], kernels) -> Tuple[RFACrossCache, bool]:
+        """S = phi(K)^T [V, 1] of key (S, sentences, C), once per source sentence (its size does not depend on S:
+        source_len, softmax K/V's padded length, is moot)."""
+        module = self.attention
+        with torch.no_grad():
+            phi_k = module.features(module.k_proj(key), self.map.random_matrix, is_query=False)  # (n, H, S, F)
+            if key_padding_mask is not None:
+                phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+            sentence_states = noncausal_rfa_state(phi_k, module._heads(module.v_proj(key)))  # (n, H, F, d + 1)
+        cache = previous if previous is not None else RFACrossCache()
+        kept, allocated = reuse_or_allocate(cache.rfa_state, tuple(sentence_states.shape), sentence_states.dtype,
+                                            sentence_states.device)
+        cache.rfa_state = kept.copy_(sentence_states)
+        return cache, allocated
+
+    def step(self, kernels, h: Tensor, cache: RFACrossCache, beam: int, need_weights: bool,
+             residual: Tensor) -> Tuple[Tensor, None]:
+        R, C, H = h.size(0), self.heads * self.head_dim, self.heads
+        q = kernels.linear(h, self.q_proj)
+        if self.map.activation is not None:  # the pre-activations of a learned affine map
+            phi_q = activate_learned(q.view(R, H, 1, -1).float(), self.map.activation)  # (R, H, 1, F)
+        else:
+            phi_q = self.attention.features(q.unsqueeze(0), self.map.random_matrix, is_query=True)  # (R, H, 1, F)
+        n = cache.rfa_state.size(0)
+        grouped = phi_q.view(n, beam, H, 1, -1).transpose(1, 2).reshape(n, H, beam, -1)  # rows n * beam + b
+        out, _ = noncausal_rfa(grouped, None, None, state=cache.rfa_state, eps=self.eps)  # (n, H, beam, d)
+        attn = out.transpose(1, 2).reshape(R, C).to(h.dtype)
+        return kernels.linear(attn, self.out_proj, residual=residual), None
+
+
+def _weight_and_bias(linear: nn.Linear) -> Tuple[Tensor, Optional[Tensor]]:
+    return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
 
 
 def _bias(linear, size) -> Tensor:

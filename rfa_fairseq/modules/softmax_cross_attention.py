@@ -5,64 +5,96 @@ The source's K and V are fixed while the output grows, so the step keeps them on
 (sentences, H, S, d), shared by the sentence's beams (ops' softmax_cross_step reads sentence r // beam for
 row r), and returns the head-averaged weights that fairseq reports as the alignment on request.
 """
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import torch
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from .decoding import SentenceCache
+from .decoding import SentenceCache, reuse_or_allocate
 
 
 class SoftmaxCrossCache(SentenceCache):
-    """Softmax cross-attention's cache: each source sentence's K and V (sentences, H, S, d), the padding as an
-    additive (sentences, S) bias (or None), the query and output projections packed for the kernels."""
+    """Softmax cross-attention's cache: each source sentence's K and V (sentences, H, S, d) and the padding as an
+    additive (sentences, S) bias (or None), in buffers kept for the next batch."""
 
     SENTENCE_TENSORS = ("key", "value", "key_bias")
 
-    def __init__(self, key: Tensor, value: Tensor, key_bias: Optional[Tensor], q_proj, out_proj):
-        self.key, self.value, self.key_bias, self.q_proj, self.out_proj = key, value, key_bias, q_proj, out_proj
+    def __init__(self):
+        self.key: Optional[Tensor] = None
+        self.value: Optional[Tensor] = None
+        self.key_bias: Optional[Tensor] = None
+        self._bias_buffer: Optional[Tensor] = None
 
 
-class SoftmaxCrossAttention(MultiheadAttention):
-    def start_step(self, decoder, name: str, key: Tensor, key_padding_mask: Optional[Tensor],
-                   source_len: Optional[int] = None) -> SoftmaxCrossCache:
-        """A batch's start: K, V of key (S, sentences, C) in the IncrementalDecoder `decoder`'s workspace (under
-        `name`), the padding as a bias, the projections packed. source_len (>= S): K and V padded to that length
-        with zeros that the bias masks, and the bias always present, so that batches of other source lengths up
-        to it run on the same buffers and shapes (CUDA graphs)."""
-        if self.bias_k is not None or self.add_zero_attn:
-            raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
+@dataclass
+class SoftmaxCrossRecord:
+    """Softmax cross-attention's part of the decoding step: its query, key + value and output projections packed
+    for the kernels, its shape and scaling."""
+
+    q_proj: object
+    kv_proj: object
+    out_proj: object
+    heads: int
+    head_dim: int
+    scaling: float
+    has_weights = True  # fairseq's alignment: the head-averaged weights
+
+    def start(self, previous: Optional[SoftmaxCrossCache], key: Tensor, key_padding_mask: Optional[Tensor],
+              source_len: Optional[int], kernels) -> Tuple[SoftmaxCrossCache, bool]:
+        """A batch's start: K, V of key (S, sentences, C) (the previous batch's buffers when large enough), the
+        padding as a bias. source_len (>= S): K and V padded to that length with zeros that the bias masks, and the
+        bias always present, so that batches of other source lengths up to it run on the same buffers and shapes
+        (CUDA graphs). -> (the cache, whether a buffer is new)"""
         S, n, _ = key.shape
-        H, d = self.num_heads, self.head_dim
+        H, d, C = self.heads, self.head_dim, self.heads * self.head_dim
         length = S if source_len is None else source_len
         if length < S:
             raise ValueError(f"source_len {source_len} is shorter than the source ({S} positions)")
-        kv_weights = decoder.packed_linear(f"{name}.kv_proj", self.k_proj, self.v_proj)
-        kv = decoder.kernels.linear(key.reshape(S * n, -1), kv_weights, key.new_empty(S * n, 2 * self.embed_dim))
+        cache = previous if previous is not None else SoftmaxCrossCache()
+        kv = kernels.linear(key.reshape(S * n, -1), self.kv_proj)
         kv = kv.view(S, n, 2, H, d).permute(2, 1, 3, 0, 4)  # (2, n, H, S, d)
-        kept = []
-        for i, role in enumerate(("key", "value")):
-            buffer = decoder.buffer(f"{name}.{role}", n, H, length, d)  # the workspace's: the same address every batch
+        cache.key, new_key = reuse_or_allocate(cache.key, (n, H, length, d), kv.dtype, kv.device)
+        cache.value, new_value = reuse_or_allocate(cache.value, (n, H, length, d), kv.dtype, kv.device)
+        for i, buffer in enumerate((cache.key, cache.value)):
             buffer[:, :, :S].copy_(kv[i])
             buffer[:, :, S:].zero_()
-            kept.append(buffer)
-        bias = None
+        allocated = new_key or new_value
+        cache.key_bias = None
         if source_len is not None or (key_padding_mask is not None and bool(key_padding_mask.any())):
-            bias = decoder.buffer(f"{name}.key_bias", n, length).zero_()
+            bias, new_bias = reuse_or_allocate(cache._bias_buffer, (n, length), kv.dtype, kv.device)
+            cache._bias_buffer, allocated = bias, allocated or new_bias
+            bias.zero_()
             if key_padding_mask is not None:
                 bias[:, :S].masked_fill_(key_padding_mask, float("-inf"))
             bias[:, S:] = float("-inf")
-        return SoftmaxCrossCache(*kept, bias, decoder.packed_linear(f"{name}.q_proj", self.q_proj),
-                                 decoder.packed_linear(f"{name}.out_proj", self.out_proj))
+            cache.key_bias = bias
+        return cache, allocated
 
-    def step(self, h: Tensor, cache: SoftmaxCrossCache, decoder, key_pad: Optional[Tensor] = None,
-             need_weights: bool = False, residual: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        """(R, C) normalized inputs -> the (R, C) output projection (plus `residual`) and the (R, S) head-averaged
+    def step(self, kernels, h: Tensor, cache: SoftmaxCrossCache, beam: int, need_weights: bool,
+             residual: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """(R, C) normalized inputs -> the output projection plus `residual` (R, C) and the (R, S) head-averaged
         weights (need_weights) or None."""
-        R, C = h.shape
-        kernels = decoder.kernels
-        q = kernels.linear(h, cache.q_proj, decoder.buffer("q", R, C))
-        attn = decoder.buffer("attn", R, C)
-        weights = decoder.buffer("cross_weights", R, cache.key.size(2)) if need_weights else None
-        kernels.softmax_cross_step(q, cache.key, cache.value, cache.key_bias, decoder.beam, self.scaling, attn, weights)
-        return kernels.linear(attn, cache.out_proj, decoder.buffer("y", R, C), residual=residual), weights
+        q = kernels.linear(h, self.q_proj)
+        attn, weights = kernels.softmax_cross_step(q, cache.key, cache.value, cache.key_bias, beam, self.scaling,
+                                                   need_weights)
+        return kernels.linear(attn, self.out_proj, residual=residual), weights
+
+
+class SoftmaxCrossAttention(MultiheadAttention):
+    def decoding_record(self, kernels) -> SoftmaxCrossRecord:
+        """What the decoding step reads of this attention, its projections packed for `kernels` (built once per
+        runtime)."""
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
+        with torch.no_grad():
+            kv_bias = None if self.k_proj.bias is None else torch.cat([self.k_proj.bias, self.v_proj.bias])
+            kv = kernels.pack_linear(torch.cat([self.k_proj.weight, self.v_proj.weight]), kv_bias)
+            q = kernels.pack_linear(self.q_proj.weight.detach(), _detached(self.q_proj.bias))
+            out = kernels.pack_linear(self.out_proj.weight.detach(), _detached(self.out_proj.bias))
+        return SoftmaxCrossRecord(q, kv, out, self.num_heads, self.head_dim, float(self.scaling))
+
+
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()

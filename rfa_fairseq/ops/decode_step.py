@@ -1,40 +1,46 @@
-"""The kernels of one decoding step, chosen once per batch: `step_kernels(decode_kernel, device, dtype)`.
+"""The kernels of one decoding step, chosen once per batch: `step_kernels(decode_kernel, device, dtype, precision)`.
 
-    kernels.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps, activation)
+Two kinds of kernel set, one choice:
+
+- `TorchKernels`: the step's operations in torch on every device and dtype (states and accumulations in fp32),
+  run one by one by the decoding records' `step` methods (modules/decoding.py): the reference, the CUDA path
+  (where the static beam search captures them as one graph) and bf16 on the CPU. Their interface:
+
+    kernels.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps, activation)
+        -> out (R, H * d)
         phi_q, phi_k: (R, H * F), or with activation = "hedgehog" / "relu" the map's pre-activations
                       p = W x + b (R, H * D), turned into features in the step (feature_maps.activate_learned)
         v: (R, H * d)   gate_logits: (R, H) or None   key_pad: (R,) bool or None
         state_in: (R0, H, F, d + 1) fp32 or None (first step)   order: (R,) rows of state_in, or None (row r reads row r)
-        state_out: (>= R, H, F, d + 1) fp32, not state_in   out: (R, H * d)
+        state_out: (>= R, H, F, d + 1) fp32, not state_in, written
         S' = g * state_in[order] + (1 - g) phi_k (x) [v, 1];  out = (phi_q . S')[:d] / max((phi_q . S')[d], eps)
         (g = sigmoid(gate logit); g = 1 and no new term for a padded key; no gate: g = 1, 1 - g -> 1)
-    kernels.softmax_cross_step(q, key, value, key_bias, beam, scaling, out, weights)
+    kernels.softmax_cross_step(q, key, value, key_bias, beam, scaling, need_weights) -> (out (R, H * d), weights)
         q: (R, H * d) rows n * beam .. n * beam + beam - 1 read sentence n   key, value: (N, H, S, d)
-        key_bias: (N, S) (0 or -inf) or None   out: (R, H * d)   weights: (R, S) head-averaged, or None
-    kernels.add_layer_norm(x, residual, weight, bias, eps, out) -> LayerNorm(x + residual) (residual may be
-        None): in out (the C++ kernels; out may be x or residual) or a tensor of its own (torch): use what it returns
+        key_bias: (N, S) (0 or -inf) or None   weights: (R, S) head-averaged, or None (not needed)
+    kernels.add_layer_norm(x, residual, weight, bias, eps) -> LayerNorm(x + residual) (residual may be None)
     kernels.pack_linear(weight, bias) -> packed: a (O, I) weight and (O,) bias (or None) prepared once for `linear`
-    kernels.linear(x, packed, out, activation=None, residual=None) -> y = act(x W^T + b) + residual
-        x: (R, I)   out: (R, O), where the torch kernel writes y (oneDNN returns y in a tensor of its own)
-        activation: None or "relu"   residual: (R, O) or None
+    kernels.linear(x, packed, activation=None, residual=None) -> y = act(x W^T + b) + residual
+        x: (R, I)   activation: None or "relu"   residual: (R, O) or None
     kernels.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out): beam search's candidates
         lprobs: (N * beam, V) fp32   prev_scores: (N * beam,) each row's score so far, or None at the first step
         (a sentence's beams are then one hypothesis: only its first row counts)   scores_out, indices_out: (N, k)
         <- per sentence the k largest prev_scores[row] + lprobs[row, v] (NaN counting as -inf), best first, and
         their flat indices b * V + v (b: the beam within the sentence)
 
-`StepKernels` declares that interface; a kernel set is the step's own operations (`TorchStepOps` on every
-device and dtype, states and accumulations in fp32; `CppStepOps`, the C++ kernels of csrc/, on the CPU in fp32)
-joined with a linear-layer library (`TorchLinear`: torch's addmm; `OneDNNLinear`: oneDNN on weights packed
-once, torch's mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC,
-benchmarks/benchmark_gemm.py; `OneDNNInt8Linear`: oneDNN's int8 product, --rfa-decode-precision int8). `step_kernels` is the one choice of a set, for the decoder's step and the
-encoder's inference alike; no set falls back to another inside a call. The torch operations are what the C++
-kernels are tested against, beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a step
-can be queued (or captured) as a whole; the kernels write into buffers their caller allocated once (the int8
-linear layers also allocate their quantized input at each call).
+- `NativeKernels` (the CPU in fp32 weights, where the C++ module loads): the whole step is one native call of the
+  decoding program (csrc/decode_program.cpp), built once per runtime from the same records
+  (modules/native_step.py), with a linear-layer library: `OneDNNLinear` (oneDNN on weights packed once, torch's
+  mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC, benchmarks/benchmark_gemm.py),
+  `OneDNNInt8Linear` (oneDNN's int8 product, --rfa-decode-precision int8) or `TorchLinear` (a torch without
+  oneDNN). Its `linear` serves the encoder's inference, which runs in Python once per batch.
+
+No set falls back to another inside a call. The torch operations are what the C++ kernels are tested against,
+beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a torch step can be queued (or
+captured) as a whole.
 """
 import math
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,19 +55,29 @@ DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
 
 
 def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the C++ kernels serve this device and dtype (the CPU in fp32), built or not."""
+    """Whether the native step serves this device and dtype (the CPU in fp32), built or not."""
     return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
-def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, precision: str = "fp32") -> "StepKernels":
+def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, precision: str = "fp32",
+                 native_unsupported: Optional[str] = None):
     """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
-    --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the C++ kernels on
-    the CPU in fp32 when their module loads (linear layers in oneDNN where torch has it), torch otherwise;
-    cpp = the C++ kernels, an error where they cannot run; torch = torch. precision int8: the C++ kernels with
-    int8 linear layers (oneDNN), an error naming why where they cannot run."""
+    --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the native step on
+    the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), torch otherwise;
+    cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
+    int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
+    native program cannot run (modules/native_step.py's unsupported), which makes auto take torch."""
     if precision == "int8":
+        if native_unsupported is not None:
+            raise ValueError(f"--rfa-decode-precision int8 runs the native step, which does not support "
+                             f"{native_unsupported}; use fp32")
         return _int8_kernels(decode_kernel, device, dtype)
     if decode_kernel == "torch":
+        return TORCH_KERNELS
+    if native_unsupported is not None:
+        if decode_kernel == "cpp":
+            raise ValueError(f"--rfa-decode-kernel cpp: the native decoding step does not support {native_unsupported}; "
+                             "use auto or torch")
         return TORCH_KERNELS
     native = cpp_can_run(device, dtype)
     if decode_kernel == "cpp":
@@ -73,10 +89,10 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
         ext = load_fused_extension() if native else None
         if ext is None:
             return TORCH_KERNELS
-    return CppOneDNNKernels(ext) if torch_internals.onednn_linear_available() else CppKernels(ext)
+    return NativeKernels(ext, OneDNNLinear() if torch_internals.onednn_linear_available() else TorchLinear())
 
 
-def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "CppOneDNNInt8Kernels":
+def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "NativeKernels":
     where = f"{torch.device(device).type} in {dtype}"
     if not cpp_can_run(device, dtype):
         raise ValueError(f"--rfa-decode-precision int8: the int8 decoding step runs on the CPU in fp32 weights, not on "
@@ -87,41 +103,21 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) 
     if not torch_internals.onednn_int8_linear_available():
         raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
                          f"(torch.ops.onednn.qlinear_*); use fp32")
-    return CppOneDNNInt8Kernels(require_fused_extension())
+    ext = require_fused_extension()
+    return NativeKernels(ext, OneDNNInt8Linear(ext))
 
 
-class StepKernels(Protocol):
-    """The interface of a kernel set (module docstring); one instance serves a batch's steps."""
+class TorchKernels:
+    """The step's operations in torch, one call each: any device and dtype (module docstring)."""
 
-    name: str  # the step's own operations: "cpp" or "torch"
-    gemm: str  # the linear layers' library, as the log names it
-
-    def causal_layer_step(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
-                          key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
-                          state_out: Tensor, out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor: ...
-
-    def softmax_cross_step(self, q: Tensor, key: Tensor, value: Tensor, key_bias: Optional[Tensor], beam: int,
-                           scaling: float, out: Tensor, weights: Optional[Tensor] = None) -> Tensor: ...
-
-    def add_layer_norm(self, x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float,
-                       out: Tensor) -> Tensor: ...
-
-    def beam_candidates(self, lprobs: Tensor, prev_scores: Optional[Tensor], beam: int, scores_out: Tensor,
-                        indices_out: Tensor) -> None: ...
-
-    def pack_linear(self, weight: Tensor, bias: Optional[Tensor]): ...
-
-    def linear(self, x: Tensor, packed, out: Tensor, activation: Optional[str] = None,
-               residual: Optional[Tensor] = None) -> Tensor: ...
-
-
-class TorchStepOps:
-    """The step's own operations in torch: any device and dtype."""
+    name = "torch"
+    gemm = "torch addmm"
+    native = False
 
     @staticmethod
     def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
                           key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
-                          state_out: Tensor, out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
+                          state_out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
         # few, whole-tensor operations: on a GPU each is a kernel launch (or a node of the step's graph) costing
         # more than its arithmetic at decoding's row counts
         _, H, F_, D1 = state_out.shape
@@ -150,39 +146,34 @@ class TorchStepOps:
             else:
                 new.addcmul_(previous, decay[..., None, None])
         acc = torch.matmul(q.unsqueeze(-2), new).squeeze(-2)  # (R, H, d + 1)
-        torch.div(acc[..., :d], acc[..., d:].clamp_min(eps), out=out.view(R, H, d))
-        return out
+        return (acc[..., :d] / acc[..., d:].clamp_min(eps)).reshape(R, H * d).to(v.dtype)
 
     @staticmethod
     def softmax_cross_step(q: Tensor, key: Tensor, value: Tensor, key_bias: Optional[Tensor], beam: int,
-                           scaling: float, out: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+                           scaling: float, need_weights: bool = False):
         N, H, S, d = key.shape
         R = q.size(0)
-        if weights is None and R % beam == 0 and q.is_cuda:
+        if not need_weights and R % beam == 0 and q.is_cuda:
             # on a GPU, where each operation is a kernel launch: the sentence's beams as one query block, one fused
             # attention over its K/V. Elsewhere the operations below (bf16 on the CPU: SDPA would round otherwise)
             n = R // beam
             query = q.view(n, beam, H, d).transpose(1, 2)  # (n, H, beam, d)
             mask = key_bias[:n].view(n, 1, 1, S) if key_bias is not None else None
             o = F.scaled_dot_product_attention(query, key[:n], value[:n], attn_mask=mask, scale=scaling)
-            out.view(n, beam, H, d).copy_(o.transpose(1, 2))
-            return out
+            return o.transpose(1, 2).reshape(R, H * d), None
         rows = torch.arange(R, device=q.device) // beam  # the sentence each row reads
         qh = (q * scaling).view(R, H, 1, d)
         scores = torch.matmul(qh, key[rows].transpose(-1, -2)).squeeze(-2).float()  # (R, H, S)
         if key_bias is not None:
             scores = scores + key_bias[rows].unsqueeze(1)
         probs = torch.softmax(scores, dim=-1)
-        out.view(R, H, d).copy_(torch.matmul(probs.to(value.dtype).unsqueeze(-2), value[rows]).squeeze(-2))
-        if weights is not None:
-            weights.copy_(probs.mean(dim=1))
-        return out
+        out = torch.matmul(probs.to(value.dtype).unsqueeze(-2), value[rows]).squeeze(-2).reshape(R, H * d)
+        return out, (probs.mean(dim=1) if need_weights else None)
 
     @staticmethod
-    def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float,
-                       out: Tensor) -> Tensor:
+    def add_layer_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Tensor, eps: float) -> Tensor:
         y = x if residual is None else x + residual
-        return F.layer_norm(y, (y.size(-1),), weight, bias, eps)  # not copied into out: a kernel less
+        return F.layer_norm(y, (y.size(-1),), weight, bias, eps)
 
     @staticmethod
     def beam_candidates(lprobs: Tensor, prev_scores: Optional[Tensor], beam: int, scores_out: Tensor,
@@ -196,82 +187,74 @@ class TorchStepOps:
             totals = (lprobs + prev_scores.view(N, beam, 1)).view(N, -1)  # (N, beam * V)
         torch.topk(totals, k=k, out=(scores_out, indices_out))
 
+    @staticmethod
+    def pack_linear(weight: Tensor, bias: Optional[Tensor]):
+        return TorchLinear.pack_linear(weight, bias)
+
+    @staticmethod
+    def linear(x: Tensor, packed, activation: Optional[str] = None, residual: Optional[Tensor] = None) -> Tensor:
+        return TorchLinear.linear(x, packed, activation, residual)
+
 
 class TorchLinear:
     """Linear layers in torch (addmm on the weight's transposed view): any device and dtype."""
 
+    code = "torch"
+    label = "torch addmm"
+
     @staticmethod
     def pack_linear(weight: Tensor, bias: Optional[Tensor]):
-        return weight.t(), bias  # addmm reads the transposed view in place
+        return weight.detach().t(), None if bias is None else bias.detach()  # addmm reads the transposed view
 
     @staticmethod
-    def linear(x: Tensor, packed, out: Tensor, activation: Optional[str] = None,
-               residual: Optional[Tensor] = None) -> Tensor:
+    def linear(x: Tensor, packed, activation: Optional[str] = None, residual: Optional[Tensor] = None) -> Tensor:
         weight_t, bias = packed
-        if bias is not None:
-            torch.addmm(bias, x, weight_t, out=out)
-        else:
-            torch.mm(x, weight_t, out=out)
+        y = torch.addmm(bias, x, weight_t) if bias is not None else torch.mm(x, weight_t)
         if activation == "relu":
-            out.relu_()
+            y.relu_()
         if residual is not None:
-            out.add_(residual)
-        return out
+            y.add_(residual)
+        return y
 
-
-class TorchKernels(TorchStepOps, TorchLinear):
-    """Everything in torch: any device and dtype (CUDA's kernels)."""
-
-    name = "torch"
-    gemm = "torch addmm"
-
-
-TORCH_KERNELS = TorchKernels()
-_NONE = torch.empty(0)  # the C++ kernels' "absent" argument
-
-
-class CppStepOps:
-    """The step's own operations in C++ (csrc/rfa_decode_step.cpp, one module): the CPU in fp32."""
-
-    name = "cpp"
-
-    def __init__(self, ext):
-        self.ext = ext
-
-    def causal_layer_step(self, phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
-                          activation=None):
-        self.ext.causal_layer_step(phi_q, phi_k, v, _or_none(gate_logits), _or_none(key_pad), _or_none(state_in),
-                                   _or_none(order), state_out, out, eps, self.ext.activations[activation or "features"])
-        return out
-
-    def softmax_cross_step(self, q, key, value, key_bias, beam, scaling, out, weights=None):
-        self.ext.softmax_cross_step(q, key, value, _or_none(key_bias), beam, scaling, out, _or_none(weights))
-        return out
-
-    def add_layer_norm(self, x, residual, weight, bias, eps, out):
-        self.ext.add_layer_norm(x, _or_none(residual), weight, bias, eps, out)
-        return out
-
-    def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
-        self.ext.beam_candidates(lprobs, _or_none(prev_scores), beam, scores_out, indices_out)
+    @staticmethod
+    def native_linear(ext, packed):
+        layer = ext.LinearLayer()
+        weight_t, bias = packed
+        layer.weight, layer.out_features = weight_t.t(), weight_t.size(1)
+        if bias is not None:
+            layer.bias = bias
+        return layer
 
 
 class OneDNNLinear:
     """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, through torch_internals): the CPU
     in fp32, where torch has them (torch_internals.onednn_linear_available)."""
 
+    code = "onednn"
+    label = "oneDNN (packed weights)"
+
     @staticmethod
     def pack_linear(weight, bias):
         # the batch size only hints the packed layout; any number of rows runs on it
-        return torch_internals.onednn_pack_linear_weight(weight, ONEDNN_ROWS_HINT), bias
+        return (torch_internals.onednn_pack_linear_weight(weight, ONEDNN_ROWS_HINT), None if bias is None
+                else bias.detach(), weight.size(0))
 
     @staticmethod
-    def linear(x, packed, out, activation=None, residual=None):
-        weight, bias = packed  # oneDNN returns y in a tensor of its own: `out` is not written
+    def linear(x, packed, activation=None, residual=None):
+        weight, bias, _ = packed
         if residual is not None and activation is None:
             return torch_internals.onednn_linear_add(x, residual, weight, bias)
         y = torch_internals.onednn_linear(x, weight, bias, activation)
         return y if residual is None else y.add_(residual)
+
+    @staticmethod
+    def native_linear(ext, packed):
+        layer = ext.LinearLayer()
+        weight, bias, out_features = packed
+        layer.weight, layer.out_features = weight, out_features
+        if bias is not None:
+            layer.bias = bias
+        return layer
 
 
 class OneDNNInt8Linear:
@@ -282,6 +265,12 @@ class OneDNNInt8Linear:
     scales; then, in one C++ pass, each row's own scale, the bias, relu and the residual (scale_rows). The CPU
     in fp32 weights."""
 
+    code = "onednn_int8"
+    label = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
+
+    def __init__(self, ext):
+        self.ext = ext
+
     @staticmethod
     def pack_linear(weight, bias):
         w = weight.detach().float()
@@ -291,8 +280,8 @@ class OneDNNInt8Linear:
         zero_points = torch.zeros(w.size(0), dtype=torch.int32)  # symmetric
         return packed, scales, zero_points, _NONE if bias is None else bias.detach().float().contiguous()
 
-    def linear(self, x, packed, out, activation=None, residual=None):
-        weight, scales, zero_points, bias = packed  # `out` is not written: the product comes in a tensor of its own
+    def linear(self, x, packed, activation=None, residual=None):
+        weight, scales, zero_points, bias = packed
         codes = torch.empty(x.shape, dtype=torch.uint8)
         row_scales = torch.empty(x.size(0))
         self.ext.quantize_rows(x, codes, row_scales)
@@ -300,25 +289,42 @@ class OneDNNInt8Linear:
         self.ext.scale_rows(y, row_scales, bias, _or_none(residual), activation == "relu")
         return y
 
-
-class CppKernels(CppStepOps, TorchLinear):
-    """The C++ step with torch's linear layers (a torch without oneDNN)."""
-
-    gemm = "torch addmm"
-
-
-class CppOneDNNKernels(CppStepOps, OneDNNLinear):
-    """The C++ step with oneDNN's linear layers: the CPU's fastest fp32 set."""
-
-    gemm = "oneDNN (packed weights)"
+    @staticmethod
+    def native_linear(ext, packed):
+        layer = ext.LinearLayer()
+        weight, scales, zero_points, bias = packed
+        layer.weight, layer.w_scales, layer.w_zero_points, layer.out_features = weight, scales, zero_points, scales.numel()
+        if bias.numel():
+            layer.bias = bias
+        return layer
 
 
-class CppOneDNNInt8Kernels(CppStepOps, OneDNNInt8Linear):
-    """The C++ step with oneDNN's int8 linear layers (--rfa-decode-precision int8)."""
+class NativeKernels:
+    """The native step (csrc/decode_program.cpp) with a linear-layer library: the CPU in fp32 weights. `linear` and
+    `pack_linear` are the library's (the encoder's inference, the program's packed weights); `beam_candidates` is
+    the C++ kernel (the static beam search's steps that run in Python: prefix tokens, n-gram blocking)."""
 
-    gemm = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
+    name = "cpp"
+    native = True
+
+    def __init__(self, ext, library):
+        self.ext, self.library = ext, library
+        self.gemm = library.label
+        self.pack_linear, self.linear = library.pack_linear, library.linear
+
+    def native_linear(self, packed):
+        """A packed linear layer as the native program's LinearLayer."""
+        return self.library.native_linear(self.ext, packed)
+
+    def new_program(self):
+        return self.ext.DecodeProgram(self.ext.gemms[self.library.code], torch_internals.onednn_operator_names())
+
+    def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
+        self.ext.beam_candidates(lprobs, _or_none(prev_scores), beam, scores_out, indices_out)
 
 
+TORCH_KERNELS = TorchKernels()
+_NONE = torch.empty(0)  # the C++ kernels' "absent" argument
 ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout
 
 

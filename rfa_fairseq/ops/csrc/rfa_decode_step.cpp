@@ -22,12 +22,96 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
 #include "rfa_kernels.h"
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp of 8 floats (Cephes' single-precision polynomial, about 1 ulp on the range used here: x <= 0)
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+// max and log(sum(exp(x - max))) of a row: log_softmax(x) = (x - max) - log_sum
+__attribute__((target("avx2,fma"))) void row_log_sum_exp_avx2(const float* x, int64_t n, float* max_out,
+                                                              float* log_sum_out) {
+  __m256 m8 = _mm256_set1_ps(kNegInf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m8);
+  float m = kNegInf;
+  for (float v : lanes) m = std::max(m, v);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  if (!std::isfinite(m)) {  // an all -inf (or +inf) row: log_softmax's own NaN / -inf follow from the scalar path
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += std::exp(x[j] - m);
+    *max_out = m;
+    *log_sum_out = std::log(sum);
+    return;
+  }
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s8 = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) s8 = _mm256_add_ps(s8, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+  _mm256_storeu_ps(lanes, s8);
+  float sum = 0.0f;
+  for (float v : lanes) sum += v;
+  for (; i < n; ++i) sum += std::exp(x[i] - m);
+  *max_out = m;
+  *log_sum_out = std::log(sum);
+}
+
+}  // namespace
+
+void row_log_sum_exp(const float* x, int64_t n, float* max_out, float* log_sum_out) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return row_log_sum_exp_avx2(x, n, max_out, log_sum_out);
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - m);
+  *max_out = m;
+  *log_sum_out = std::log(sum);
+}
+
+
+namespace {
+
+__attribute__((target("avx2,fma"))) void exp_inplace_avx2(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+}  // namespace
+
+void exp_inplace(float* x, int64_t n) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return exp_inplace_avx2(x, n);
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
 
 namespace {
 
@@ -39,30 +123,122 @@ float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   return s;
 }
 
-// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S'
-RFA_SIMD_CLONES
-void update_and_read_out(const float* __restrict__ s_in, float* __restrict__ s_out, const float* __restrict__ q,
-                         const float* __restrict__ k, const float* __restrict__ v_aug, float g, float k_scale,
-                         int64_t F, int64_t D1, float* __restrict__ acc) {
+// bf16 <-> fp32 (round to nearest even), for states stored in bf16 between steps
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S' (the fp32 S', before a bf16
+// state rounds it for the next step). State: float (fp32 states) or uint16_t (bf16 states). The portable loop:
+template <typename State>
+void update_and_read_out_portable(const State* __restrict__ s_in, State* __restrict__ s_out,
+                                  const float* __restrict__ q, const float* __restrict__ k,
+                                  const float* __restrict__ v_aug, float g, float k_scale, int64_t F, int64_t D1,
+                                  float* __restrict__ acc) {
   for (int64_t j = 0; j < D1; ++j) acc[j] = 0.0f;
   for (int64_t f = 0; f < F; ++f) {
     const float kf = k[f] * k_scale, qf = q[f];
-    float* __restrict__ row_out = s_out + f * D1;
-    if (s_in != nullptr) {
-      const float* __restrict__ row_in = s_in + f * D1;
-      for (int64_t j = 0; j < D1; ++j) {
-        const float s = g * row_in[j] + kf * v_aug[j];
-        row_out[j] = s;
-        acc[j] += qf * s;
+    for (int64_t j = 0; j < D1; ++j) {
+      float previous = 0.0f;
+      if (s_in != nullptr) {
+        if constexpr (std::is_same_v<State, float>) previous = s_in[f * D1 + j];
+        else previous = bf16_to_float(s_in[f * D1 + j]);
       }
-    } else {
-      for (int64_t j = 0; j < D1; ++j) {
-        const float s = kf * v_aug[j];
-        row_out[j] = s;
-        acc[j] += qf * s;
-      }
+      const float s = g * previous + kf * v_aug[j];
+      if constexpr (std::is_same_v<State, float>) s_out[f * D1 + j] = s;
+      else s_out[f * D1 + j] = float_to_bf16(s);
+      acc[j] += qf * s;
     }
   }
+}
+
+// The same with AVX2: up to 64 columns at a time, their read-out sums held in registers across the F rows (they never
+// go to memory) and each state row read and written once, in order.
+template <typename State>
+__attribute__((target("avx2,fma"))) inline __m256 load_state8(const State* p) {
+  if constexpr (std::is_same_v<State, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename State>
+__attribute__((target("avx2,fma"))) inline void store_state8(State* p, __m256 x) {
+  if constexpr (std::is_same_v<State, float>) {
+    _mm256_storeu_ps(p, x);
+  } else {  // round to nearest even, then the high halves of the eight words
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+}
+
+template <typename State, int kBlocks>
+__attribute__((target("avx2,fma"))) inline void update_columns(const State* __restrict__ s_in, State* __restrict__ s_out,
+                                                               const float* __restrict__ q, const float* __restrict__ k,
+                                                               const float* __restrict__ v_aug, float g, float k_scale,
+                                                               int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
+  __m256 a[kBlocks];
+  for (int b = 0; b < kBlocks; ++b) a[b] = _mm256_setzero_ps();
+  const __m256 gv = _mm256_set1_ps(g);
+  for (int64_t f = 0; f < F; ++f) {
+    const __m256 kf = _mm256_set1_ps(k[f] * k_scale), qf = _mm256_set1_ps(q[f]);
+    for (int b = 0; b < kBlocks; ++b) {
+      __m256 s = _mm256_mul_ps(kf, _mm256_loadu_ps(v_aug + j + 8 * b));
+      if (s_in != nullptr) s = _mm256_fmadd_ps(gv, load_state8(s_in + f * D1 + j + 8 * b), s);
+      store_state8(s_out + f * D1 + j + 8 * b, s);
+      a[b] = _mm256_fmadd_ps(qf, s, a[b]);
+    }
+  }
+  for (int b = 0; b < kBlocks; ++b) _mm256_storeu_ps(acc + j + 8 * b, a[b]);
+}
+
+template <typename State>
+__attribute__((target("avx2,fma"))) void update_and_read_out_avx2(const State* __restrict__ s_in,
+                                                                  State* __restrict__ s_out, const float* __restrict__ q,
+                                                                  const float* __restrict__ k,
+                                                                  const float* __restrict__ v_aug, float g, float k_scale,
+                                                                  int64_t F, int64_t D1, float* __restrict__ acc) {
+  int64_t j = 0;
+  for (; j + 64 <= D1; j += 64) update_columns<State, 8>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 32 <= D1; j += 32) update_columns<State, 4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 8 <= D1; j += 8) update_columns<State, 1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j < D1; ++j) {  // the last columns (z's, the ones column of [v, 1], among them)
+    float sum = 0.0f;
+    for (int64_t f = 0; f < F; ++f) {
+      float previous = 0.0f;
+      if (s_in != nullptr) {
+        if constexpr (std::is_same_v<State, float>) previous = s_in[f * D1 + j];
+        else previous = bf16_to_float(s_in[f * D1 + j]);
+      }
+      const float s = g * previous + k[f] * k_scale * v_aug[j];
+      if constexpr (std::is_same_v<State, float>) s_out[f * D1 + j] = s;
+      else s_out[f * D1 + j] = float_to_bf16(s);
+      sum += q[f] * s;
+    }
+    acc[j] = sum;
+  }
+}
+
+template <typename State>
+void update_and_read_out(const State* s_in, State* s_out, const float* q, const float* k, const float* v_aug, float g,
+                         float k_scale, int64_t F, int64_t D1, float* acc) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return update_and_read_out_avx2<State>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
+  update_and_read_out_portable<State>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
 }
 
 // y += a * x
@@ -92,6 +268,15 @@ void layer_norm_row(const float* __restrict__ x, const float* __restrict__ resid
   for (int64_t c = 0; c < C; ++c) out[c] = (y[c] - mean) * rstd * gamma[c] + beta[c];
 }
 
+// The largest of n floats (NaN ignored; -inf when none): a filter before the exact comparisons
+RFA_SIMD_CLONES
+float block_max_simd(const float* __restrict__ x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
 // phi = [softmax(p), softmax(-p)] of one head's D pre-activations (F = 2D), max-shifted as torch.softmax
 RFA_SIMD_CLONES
 void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
@@ -101,10 +286,13 @@ void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
     hi = std::max(hi, p[i]);
     lo = std::min(lo, p[i]);
   }
+  for (int64_t i = 0; i < D; ++i) {
+    phi[i] = p[i] - hi;
+    phi[D + i] = lo - p[i];  // softmax(-p): -p - max(-p) = lo - p
+  }
+  exp_inplace(phi, 2 * D);
   float sum_pos = 0.0f, sum_neg = 0.0f;
   for (int64_t i = 0; i < D; ++i) {
-    phi[i] = std::exp(p[i] - hi);
-    phi[D + i] = std::exp(lo - p[i]);  // softmax(-p): -p - max(-p) = lo - p
     sum_pos += phi[i];
     sum_neg += phi[D + i];
   }
@@ -115,47 +303,99 @@ void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
   }
 }
 
-// the features of one head: a pointer to them (kFeatures) or to `buf`, where the activation wrote them
-const float* features(const float* row, int64_t activation, int64_t F, float* buf) {
-  if (activation == kHedgehog) {
-    hedgehog(row, F / 2, buf);
-    return buf;
-  }
-  if (activation == kReLU) {  // relu(p) / sqrt(D), D = F
-    const float scale = 1.0f / std::sqrt(static_cast<float>(F));
-    for (int64_t i = 0; i < F; ++i) buf[i] = std::max(row[i], 0.0f) * scale;
-    return buf;
-  }
-  return row;
-}
+}  // namespace
 
-// The largest of n floats (NaN ignored; -inf when none): a filter before the exact comparisons
-RFA_SIMD_CLONES
-float block_max(const float* __restrict__ x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
+float block_max(const float* x, int64_t n) { return block_max_simd(x, n); }
 
-// The k best (value, index) so far, best first; among equal values the one seen first stays first.
-struct TopK {
-  float* value;
-  int64_t* index;
-  int64_t k, count = 0;
-  float worst() const { return count < k ? -std::numeric_limits<float>::infinity() : value[k - 1]; }
-  void offer(float v, int64_t i) {
-    if (count == k && !(v > value[k - 1])) return;
-    int64_t pos = count < k ? count++ : k - 1;
-    while (pos > 0 && v > value[pos - 1]) {
-      value[pos] = value[pos - 1];
-      index[pos] = index[pos - 1];
-      --pos;
+MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const torch::Tensor& sigma,
+                     const torch::Tensor& matrix) {
+  TORCH_CHECK(activation >= kFeatures && activation <= kELU, "rfa static step: unknown feature-map activation ",
+              activation);
+  MapParams map;
+  map.kind = activation;
+  map.features = F;
+  switch (activation) {
+    case kHedgehog:
+      TORCH_CHECK(F % 2 == 0, "rfa static step: the hedgehog map has an even number of features");
+      map.width = F / 2;
+      break;
+    case kFeatures:
+    case kReLU:
+      map.width = F;
+      break;
+    case kELU:
+      TORCH_CHECK(F == head_dim, "rfa static step: the elu map has F = head_dim");
+      map.width = head_dim;
+      break;
+    default: {  // random maps: raw per-head inputs, projected on (H, D, d)
+      const int64_t D = activation == kSinCos ? F / 2 : F;
+      TORCH_CHECK(activation != kSinCos || F % 2 == 0, "rfa static step: the sincos map has an even number of features");
+      TORCH_CHECK(sigma.scalar_type() == torch::kFloat32 && sigma.is_contiguous() && sigma.numel() == H * head_dim,
+                  "rfa static step: a random map needs sigma as a contiguous fp32 (heads, head_dim) tensor");
+      TORCH_CHECK(matrix.scalar_type() == torch::kFloat32 && matrix.is_contiguous() && matrix.numel() == H * D * head_dim,
+                  "rfa static step: a random map needs its matrix as a contiguous fp32 (heads, D, head_dim) tensor");
+      map.width = head_dim;
+      map.sigma = sigma.data_ptr<float>();
+      map.matrix = matrix.data_ptr<float>();
     }
-    value[pos] = v;
-    index[pos] = i;
   }
-};
+  return map;
+}
+
+const float* head_features(const float* row, const MapParams& map, int64_t h, bool is_query, float* buf,
+                           float* scratch) {
+  const int64_t F = map.features;
+  switch (map.kind) {
+    case kFeatures:
+      return row;
+    case kHedgehog:
+      hedgehog(row, F / 2, buf);
+      return buf;
+    case kReLU: {  // relu(p) / sqrt(D), D = F
+      const float scale = 1.0f / std::sqrt(static_cast<float>(F));
+      for (int64_t i = 0; i < F; ++i) buf[i] = std::max(row[i], 0.0f) * scale;
+      return buf;
+    }
+    case kELU:  // elu(x) + 1
+      for (int64_t i = 0; i < F; ++i) buf[i] = row[i] > 0.0f ? row[i] + 1.0f : std::exp(row[i]);
+      return buf;
+    default:
+      break;
+  }
+  // random maps (ops/feature_maps.py): x' = sigma * x / max(|x|, 1e-6), p = W x', then sin/cos, relu or exp
+  const int64_t d = map.width, D = map.kind == kSinCos ? F / 2 : F;
+  const float norm = std::max(std::sqrt(dot(row, row, d)), 1e-6f);
+  const float* sigma = map.sigma + h * d;
+  float* xs = scratch;
+  float sq = 0.0f;
+  for (int64_t i = 0; i < d; ++i) {
+    xs[i] = row[i] / norm * sigma[i];
+    sq += xs[i] * xs[i];
+  }
+  const float* w = map.matrix + h * D * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t j = 0; j < D; ++j) buf[j] = dot(w + j * d, xs, d);
+  if (map.kind == kSinCos) {
+    for (int64_t j = 0; j < D; ++j) {
+      const float p = buf[j];
+      buf[j] = std::sin(p) * scale;
+      buf[D + j] = std::cos(p) * scale;
+    }
+  } else if (map.kind == kArcCos) {
+    for (int64_t j = 0; j < D; ++j) buf[j] = std::max(buf[j], 0.0f) * scale;
+  } else {  // positive: exp(p - |x'|^2 / 2), queries shifted by their largest p (it cancels in the ratio)
+    float shift = 0.5f * sq;
+    if (is_query) {
+      float hi = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < D; ++j) hi = std::max(hi, buf[j] - 0.5f * sq);
+      shift += hi;
+    }
+    for (int64_t j = 0; j < D; ++j) buf[j] = std::exp(buf[j] - shift) * scale;
+  }
+  return buf;
+}
+
+namespace {
 
 void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols && t.stride(1) == 1 &&
@@ -168,26 +408,25 @@ void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
-                       int64_t activation) {
+                       int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
-  TORCH_CHECK(activation == kFeatures || activation == kHedgehog || activation == kReLU,
-              "rfa static step: unknown feature-map activation ", activation);
-  TORCH_CHECK(activation != kHedgehog || F % 2 == 0, "rfa static step: the hedgehog map has an even number of features");
-  const int64_t P = activation == kHedgehog ? F / 2 : F;  // values per head in phi_q / phi_k rows
+  const MapParams map = map_params(activation, H, F, d, sigma, matrix);
+  const int64_t P = map.width;  // values per head in phi_q / phi_k rows
   check_rows(phi_q, R, H * P, "phi_q");
   check_rows(phi_k, R, H * P, "phi_k");
   check_rows(v, R, H * d, "v");
   check_rows(out, R, H * d, "out");
-  TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && state_out.scalar_type() == torch::kFloat32,
-              "rfa static step: state_out must be a contiguous fp32 (rows, heads, F, head_dim + 1) buffer");
+  const bool bf16 = state_out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && (bf16 || state_out.scalar_type() == torch::kFloat32),
+              "rfa static step: state_out must be a contiguous fp32 or bf16 (rows, heads, F, head_dim + 1) buffer");
   const bool first = state_in.numel() == 0;
   const bool reorder = order.numel() > 0;
   TORCH_CHECK(!(first && reorder), "rfa static step: a reorder needs a state");
   if (!first) {
     TORCH_CHECK(state_in.is_contiguous() && state_in.sizes().slice(1) == state_out.sizes().slice(1) &&
-                    state_in.scalar_type() == torch::kFloat32,
-                "rfa static step: state_in and state_out differ in layout");
-    TORCH_CHECK(state_in.data_ptr<float>() != state_out.data_ptr<float>(), "rfa static step: state_out must not be state_in");
+                    state_in.scalar_type() == state_out.scalar_type(),
+                "rfa static step: state_in and state_out differ in layout or dtype");
+    TORCH_CHECK(state_in.data_ptr() != state_out.data_ptr(), "rfa static step: state_out must not be state_in");
     const int64_t R0 = state_in.size(0);
     if (reorder) {
       TORCH_CHECK(order.numel() == R && order.scalar_type() == torch::kInt64, "rfa static step: order must be (rows,) int64");
@@ -209,16 +448,16 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const float* vp = v.data_ptr<float>();
   const float* gp = gated ? gate_logits.data_ptr<float>() : nullptr;
   const bool* padp = padded ? key_pad.data_ptr<bool>() : nullptr;
-  const float* s_in = first ? nullptr : state_in.data_ptr<float>();
+  const void* s_in = first ? nullptr : state_in.data_ptr();
   const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
-  float* s_out = state_out.data_ptr<float>();
+  void* s_out = state_out.data_ptr();
   float* op = out.data_ptr<float>();
   const int64_t ldq = phi_q.stride(0), ldk = phi_k.stride(0), ldv = v.stride(0), ldo = out.stride(0);
   const int64_t ldg = gated ? gate_logits.stride(0) : 0;
   const float eps_f = static_cast<float>(eps);
 
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F);
+    std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F), scratch(std::max(F, d));
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / H, h = rh % H;
       float decay = 1.0f, k_scale = 1.0f;
@@ -232,10 +471,51 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       std::copy(vp + r * ldv + h * d, vp + r * ldv + h * d + d, v_aug.begin());
       v_aug[d] = 1.0f;  // the ones column accumulates z
       const int64_t src = reorder ? ord[r] : r;
-      const float* q = features(pq + r * ldq + h * P, activation, F, q_buf.data());
-      const float* k = features(pk + r * ldk + h * P, activation, F, k_buf.data());
-      update_and_read_out(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(),
-                          decay, k_scale, F, D1, acc.data());
+      const float* q = head_features(pq + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
+      const float* k = head_features(pk + r * ldk + h * P, map, h, false, k_buf.data(), scratch.data());
+      const int64_t in_offset = (src * H + h) * F * D1, out_offset = rh * F * D1;
+      if (bf16) {
+        const uint16_t* in = first ? nullptr : static_cast<const uint16_t*>(s_in) + in_offset;
+        update_and_read_out<uint16_t>(in, static_cast<uint16_t*>(s_out) + out_offset, q, k, v_aug.data(), decay,
+                                      k_scale, F, D1, acc.data());
+      } else {
+        const float* in = first ? nullptr : static_cast<const float*>(s_in) + in_offset;
+        update_and_read_out<float>(in, static_cast<float*>(s_out) + out_offset, q, k, v_aug.data(), decay, k_scale, F,
+                                   D1, acc.data());
+      }
+      const float den = std::max(acc[d], eps_f);
+      float* o = op + r * ldo + h * d;
+      for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
+    }
+  });
+}
+
+void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
+                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, torch::Tensor& out) {
+  const int64_t R = q.size(0), N = cross_state.size(0), H = cross_state.size(1), F = cross_state.size(2);
+  const int64_t D1 = cross_state.size(3), d = D1 - 1;
+  TORCH_CHECK(activation != kFeatures, "rfa cross step: the map is applied here (to raw queries or a learned affine "
+              "map's pre-activations)");
+  const MapParams map = map_params(activation, H, F, d, sigma, matrix);
+  const int64_t P = map.width;  // values per head in q's rows
+  check_rows(q, R, H * P, "q");
+  check_rows(out, R, H * d, "out");
+  TORCH_CHECK(cross_state.is_contiguous() && cross_state.scalar_type() == torch::kFloat32,
+              "rfa cross step: the state must be a contiguous fp32 (sentences, heads, F, head_dim + 1) tensor");
+  TORCH_CHECK(beam >= 1 && R <= N * beam, "rfa cross step: ", R, " rows for ", N, " sentences x beam ", beam);
+  const float* qp = q.data_ptr<float>();
+  const float* sp = cross_state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldq = q.stride(0), ldo = out.stride(0);
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D1), q_buf(F), scratch(std::max(F, d));
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / H, h = rh % H, n = r / beam;
+      const float* phi = head_features(qp + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
+      const float* state = sp + (n * H + h) * F * D1;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t f = 0; f < F; ++f) axpy(phi[f], state + f * D1, acc.data(), D1);
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
@@ -379,11 +659,11 @@ float max_abs(const float* __restrict__ x, int64_t n) {
 }
 
 RFA_SIMD_CLONES
-void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, uint8_t* __restrict__ q) {
-  const float zero = static_cast<float>(kInt8RowZeroPoint), top = static_cast<float>(2 * kInt8RowZeroPoint - 1);
+void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, float zero, uint8_t* __restrict__ q) {
+  const float top = 2.0f * zero - 1.0f;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    // round half to even, as torch.round; |x| <= the row's maximum keeps the code in 1 .. 127
+    // round half to even, as torch.round; |x| <= the row's maximum keeps the code in 1 .. 2 * zero - 1
     const float v = std::nearbyint(x[i] * inv_scale) + zero;
     q[i] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), top));
   }
@@ -402,7 +682,9 @@ void scale_row(float* __restrict__ y, int64_t n, float s, const float* __restric
 
 }  // namespace
 
-void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
+void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales, int64_t zero_point) {
+  TORCH_CHECK(zero_point == 64 || zero_point == 128, "rfa static step: the int8 zero point is 64 (7-bit codes) or 128 "
+              "(8-bit), not ", zero_point);
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == R && codes.size(1) == C,
@@ -413,13 +695,13 @@ void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& 
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const float levels = static_cast<float>(kInt8RowZeroPoint - 1);
+  const float levels = static_cast<float>(zero_point - 1), zero = static_cast<float>(zero_point);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float m = max_abs(xp + r * ldx, C);
       const float scale = m > 0.0f ? m / levels : 1.0f;
       sp[r] = scale;
-      quantize_row(xp + r * ldx, C, 1.0f / scale, cp + r * C);
+      quantize_row(xp + r * ldx, C, 1.0f / scale, zero, cp + r * C);
     }
   });
 }

@@ -2,20 +2,46 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <limits>
+
 // An AVX2 + FMA build of a hot loop beside the portable one, picked at load time by the CPU's features.
 // Not target_clones("arch=haswell"): GCC's resolver for an arch= clone compares the CPU *model*, so any
 // CPU but a Haswell (newer Intel, every AMD) would run the SSE2 default.
 #define RFA_SIMD_CLONES __attribute__((target_clones("avx2,fma", "default")))
 
-// What turns causal_layer_step's phi_q / phi_k rows into features: the features themselves, or a learned
-// map's pre-activations W x + b and its activation. The one table of these codes: bindings.cpp hands it to
-// Python by name (the module's `activations`).
-enum Activation : int64_t { kFeatures = 0, kHedgehog = 1, kReLU = 2 };
+// What turns causal_layer_step's phi_q / phi_k rows into features: the features themselves, a learned map's
+// pre-activations W x + b and its activation (hedgehog, relu), or a head's raw input and the map computed here
+// (the random maps of sigma-scaled, l2-normalized inputs with their (H, D, d) matrix; elu). The one table of these
+// codes: bindings.cpp hands it to Python by name (the module's `activations`).
+enum Activation : int64_t { kFeatures = 0, kHedgehog = 1, kReLU = 2, kSinCos = 3, kArcCos = 4, kPositive = 5,
+                            kELU = 6 };
+
+// a feature map as the kernels apply it to one head's row of `width` values
+struct MapParams {
+  int64_t kind = kFeatures;
+  int64_t width = 0;     // values per head in the input rows
+  int64_t features = 0;  // F
+  const float* sigma = nullptr;   // (H, d) random maps
+  const float* matrix = nullptr;  // (H, D, d) random maps
+};
+// MapParams for `activation` over rows of H heads whose state has F features; sigma / matrix empty but for the
+// random maps
+MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const torch::Tensor& sigma,
+                     const torch::Tensor& matrix);
+// phi of head h's row (map.width values): a pointer to the features (the row itself for kFeatures, else `buf`,
+// F floats; `scratch` holds max(D, d) floats); is_query: the positive map's per-query shift
+const float* head_features(const float* row, const MapParams& map, int64_t h, bool is_query, float* buf,
+                           float* scratch);
 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
-                       int64_t activation);
+                       int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix);
+// RFA cross-attention of one step: phi(q) . S over the per-sentence states (N, H, F, d + 1), row r reading
+// sentence r / beam; q (R, H * P): raw per-head queries (P = d) or a learned affine map's pre-activations (P = D),
+// the map applied here; out (R, H * d)
+void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
+                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, torch::Tensor& out);
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                         const torch::Tensor& key_bias, int64_t beam, double scaling, torch::Tensor& out,
                         torch::Tensor& weights);
@@ -23,9 +49,35 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
                     const torch::Tensor& beta, double eps, torch::Tensor& out);
 void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
                      torch::Tensor& scores_out, torch::Tensor& indices_out);
+// The k best (value, index) so far, best first; among equal values the one seen first stays first.
+struct TopK {
+  float* value;
+  int64_t* index;
+  int64_t k, count = 0;
+  float worst() const { return count < k ? -std::numeric_limits<float>::infinity() : value[k - 1]; }
+  void offer(float v, int64_t i) {
+    if (count == k && !(v > value[k - 1])) return;
+    int64_t pos = count < k ? count++ : k - 1;
+    while (pos > 0 && v > value[pos - 1]) {
+      value[pos] = value[pos - 1];
+      index[pos] = index[pos - 1];
+      --pos;
+    }
+    value[pos] = v;
+    index[pos] = i;
+  }
+};
+// the largest of n floats (NaN ignored; -inf when none)
+float block_max(const float* x, int64_t n);
+// exp of n floats in place (AVX2: a polynomial within about 1 ulp of expf on x <= 0, the range used here)
+void exp_inplace(float* x, int64_t n);
+// max and log(sum(exp(x - max))) of a row: log_softmax(x) = (x - max) - log_sum
+void row_log_sum_exp(const float* x, int64_t n, float* max_out, float* log_sum_out);
 // int8 linear layers' activations: the zero point of the 7-bit codes (x86 without VNNI sums pairs of u8 x s8
 // products in int16, which 8-bit codes times 7-bit weights overflow)
 constexpr int64_t kInt8RowZeroPoint = 64;
-void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales);
+// zero_point 64: 7-bit codes (1 .. 127); 128: 8-bit codes with a +128 shift (1 .. 255)
+void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales,
+                   int64_t zero_point = kInt8RowZeroPoint);
 void scale_rows(torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& residual,
                 bool relu);
