@@ -40,6 +40,7 @@ MODELS = {
     # SequenceGenerator: on CUDA its whole step one graph; _eager: not captured (STATIC_SEARCH_MODELS)
     "rfa_static": ("rfa_transformer", []),
     "rfa_static_eager": ("rfa_transformer", []),
+    "rfa_static_int8": ("rfa_transformer", ["--rfa-decode-precision", "int8"]),  # the CPU's int8 linear layers
     # the default map at a fixed number of features D (the speed/quality knob), whatever the default D is
     "rfa_d16": ("rfa_transformer", ["--rfa-num-features", "16"]),
     "rfa_d32": ("rfa_transformer", ["--rfa-num-features", "32"]),
@@ -52,7 +53,7 @@ MODELS = {
 }
 
 # models decoded by rfa_fairseq's StaticBeamSearchGenerator -> whether its steps are captured as CUDA graphs
-STATIC_SEARCH_MODELS = {"rfa_static": True, "rfa_static_eager": False}
+STATIC_SEARCH_MODELS = {"rfa_static": True, "rfa_static_eager": False, "rfa_static_int8": True}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype of the decoding benchmarks
 
 

@@ -12,11 +12,15 @@ Reports per length: ms per decoding step, total time, tokens/s, peak memory (RSS
 CPU, max allocated on CUDA), the attention state size (KV cache vs RFA state) and
 RFA / softmax ratios; writes CSV and a log-log PNG.
 
-Optional peer, `--models ... ct2`: the same softmax model (same seed, same weights)
+Optional peer, `--models ... ct2 ct2_int8`: the same softmax model (same seed, same weights)
 converted with CTranslate2's fairseq converter and decoded by CTranslate2 (beam search,
-forced length, fp32, the same number of threads); needs `pip install ctranslate2==4.8.5`.
+forced length, float32 or int8, the same number of threads); needs `pip install ctranslate2==4.8.5`.
 The converted model is kept in OUT_DIR/ct2_<dims>_vocab<V>_pos<P>/. CTranslate2's cache is
-internal, so its attention-state column is empty.
+internal, so its attention-state column is empty. `rfa_static_int8` is the default model decoded by the
+static beam search with int8 linear layers (--rfa-decode-precision int8, the CPU). --sentences decodes that
+many sentences in batches of each --batch-sizes (CTranslate2: max_batch_size), and the summary
+`*_crossover.csv` gives, per RFA model and CTranslate2 peer, the first measured output length from which the
+RFA model's tokens/s is at least the peer's (and the length interpolated between the points around it).
 
 On CUDA, --one-run decodes once per (model, batch size) to the longest length and reads the
 shorter ones on the way: at each of them the GPU is synchronized and the elapsed time, the
@@ -34,6 +38,8 @@ Files are named by device: decode_cpu_<dims>.csv, decode_cuda_h100_<dims>.csv, .
     python benchmarks/benchmark_decode.py --lengths 32 64 128 --batch-sizes 8 32
     python benchmarks/benchmark_decode.py --device cuda --one-run --lengths 64 256 1024 2048 4096 \\
         --batch-sizes 8 64 --models softmax rfa rfa_gated --max-batch-at 2048 --time-budget 300
+    python benchmarks/benchmark_decode.py --device cpu --dims small --threads 1 --batch-sizes 32 --sentences 64 \\
+        --lengths 16 64 256 1000 --models softmax rfa_static rfa_static_int8 ct2 ct2_int8 --name vs_ct2
 """
 import argparse
 import json
@@ -66,17 +72,18 @@ DEFAULT_LENGTHS = [32, 64, 128, 256, 512, 1024, 2048, 4096]
 # incremental-state entries that hold attention state: fairseq's MultiheadAttention and RFA's
 # DecodingState (its KEY; its causal states and cross-attention K/V, not its activations)
 ATTENTION_STATE_KEYS = ("attn_state", "rfa_decoding_state")
-MODEL_CHOICES = sorted(MODELS) + ["ct2"]
+CT2_COMPUTE_TYPES = {"ct2": "float32", "ct2_int8": "int8"}  # CTranslate2 models -> compute_type
+MODEL_CHOICES = sorted(MODELS) + sorted(CT2_COMPUTE_TYPES)
 CT2_PIN = "ctranslate2==4.8.5"
 
 
-def source_tokens(args):
-    """The benchmark's source batch: (batch, src_len) ids ending in EOS (fixed seed)."""
+def source_tokens(args, sentences=None):
+    """The benchmark's sources: (sentences, src_len) ids ending in EOS (fixed seed; default: one batch)."""
     import torch
 
     dictionary = make_dictionary(args.vocab)
     g = torch.Generator().manual_seed(0)
-    src = torch.randint(dictionary.nspecial, len(dictionary), (args.batch_size, args.src_len), generator=g)
+    src = torch.randint(dictionary.nspecial, len(dictionary), (sentences or args.batch_size, args.src_len), generator=g)
     src[:, -1] = dictionary.eos()
     return src, dictionary
 
@@ -120,16 +127,17 @@ def ensure_ct2_model(args) -> str:
 def run_one_ct2(args) -> dict:
     import ctranslate2
 
-    src, dictionary = source_tokens(args)
+    src, dictionary = source_tokens(args, args.sentences or args.batch_size)
     source = [[dictionary[i] for i in row[:-1].tolist()] for row in src]  # CTranslate2 appends </s> itself
     translator = ctranslate2.Translator(
-        args.ct2_model, device=args.device.split(":")[0], compute_type="float32",
+        args.ct2_model, device=args.device.split(":")[0], compute_type=CT2_COMPUTE_TYPES[args.model],
         inter_threads=1, intra_threads=args.threads,
     )
 
     def generate(length):
         return translator.translate_batch(
-            source, beam_size=args.beam, min_decoding_length=length, max_decoding_length=length, max_batch_size=0
+            source, beam_size=args.beam, min_decoding_length=length, max_decoding_length=length,
+            max_batch_size=args.batch_size,
         )
 
     generate(min(8, args.length))  # warm-up
@@ -139,10 +147,10 @@ def run_one_ct2(args) -> dict:
         results = generate(args.length)
         total = min(total, time.perf_counter() - start)
     out_len = sum(len(r.hypotheses[0]) for r in results) / len(results)
-    steps = args.length + 1
+    steps = (args.length + 1) * math.ceil(len(source) / args.batch_size)
     return {
-        "model": "ct2", "batch": args.batch_size, "length": args.length, "out_len": out_len, "total_s": total,
-        "ms_per_step": 1000 * total / steps, "tokens_per_s": args.batch_size * args.length / total,
+        "model": args.model, "batch": args.batch_size, "length": args.length, "out_len": out_len, "total_s": total,
+        "ms_per_step": 1000 * total / steps, "tokens_per_s": len(source) * args.length / total,
         "peak_mem_mb": peak_memory_mb(args.device), "attn_state_mb": float("nan"),
     }
 
@@ -181,11 +189,13 @@ def run_one(args) -> dict:
 
     torch.set_num_threads(args.threads)
     device = args.device
-    src, dictionary = source_tokens(args)
+    src, dictionary = source_tokens(args, args.sentences or args.batch_size)
     extra = ["--rfa-num-features", str(args.num_features)] if args.num_features else []
     model = build_model(args.model, args.dims, dictionary, max_positions=args.length + 8, device=device, extra=extra,
                         dtype=args.dtype)
-    sample = {"net_input": {"src_tokens": src.to(device), "src_lengths": torch.full((args.batch_size,), args.src_len, device=device)}}
+    samples = [{"net_input": {"src_tokens": chunk.to(device),
+                              "src_lengths": torch.full((chunk.size(0),), args.src_len, device=device)}}
+               for chunk in src.split(args.batch_size)]
 
     # capture the incremental state to measure what attention keeps between steps
     captured = {}
@@ -199,28 +209,32 @@ def run_one(args) -> dict:
     model.decoder.forward = forward_and_grab_state
     states = grab_decoding_states(model) if args.model in STATIC_SEARCH_MODELS else None
 
-    def generate(length):
-        gen = make_generator(args.model, model, dictionary, args.beam, length)
+    def generate(gen):
+        hyps = []
         with torch.inference_mode():
-            hyps = gen.generate([model], sample)
+            for sample in samples:
+                hyps += gen.generate([model], sample)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return hyps
 
-    generate(min(8, args.length))  # warm-up
+    generate(make_generator(args.model, model, dictionary, args.beam, min(8, args.length)))  # warm-up
+    # the generator of the timed runs made once (CTranslate2's translator is), its first run a warm-up of this length
+    gen = make_generator(args.model, model, dictionary, args.beam, args.length)
+    generate(gen)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     total = math.inf
     for _ in range(args.repeats):  # the fastest of --repeats runs: short runs are noisy on a shared CPU
         start = time.perf_counter()
-        hyps = generate(args.length)
+        hyps = generate(gen)
         total = min(total, time.perf_counter() - start)
     out_len = sum(len(h[0]["tokens"]) for h in hyps) / len(hyps)
     state = captured.get("state") or {}
     attn_state = {k: v for k, v in state.items() if k.endswith(ATTENTION_STATE_KEYS)}
     if states:
         attn_state = states[-1].attention_tensors()
-    steps = args.length + 1  # the extra step is EOS
+    steps = (args.length + 1) * len(samples)  # the extra step is EOS
     return {
         "model": args.model,
         "dtype": args.dtype,
@@ -229,7 +243,7 @@ def run_one(args) -> dict:
         "out_len": out_len,
         "total_s": total,
         "ms_per_step": 1000 * total / steps,
-        "tokens_per_s": args.batch_size * args.length / total,
+        "tokens_per_s": src.size(0) * args.length / total,
         "peak_mem_mb": peak_memory_mb(device),
         "attn_state_mb": tensor_bytes(attn_state) / 2**20,
     }
@@ -371,6 +385,9 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=["softmax", "rfa", "rfa_gated", "floor"], choices=MODEL_CHOICES)
     p.add_argument("--lengths", nargs="+", type=int, default=DEFAULT_LENGTHS)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[8])
+    p.add_argument("--sentences", type=int, default=0, help="sentences decoded per point, in batches of each "
+                   "--batch-sizes (default: one batch)")
+    p.add_argument("--name", default="", help="a suffix of the CSV / PNG names (decode_<device>_<dims>_<name>.csv)")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--dims", choices=sorted(DIMS), default="base", help="model size (default: base = wmt_en_de)")
     p.add_argument("--vocab", type=int, default=8000)
@@ -400,6 +417,8 @@ def main() -> int:
     args = p.parse_args()
     if args.num_features < 0:
         p.error("--num-features must be positive (0: the plugin default)")
+    if args.sentences < 0:
+        p.error("--sentences must be positive (0: one batch)")
     for name in ("beam", "vocab", "src_len", "threads", "repeats"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -408,22 +427,22 @@ def main() -> int:
 
     if args.one_run and not args.device.startswith("cuda"):
         p.error("--one-run reads the GPU's peak memory at each length: CUDA only")
-    if args.one_run and ("ct2" in args.models or args.softmax_max_length < max(args.lengths)):
+    if args.one_run and (set(args.models) & set(CT2_COMPUTE_TYPES) or args.softmax_max_length < max(args.lengths)):
         p.error("--one-run decodes every model to the longest length with fairseq: no ct2, no --softmax-max-length")
     if args.runs and args.checkpoints:
         run_checkpoints(args)
         return 0
     if args.model:
-        print("RESULT " + json.dumps(run_one_ct2(args) if args.model == "ct2" else run_one(args)))
+        print("RESULT " + json.dumps(run_one_ct2(args) if args.model in CT2_COMPUTE_TYPES else run_one(args)))
         return 0
 
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"# benchmark_decode on {args.device}: {machine_description_for(args)}; dims={args.dims} vocab={args.vocab} "
           f"beam={args.beam} src_len={args.src_len}", flush=True)
-    dtype_tag = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    dtype_tag = ("" if args.dtype == "fp32" else f"_{args.dtype}") + (f"_{args.name}" if args.name else "")
     csv_path = os.path.join(args.out_dir, f"decode_{device_tag(args.device)}_{args.dims}{dtype_tag}.csv")
     rows = read_csv_rows(csv_path) if args.resume and os.path.exists(csv_path) else []
-    if "ct2" in args.models:
+    if set(args.models) & set(CT2_COMPUTE_TYPES):
         ensure_ct2_model(args)
     done = {(r["model"], r["batch"], r["length"]) for r in rows}
     budget_end = time.time() + args.time_budget if args.time_budget > 0 else math.inf
@@ -466,24 +485,55 @@ def main() -> int:
     png = plot(rows, csv_path[:-4] + ".png", args)
     if png:
         print(f"wrote {png}")
+    crossover = crossover_rows(rows)
+    if crossover:
+        write_csv(csv_path[:-4] + "_crossover.csv", crossover)
+        print_table(crossover, list(crossover[0]))
+        print(f"wrote {csv_path[:-4]}_crossover.csv")
     if args.max_batch_at:
         max_batch(args, rows, os.path.join(args.out_dir, f"decode_max_batch_{device_tag(args.device)}_{args.dims}.csv"), budget_end)
     return 0
 
 
-SOFTMAX_LIKE = ("softmax", "floor", "floor_proj", "ct2")
+SOFTMAX_LIKE = ("softmax", "floor", "floor_proj", "ct2", "ct2_int8")
+
+
+def crossover_rows(rows) -> list:
+    """Per RFA model and batch size, against CTranslate2 at the same precision (an int8 model against ct2_int8, the
+    others against ct2): the first measured length from which the RFA model's tokens/s is at least the peer's at
+    every longer measured length, and the length where the ratio crosses 1 by linear interpolation in log length
+    (empty where it never passes, or passes at the shortest length measured)."""
+    out = []
+    index = {(r["model"], r["batch"], r["length"]): r for r in rows}
+    for model, batch in sorted({(r["model"], r["batch"]) for r in rows if r["model"].startswith("rfa")}):
+        peer = "ct2_int8" if "int8" in model else "ct2"
+        points = sorted((length, index[(model, batch, length)]["tokens_per_s"] / index[(peer, batch, length)]["tokens_per_s"])
+                        for (m, b, length) in index if (m, b) == (model, batch) and (peer, batch, length) in index)
+        if not points:
+            continue
+        passes = [i for i in range(len(points)) if all(ratio >= 1.0 for _, ratio in points[i:])]
+        first = points[passes[0]][0] if passes else None
+        interpolated = None
+        if passes and passes[0] > 0:
+            (l0, r0), (l1, r1) = points[passes[0] - 1], points[passes[0]]
+            w = (1.0 - r0) / (r1 - r0)
+            interpolated = round(math.exp(math.log(l0) + w * (math.log(l1) - math.log(l0))))
+        out.append({"model": model, "peer": peer, "batch": batch,
+                    "ratios": " ".join(f"{length}:{ratio:.2f}" for length, ratio in points),
+                    "passes_from_length": first, "crossover_interpolated": interpolated})
+    return out
 
 
 def common_worker_args(args):
     return ["--beam", str(args.beam), "--dims", args.dims, "--vocab", str(args.vocab), "--src-len", str(args.src_len),
             "--device", args.device, "--threads", str(args.threads), "--num-features", str(args.num_features),
-            "--repeats", str(args.repeats), "--dtype", args.dtype]
+            "--repeats", str(args.repeats), "--dtype", args.dtype, "--sentences", str(args.sentences)]
 
 
 def worker_cmd(args, model, batch, length):
     cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--batch-size", str(batch), "--length", str(length),
            *common_worker_args(args)]
-    if model == "ct2":
+    if model in CT2_COMPUTE_TYPES:
         cmd += ["--ct2-model", ct2_model_dir(args)]
     return cmd
 
@@ -501,7 +551,7 @@ def max_batch(args, rows, path, budget_end) -> None:
     predicted batch (rows reached: verified_length; out of memory: "oom")."""
     length = args.max_batch_at
     results = []
-    for model in sorted({r["model"] for r in rows if r["model"] not in ("floor", "floor_proj", "ct2")}):
+    for model in sorted({r["model"] for r in rows if r["model"] not in ("floor", "floor_proj", *CT2_COMPUTE_TYPES)}):
         points = sorted({(r["batch"], r["peak_mem_mb"]) for r in rows if r["model"] == model and r["length"] == length})
         capacity = min((float(r.get("free_mb") or math.inf) for r in rows if r["model"] == model), default=math.inf)
         if len(points) < 2 or not math.isfinite(capacity):
@@ -585,7 +635,7 @@ def plot(rows, path, args):
         return None
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     colors = {"softmax": "tab:red", "rfa": "tab:orange", "rfa_gated": "tab:green", "floor": "tab:blue", "floor_proj": "tab:cyan",
-              "rfa_torch": "tab:brown", "ct2": "tab:purple", "rfa_d16": "tab:olive", "rfa_d32": "tab:pink", "rfa_d64": "tab:gray",
+              "rfa_torch": "tab:brown", "ct2": "tab:purple", "ct2_int8": "violet", "rfa_static_int8": "tab:green", "rfa_d16": "tab:olive", "rfa_d32": "tab:pink", "rfa_d64": "tab:gray",
               "rfa_paper": "gold", "rfa_paper_gated": "darkkhaki", "rfa_rfa_cross": "navy", "rfa_static": "black",
               "rfa_static_eager": "dimgray", "rfa_eager": "tab:pink"}
     styles = ["-", "--", ":", "-."]
@@ -598,7 +648,7 @@ def plot(rows, path, args):
         axes[0].plot(x, [r.get("ms_per_step_recent") or r["ms_per_step"] for r in rs], label=label, **style)
         axes[1].plot(x, [r["total_s"] for r in rs], label=label, **style)
         axes[2].plot(x, [r["peak_mem_mb"] for r in rs], label=label, **style)
-        if model not in ("floor", "floor_proj", "ct2"):
+        if model not in ("floor", "floor_proj", *CT2_COMPUTE_TYPES):
             axes[3].plot(x, [max(r["attn_state_mb"], 1e-3) for r in rs], label=label, **style)
     peak = "peak allocated memory (MB)" if args.device.startswith("cuda") else "peak RSS (MB)"
     step = "ms per decoding step" + (" (steps since the previous length)" if any(r.get("ms_per_step_recent") for r in rows) else "")

@@ -53,6 +53,9 @@ MODELS = {
     "rfa_torch": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"]),
     # the default model with int8 linear layers (--rfa-decode-precision int8, CPU)
     "rfa_int8": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_precision': 'int8'}"]),
+    # CPU: each batch decoded as one part on every thread (intra-op threads), not split into one part per thread
+    "rfa_intra": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_parts': 1}"]),
+    "rfa_int8_intra": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_precision': 'int8', 'rfa_decode_parts': 1}"]),
     # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
     "rfa_eager": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_cuda_graphs': False}"]),
     # the default model trained at each number of features D (the study's D variants; the default's is also
@@ -69,7 +72,7 @@ DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch", *CT2_MODELS]
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
 KEY = ("device", "threads", "batch_size", "model")
 # the rfa models whose hypotheses are compared with rfa's (the same checkpoint, another decoding path)
-SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8")
+SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8", "rfa_intra", "rfa_int8_intra")
 
 
 def log(message):
@@ -189,7 +192,7 @@ def gemm_backend(model, log_text, device="cpu") -> str:
     blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
     blas = f"torch {blas.group(1) if blas else 'default BLAS'}"
     # an rfa_transformer's decoder logs what its decoding step's linear layers run on (the encoder's follow it)
-    found = re.search(r"decoding step kernels: \w+; linear layers: (.+)", log_text)
+    found = re.search(r"decoding step: [^;]+; linear layers: (.+)", log_text)
     return blas if found is None or found.group(1).strip() == "torch addmm" else found.group(1).strip()
 
 

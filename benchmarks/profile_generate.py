@@ -3,14 +3,17 @@
 CTranslate2 on the softmax twin and the GEMM-bound floor, in one process, on the same test set.
 
 The test set is batched as fairseq-generate batches it (--batch-size sentences, sorted by source length, beam 4,
-length penalty 1, max length source + 50); each part's time is summed over the whole set, after one warm-up pass:
+length penalty 1, max length source + 50). After a warm-up pass, one pass is timed as it is (`rfa total`) and one
+under torch's profiler, which times the native step's parts (ops/csrc/decode_program.cpp names them for it):
 
-    encoder            the encoder pass of each batch (SoftmaxEncoderLayer's inference)
-    decoder: linear    every linear layer of the decoder (kernels.linear: oneDNN on packed weights): the steps'
-                       and each batch's cross-attention K/V
-    decoder: causal RFA / softmax cross / layer norm   the step's C++ kernels
-    decoder: other     the rest of the decoder (embeddings, the batch's state, buffers, Python)
-    log_softmax, beam_candidates, search: other     the search around the step (masks, finalize, reorders, Python)
+    encoder                       the encoder pass of each batch (SoftmaxEncoderLayer's inference)
+    decoder: linear layers        the layers' linear layers (oneDNN on packed weights; int8: the quantization too)
+    decoder: output projection    the vocabulary projection
+    decoder: causal RFA / softmax cross-attention / layer norm / embeddings   the step's kernels
+    search: candidates, finalize, reorder   the log-softmax fused with the choice of the candidates, the rest of
+                                  the search's step
+    other                         the rest (each batch's start: its K/V, buffers; the host's loop; the profiler's
+                                  own cost): the profiled pass's total less the parts
 
 `gemm_floor` times the step's linear layers alone, on the same packed weights, at the rows of every step that
 was run (each batch's rows shrink as its sentences finish): what a step could take if it were its GEMMs only.
@@ -41,39 +44,29 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_common import PLUGIN_DIR, write_csv  # noqa: E402
 
-STEP_KERNELS = {"linear": "decoder: linear", "causal_layer_step": "decoder: causal RFA",
-                "softmax_cross_step": "decoder: softmax cross", "add_layer_norm": "decoder: layer norm"}
+# the native step's parts (RECORD_FUNCTION names) -> the CSV's parts
+NATIVE_PARTS = {"rfa::linear": "decoder: linear layers", "rfa::output_projection": "decoder: output projection",
+                "rfa::causal_attention": "decoder: causal RFA", "rfa::cross_attention": "decoder: softmax cross-attention",
+                "rfa::layer_norm": "decoder: layer norm", "rfa::embedding": "decoder: embeddings",
+                "rfa::search": "search: candidates, finalize, reorder"}
 
 
 class PartTimer:
-    """Sums the wall time of wrapped callables by part (reset between batch sizes)."""
+    """Sums the wall time of wrapped callables by part (reset between passes)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self):
         self.seconds, self.calls = collections.defaultdict(float), collections.Counter()
-        self.in_decoder = False
 
-    def wrap(self, owner, name, part, before=None, decoder_only=False, in_decoder=False):
-        """decoder_only: count only calls made inside the decoder (the encoder runs the same kernels);
-        in_decoder: the callable is the decoder's (the kernels it calls count as the decoder's)."""
+    def wrap(self, owner, name, part, before=None):
+        """before(*args): called first (what a call is about)."""
         original = getattr(owner, name)
         static = isinstance(owner, type) and isinstance(inspect.getattr_static(owner, name), staticmethod)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            if in_decoder:
-                self.in_decoder = True
-                try:
-                    return timed_call(*args, **kwargs)
-                finally:
-                    self.in_decoder = False
-            return timed_call(*args, **kwargs)
-
-        def timed_call(*args, **kwargs):
-            if decoder_only and not self.in_decoder:
-                return original(*args, **kwargs)
             if before is not None:
                 before(*args)
             start = time.perf_counter()
@@ -116,66 +109,62 @@ def load(args):
 
 
 def instrument(model):
-    """Wraps the parts once (this process only profiles); -> the timer and the list of every step's rows."""
-    from rfa_fairseq.ops import decode_step
+    """Wraps the parts Python runs once (this process only profiles); -> the timer and the list of every step's rows."""
+    from rfa_fairseq.generation import static_beam_search
 
     timer, rows = PartTimer(), []
     timer.wrap(model.encoder, "forward_torchscript", "encoder")
-    from rfa_fairseq.modules.decoding import IncrementalDecoder
-
-    # a batch's start (its K/V: kernels.linear too), then every step's layers
-    timer.wrap(IncrementalDecoder, "start", "decoder", in_decoder=True)
-    timer.wrap(model.decoder, "step_layers", "decoder", in_decoder=True,
-               before=lambda state, tokens, *_: rows.append(tokens.size(0)))
-    # the class of the kernel set the decoder picks here (its linear layers' library included)
-    rfa = model.decoder.rfa
-    kernels = type(decode_step.step_kernels(rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32,
-                                            rfa.rfa_decode_precision))
-    for name, part in STEP_KERNELS.items():
-        timer.wrap(kernels, name, part, decoder_only=True)
-    timer.wrap(kernels, "beam_candidates", "beam_candidates")
-    timer.wrap(torch, "log_softmax", "log_softmax")
+    timer.wrap(static_beam_search._Search, "after_step", "steps", before=lambda search, *_: rows.append(search.N * search.K))
     return timer, rows
 
 
 def profile_rfa(model, generator, batches, timer, rows):
-    """-> {part: seconds}, {part: calls}, the rows of every decoder step, total seconds."""
+    """-> {part: seconds}, {part: calls}, the rows of every decoder step, total seconds (unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
     with torch.no_grad():
-        for batch in batches:  # warm-up: weights packed, oneDNN primitives made for every row count
+        for batch in batches:  # warm-up: oneDNN primitives made for every row count
             generator.generate([model], batch)
-        timer.reset()
-        rows.clear()
         start = time.perf_counter()
         for batch in batches:
             generator.generate([model], batch)
         total = time.perf_counter() - start
-    seconds, calls = dict(timer.seconds), dict(timer.calls)
-    calls["decoder: other"] = len(rows)  # steps
-    seconds["decoder: other"] = seconds.pop("decoder") - sum(seconds.get(p, 0.0) for p in STEP_KERNELS.values())
-    calls.pop("decoder")
-    seconds["search: other"] = total - sum(seconds.values())
+        timer.reset()
+        rows.clear()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for batch in batches:
+                generator.generate([model], batch)
+            profiled_total = time.perf_counter() - start
+    seconds, calls = {"encoder": timer.seconds["encoder"]}, {"encoder": timer.calls["encoder"]}
+    for event in prof.key_averages():
+        part = NATIVE_PARTS.get(event.key)
+        if part is not None:
+            seconds[part] = seconds.get(part, 0.0) + event.cpu_time_total / 1e6
+            calls[part] = calls.get(part, 0) + event.count
+    seconds["other (profiled pass)"] = profiled_total - sum(seconds.values())
     return seconds, calls, list(rows), total
 
 
 def gemm_floor(model, generator, rows):
     """Seconds of the decoding steps' linear layers alone at each step's rows, on the same packed weights and
     kernels (fp32 or int8: int8's activation quantization included)."""
-    from rfa_fairseq.ops import step_kernels
-
-    rfa = model.decoder.rfa
-    workspace = generator.decoder_workspace
-    kernels = step_kernels(rfa.rfa_decode_kernel, torch.device("cpu"), torch.float32, rfa.rfa_decode_precision)
-    # the linear layers of every step (the cross-attention's K/V projection runs once per batch)
-    weights = [packed for name, (_, packed) in workspace.packed.items() if not name.endswith("kv_proj")]
-    # input width: oneDNN's fp32 packed weight is (out, in), its int8 one (in, out) with 4 entries beside it
-    width = [packed[0].size(0) if len(packed) == 4 else packed[0].size(1) for packed in weights]
-    inputs = {(r, i): torch.randn(r, width[i]) for r in set(rows) for i in range(len(weights))}
-    outputs = {(r, i): torch.empty(r, 1) for r in set(rows) for i in range(len(weights))}  # oneDNN returns its own
+    runtime = model.decoder.decoding_runtime()
+    kernels = runtime.kernels
+    C, ffn = model.decoder.embed_dim, model.decoder.layers[0].fc1.out_features
+    # every linear layer of a step (the cross-attention's K/V projection runs once per batch), with its input width
+    weights = []
+    for record in runtime.layers:
+        weights += [(record.self_attn.proj, C), (record.self_attn.out_proj, C), (record.fc1, C), (record.fc2, ffn)]
+        if record.cross is not None:
+            weights += [(record.cross.q_proj, C), (record.cross.out_proj, C)]
+    weights.append((runtime.output, C))
+    inputs = {(r, width): torch.randn(r, width) for r in set(rows) for width in {C, ffn}}
     with torch.no_grad():
         start = time.perf_counter()
         for r in rows:
-            for i, packed in enumerate(weights):
-                kernels.linear(inputs[(r, i)], packed, outputs[(r, i)])
+            for packed, width in weights:
+                kernels.linear(inputs[(r, width)], packed)
         return time.perf_counter() - start
 
 
@@ -209,6 +198,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, generator, batches_of = load(args)
+    generator.parts = 1  # one part on every thread (parts decoded at once would overlap each other's parts' times)
     timer, step_rows = instrument(model)
     out = []
     point = {"decode_precision": args.decode_precision, "threads": args.threads}

@@ -77,9 +77,9 @@ class RFAConfig(FairseqDataclass):
     )
     rfa_decode_kernel: ChoiceEnum(DECODE_KERNELS) = field(
         default="auto",
-        metadata=_meta("decoding", "the kernels of the incremental decoding step: auto = the C++ kernels on CPU in fp32 when they "
-            "build (built once, cached), the torch kernels otherwise (CUDA, bf16/fp16); torch = always the torch kernels "
-            "(no C++ build); cpp = the C++ kernels, an error where they cannot run (not CPU fp32) or cannot be built. "
+        metadata=_meta("decoding", "the incremental decoding step: auto = the native step on CPU in fp32 (the whole step one "
+            "C++ call; built once, cached), the torch step otherwise (CUDA, bf16/fp16); torch = always the torch step "
+            "(no C++ build); cpp = the native step, an error where it cannot run (not CPU fp32) or cannot be built. "
             "Same results, other speeds (default: auto)", speed_only=True),
     )
     rfa_decode_precision: ChoiceEnum(DECODE_PRECISIONS) = field(
@@ -87,7 +87,7 @@ class RFAConfig(FairseqDataclass):
         metadata=_meta("decoding", "the linear layers of the CPU decoding step (and the encoder's inference): fp32, or "
             "int8 = oneDNN's int8 product on weights quantized per output channel and activations quantized at "
             "each step (7-bit, one scale per row): faster on x86 CPUs, its BLEU within docs/benchmarks.md's measured "
-            "margin of fp32's; the CPU in fp32 weights with the C++ kernels only (default: fp32)", speed_only=True),
+            "margin of fp32's; the CPU in fp32 weights with the native step only (default: fp32)", speed_only=True),
     )
     rfa_cuda_graphs: bool = field(
         default=True,

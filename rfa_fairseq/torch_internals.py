@@ -3,12 +3,8 @@
 A torch upgrade may remove or change any of them without notice, so each is named here once, behind a
 small function that says what happens without it:
 
-- `torch._C._storage_Use_Count` (with `UntypedStorage._cdata`): `storage_use_count`. The decoding
-  workspace hands out logits and log-probabilities in one of two buffers and reuses a buffer only when no
-  view of it is alive. Without it: None, and every handed-out buffer counts as still viewed (a new buffer
-  is allocated where one could be reused: more memory, same results).
-- `Tensor._version`: `tensor_version`. The version counter that in-place updates bump; the workspace
-  packs a linear layer's weights again when a parameter's version changes. Without it: an AttributeError
+- `Tensor._version`: `tensor_version`. The version counter that in-place updates bump; the decoding runtime
+  is built again (and the encoder's linear layers packed again) when a parameter's version changes. Without it: an AttributeError
   naming it (no fallback: a stale packed weight would give wrong outputs).
 - `torch.ops.mkldnn._reorder_linear_weight`, `torch.ops.mkldnn._linear_pointwise` and its `.binary`
   overload: `onednn_pack_linear_weight`, `onednn_linear`, `onednn_linear_add`. oneDNN's linear on weights
@@ -45,20 +41,6 @@ class MissingTorchInternal(RuntimeError):
 def _missing(what: str, consequence: str) -> MissingTorchInternal:
     return MissingTorchInternal(f"torch {torch.__version__} has no {what} (a private torch API rfa_fairseq uses: "
                                 f"{consequence}); see rfa_fairseq/torch_internals.py")
-
-
-@functools.lru_cache(maxsize=None)
-def _storage_use_count_fn():
-    return getattr(torch._C, "_storage_Use_Count", None)
-
-
-def storage_use_count(tensor: Tensor) -> Optional[int]:
-    """How many tensors (and storage objects) share `tensor`'s storage, `tensor` included: 1 when nothing else
-    views it. None when torch lacks `torch._C._storage_Use_Count`."""
-    use_count = _storage_use_count_fn()
-    if use_count is None:
-        return None
-    return use_count(tensor.untyped_storage()._cdata) - 1  # minus the storage object made for this call
 
 
 def tensor_version(tensor: Tensor) -> int:

@@ -6,6 +6,7 @@ import csv
 import logging
 import os
 import sys
+import threading
 import types
 
 import pytest
@@ -106,6 +107,56 @@ def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch,
     want, got = _generate_both(model, d, sample, beam_size=beam)
     assert_same_hypotheses(want, got)
     assert sizes and sizes[0][0] == 8 and all(2 * kept <= places for places, kept in sizes), sizes
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_a_batch_split_into_parts_decoded_at_once_gives_the_hypotheses_of_one_part(model_and_batch, parts, kernel,
+                                                                                   monkeypatch):
+    """--rfa-decode-parts N: the batch's sentences dealt out to N parts, each searched on its own thread (the native
+    step: the CPU in fp32; the torch step runs one part); the hypotheses of one part, in the batch's order."""
+    model, d, sample, _ = model_and_batch
+    monkeypatch.setattr(model.decoder.rfa, "rfa_decode_kernel", kernel)
+    threads = []
+    search = StaticBeamSearchGenerator._search
+
+    def recorded(self, lane, *args):
+        threads.append((threading.current_thread().name, lane))
+        return search(self, lane, *args)
+
+    monkeypatch.setattr(StaticBeamSearchGenerator, "_search", recorded)
+    with torch.no_grad():
+        one_part = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=20, parts=1)
+        in_parts = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=20, parts=parts)
+        one = one_part.generate([model], sample)
+        threads.clear()
+        split = in_parts.generate([model], sample)
+    assert_same_hypotheses(one, split)
+    if kernel == "auto":  # the native step: parts on threads of their own, one lane each
+        assert len(threads) == parts and len({name for name, _ in threads}) == parts
+        assert all(name.startswith("rfa-decode-part") for name, _ in threads)
+        assert len({id(lane) for _, lane in threads}) == parts and all(lane.state.threads == 1 for _, lane in threads)
+    else:
+        assert len(threads) == 1
+
+
+def test_parts_per_batch():
+    """Auto: one part per thread while each part keeps MIN_PART_SENTENCES sentences; --rfa-decode-parts overrides
+    (at most one part per sentence)."""
+    least = static_beam_search.MIN_PART_SENTENCES
+    assert static_beam_search.parts_for(32, 1, 0) == 1
+    assert static_beam_search.parts_for(32, 2, 0) == (2 if 32 >= 2 * least else 1)
+    assert static_beam_search.parts_for(2 * least - 1, 2, 0) == 1
+    assert static_beam_search.parts_for(1000, 4, 0) == 4
+    assert static_beam_search.parts_for(32, 2, 1) == 1
+    assert static_beam_search.parts_for(32, 1, 3) == 3
+    assert static_beam_search.parts_for(2, 4, 3) == 2
+
+
+def test_the_decode_parts_option_reaches_the_generator(model_and_batch, monkeypatch):
+    model, d, _, _ = model_and_batch
+    monkeypatch.setattr(model.decoder.rfa, "rfa_decode_parts", 3)
+    assert _build([model], d).parts == 3
 
 
 def test_static_generator_returns_sequence_generators_entries(model_and_batch):
