@@ -132,9 +132,8 @@ def test_a_batch_split_into_parts_decoded_at_once_gives_the_hypotheses_of_one_pa
         threads.clear()
         split = in_parts.generate([model], sample)
     assert_same_hypotheses(one, split)
-    if kernel == "auto":  # the native step: parts on threads of their own, one lane each
-        assert len(threads) == parts and len({name for name, _ in threads}) == parts
-        assert all(name.startswith("rfa-decode-part") for name, _ in threads)
+    if kernel == "auto":  # the native step: parts on the generator's worker threads, one lane each
+        assert len(threads) == parts and all(name.startswith("rfa-decode-part") for name, _ in threads)
         assert len({id(lane) for _, lane in threads}) == parts and all(lane.state.threads == 1 for _, lane in threads)
     else:
         assert len(threads) == 1
@@ -224,6 +223,22 @@ def test_no_rfa_static_beam_search_gives_sequence_generator(caplog):
 # ---------------------------------------------------------------- fairseq-generate
 
 @pytest.mark.slow
+def test_fairseq_generate_at_two_threads_decodes_two_parts_at_once_with_one_parts_lines(tmp_path_factory):
+    """fairseq-generate at 2 threads (OMP_NUM_THREADS): batches of 16 sentences split into 2 parts (auto), each on a
+    thread of its own; the same H-/P- lines as one part on both threads (--rfa-decode-parts 1)."""
+    data = synthetic_data(tmp_path_factory)
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("static_generator_parts"), max_update=30)
+    outputs = {}
+    for parts in (0, 1):
+        proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test",
+                   "--batch-size", "16", "--max-len-b", "25", "--required-batch-size-multiple", "1", "--cpu", "--beam", "4",
+                   "--model-overrides", f"{{'rfa_decode_parts': {parts}}}", OMP_NUM_THREADS="2")
+        outputs[parts] = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-")]
+        assert sum(line.startswith("H-") for line in outputs[parts]) == 40
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
 def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_factory):
     data = synthetic_data(tmp_path_factory)
     checkpoint = train_generate_model(data, tmp_path_factory.mktemp("static_generator_generate"), max_update=30)
@@ -236,7 +251,7 @@ def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_f
             expected_log = ("static beam search generator" if name == "static"
                             else "not the static beam search: --no-rfa-static-beam-search")
             assert expected_log in proc.stdout + proc.stderr
-            assert "rfa_fairseq: decoding step kernels: " in proc.stdout + proc.stderr  # once, with the GEMM used
+            assert "rfa_fairseq: decoding step: native (cpp); linear layers: " in proc.stdout + proc.stderr  # the GEMM used
             outputs[name] = [line.split("\t") for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "D-")]
             assert sum(fields[0].startswith("H-") for fields in outputs[name]) == 40
         assert len(outputs["static"]) == len(outputs["fairseq"])
@@ -260,9 +275,12 @@ def test_fairseq_generate_prints_the_same_lines_with_either_generator(tmp_path_f
         "--batch-sizes", "8", "--threads", "1", "--csv", csv_path)
     with open(csv_path) as f:
         rows = {row["part"]: row for row in csv.DictReader(f)}
-    parts = {"encoder", "decoder: linear", "decoder: causal RFA", "decoder: softmax cross", "decoder: layer norm",
-             "decoder: other", "log_softmax", "beam_candidates", "search: other", "rfa total", "gemm_floor"}
-    assert parts <= set(rows), sorted(rows)
+    totals = {"rfa total", "rfa total (profiled pass)", "gemm_floor"}
+    parts = {"encoder", "decoder: linear layers", "decoder: output projection", "decoder: causal RFA",
+             "decoder: softmax cross-attention", "decoder: layer norm", "decoder: embeddings",
+             "search: candidates, finalize, reorder", "other (profiled pass)"}
+    assert parts | totals <= set(rows), sorted(rows)
     seconds = {part: float(row["seconds"]) for part, row in rows.items()}
-    assert abs(sum(s for p, s in seconds.items() if p not in ("rfa total", "gemm_floor")) - seconds["rfa total"]) < 1e-2
-    assert 0 < seconds["gemm_floor"] and 0 < seconds["decoder: linear"] < seconds["rfa total"]
+    assert abs(sum(seconds[p] for p in parts) - seconds["rfa total (profiled pass)"]) < 1e-2
+    assert all(int(rows[p]["calls"]) > 0 for p in parts - {"other (profiled pass)"}), rows  # every part was seen
+    assert 0 < seconds["gemm_floor"] and 0 < seconds["decoder: linear layers"] < seconds["rfa total"]

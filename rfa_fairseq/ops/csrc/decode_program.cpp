@@ -123,7 +123,7 @@ at::Tensor map_tensor(const at::Tensor& t) { return t.defined() ? t : at::empty(
 
 at::Tensor DecodeProgram::decode_rows(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                                       const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
-                                      at::Tensor weights) {
+                                      at::Tensor weights, int64_t beam) {
   TORCH_CHECK(read == 0 || read == 1, "rfa decode program: read must be 0 or 1");
   TORCH_CHECK(batch.states0.size() == layers.size() && batch.states1.size() == layers.size(),
               "rfa decode program: the batch has ", batch.states0.size(), " layers' states for ", layers.size(),
@@ -170,10 +170,10 @@ at::Tensor DecodeProgram::decode_rows(const NativeBatch& batch, const at::Tensor
       if (cross.kind == kCrossSoftmax) {
         const bool last = i + 1 == layers.size();
         at::Tensor w = last && weights.defined() && weights.numel() > 0 ? weights : none;
-        softmax_cross_step(q, batch.keys[i], batch.values[i], map_tensor(batch.key_biases[i]), batch.beam,
+        softmax_cross_step(q, batch.keys[i], batch.values[i], map_tensor(batch.key_biases[i]), beam,
                            cross.scaling, out, w);
       } else {
-        rfa_cross_step(q, batch.cross_states[i], batch.beam, cross.eps, cross.map.kind, map_tensor(cross.map.sigma),
+        rfa_cross_step(q, batch.cross_states[i], beam, cross.eps, cross.map.kind, map_tensor(cross.map.sigma),
                        map_tensor(cross.map.matrix), out);
       }
       y = linear(cross.out_proj, out, false, x);
@@ -196,7 +196,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
                                  at::Tensor weights, int64_t threads) {
   ThreadScope scope(threads);
   at::NoGradGuard no_grad;
-  return decode_rows(batch, tokens, positions, order, read, first, padded_inputs, weights);
+  return decode_rows(batch, tokens, positions, order, read, first, padded_inputs, weights, batch.beam);
 }
 
 int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, int64_t t, int64_t parity, int64_t read,
@@ -212,9 +212,12 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   const int64_t L = tokens.size(1);
   TORCH_CHECK(tokens.size(0) == R && t + 1 < L, "rfa search step: step ", t, " of a (", tokens.size(0), ", ", L,
               ") token buffer for ", N, " places x ", K, " beams");
-  at::Tensor last_tokens = tokens.select(1, t).contiguous();  // (R,)
   at::Tensor position = s.positions.defined() ? s.positions.narrow(0, t, 1) : at::Tensor();
-  at::Tensor logits = decode_rows(batch, last_tokens, position, s.order, read, first, false, at::Tensor());
+  // the first step decodes one row per sentence: its beams are copies of one hypothesis (BOS, no state), and only
+  // the first beam's candidates count; those rows' states go to rows 0 .. N - 1, which the reorder below names
+  at::Tensor last_tokens = first ? tokens.select(1, t).slice(0, 0, R, K).contiguous() : tokens.select(1, t).contiguous();
+  at::Tensor logits = decode_rows(batch, last_tokens, position, s.order, read, first, false, at::Tensor(),
+                                  first ? 1 : batch.beam);
   const int64_t V = logits.size(1);
   const int64_t k = std::min(2 * K, (first ? V : K * V) - 1);  // -1: never pad (SequenceGenerator)
   TORCH_CHECK(k >= K, "rfa search step: ", k, " candidates for ", K, " beams (the vocabulary is too small)");
@@ -252,7 +255,7 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
       TopK best{cand_scores + n * k, cand_indices + n * k, k};
       for (int64_t b = 0; b < beams; ++b) {
         const int64_t row = n * K + b;
-        const float* x = lg + row * ldl;
+        const float* x = lg + (first ? n : row) * ldl;
         float m, log_sum;
         row_log_sum_exp(x, V, &m, &log_sum);
         const float add = first ? 0.0f : sc[row * Ls + t - 1];
@@ -313,7 +316,7 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
         const int64_t c = active[j], row = n * K + j;
         ignore[row] = ended[c];
         const int64_t source = n * K + ci[c] / V;
-        order[row] = source;
+        order[row] = first ? n : source;  // the state row to continue (the first step wrote one per sentence)
         std::copy(tok + source * L, tok + source * L + t + 1, next_tok + row * L);
         next_tok[row * L + t + 1] = ci[c] % V;
         std::copy(sc + source * Ls, sc + source * Ls + t, next_sc + row * Ls);

@@ -131,8 +131,10 @@ class DecodeProgram {
  private:
   int64_t gemm_;
   std::optional<c10::OperatorHandle> linear_op_, linear_add_op_, qlinear_op_;
+  // decode() for rows reading sentence r / beam (the batch's beam; 1 at the search's first step, one row per sentence)
   at::Tensor decode_rows(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
-                         const at::Tensor& order, int64_t read, bool first, bool padded_inputs, at::Tensor weights);
+                         const at::Tensor& order, int64_t read, bool first, bool padded_inputs, at::Tensor weights,
+                         int64_t beam);
 };
 
 void bind_decode_program(pybind11::module_& m);
