@@ -51,8 +51,7 @@ from .extension import load_fused_extension, require_fused_extension
 from .feature_maps import activate_learned_pair
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
-# --rfa-decode-precision; int8_u8 (experiment): CTranslate2's activation scheme, 8-bit codes with a +128 shift
-DECODE_PRECISIONS = ("fp32", "int8", "int8_u8")
+DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
 
 
 def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
@@ -68,11 +67,11 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
     cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
     int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
     native program cannot run (modules/native_step.py's unsupported), which makes auto take torch."""
-    if precision.startswith("int8"):
+    if precision == "int8":
         if native_unsupported is not None:
             raise ValueError(f"--rfa-decode-precision int8 runs the native step, which does not support "
                              f"{native_unsupported}; use fp32")
-        return _int8_kernels(decode_kernel, device, dtype, 128 if precision == "int8_u8" else 64)
+        return _int8_kernels(decode_kernel, device, dtype)
     if decode_kernel == "torch":
         return TORCH_KERNELS
     if native_unsupported is not None:
@@ -93,7 +92,7 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
     return NativeKernels(ext, OneDNNLinear() if torch_internals.onednn_linear_available() else TorchLinear())
 
 
-def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, zero_point: int) -> "NativeKernels":
+def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "NativeKernels":
     where = f"{torch.device(device).type} in {dtype}"
     if not cpp_can_run(device, dtype):
         raise ValueError(f"--rfa-decode-precision int8: the int8 decoding step runs on the CPU in fp32 weights, not on "
@@ -105,7 +104,7 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, 
         raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
                          f"(torch.ops.onednn.qlinear_*); use fp32")
     ext = require_fused_extension()
-    return NativeKernels(ext, OneDNNInt8Linear(ext, zero_point))
+    return NativeKernels(ext, OneDNNInt8Linear(ext))
 
 
 class TorchKernels:
@@ -269,10 +268,8 @@ class OneDNNInt8Linear:
     code = "onednn_int8"
     label = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
 
-    def __init__(self, ext, zero_point: int = 64):
-        self.ext, self.zero_point = ext, zero_point  # 64: 7-bit codes; 128: 8-bit codes with a +128 shift
-        if zero_point != 64:
-            self.label = "oneDNN int8 (per-channel weights, per-row 8-bit shifted activations)"
+    def __init__(self, ext):
+        self.ext = ext
 
     @staticmethod
     def pack_linear(weight, bias):
@@ -287,8 +284,8 @@ class OneDNNInt8Linear:
         weight, scales, zero_points, bias = packed
         codes = torch.empty(x.shape, dtype=torch.uint8)
         row_scales = torch.empty(x.size(0))
-        self.ext.quantize_rows(x, codes, row_scales, self.zero_point)
-        y = torch_internals.onednn_int8_linear(codes, 1.0, self.zero_point, weight, scales, zero_points)
+        self.ext.quantize_rows(x, codes, row_scales)
+        y = torch_internals.onednn_int8_linear(codes, 1.0, self.ext.int8_row_zero_point, weight, scales, zero_points)
         self.ext.scale_rows(y, row_scales, bias, _or_none(residual), activation == "relu")
         return y
 
@@ -320,9 +317,7 @@ class NativeKernels:
         return self.library.native_linear(self.ext, packed)
 
     def new_program(self):
-        program = self.ext.DecodeProgram(self.ext.gemms[self.library.code], torch_internals.onednn_operator_names())
-        program.int8_zero_point = getattr(self.library, "zero_point", 64)
-        return program
+        return self.ext.DecodeProgram(self.ext.gemms[self.library.code], torch_internals.onednn_operator_names())
 
     def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
         self.ext.beam_candidates(lprobs, _or_none(prev_scores), beam, scores_out, indices_out)

@@ -23,8 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
   m.def("beam_candidates", &beam_candidates, "beam search: the k best (score so far + log-probability) per sentence");
   m.def("rfa_cross_step", &rfa_cross_step, "RFA cross-attention step: phi(q) . S over per-sentence states");
-  m.def("quantize_rows", &quantize_rows, "int8 linear input: codes round(x / s) + z, s = the row's max |x| / (z - 1)",
-        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zero_point") = kInt8RowZeroPoint);
+  m.def("quantize_rows", &quantize_rows, "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
   m.def("scale_rows", &scale_rows, "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
   m.attr("int8_row_zero_point") = kInt8RowZeroPoint;
   // causal_layer_step's `activation` codes by feature-map activation (None in Python: "features")

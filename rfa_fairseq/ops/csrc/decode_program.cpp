@@ -88,8 +88,8 @@ at::Tensor DecodeProgram::linear(const LinearLayer& layer, const at::Tensor& x, 
       const at::Tensor input = x.is_contiguous() ? x : x.contiguous();
       at::Tensor codes = at::empty(input.sizes(), input.options().dtype(at::kByte));
       at::Tensor row_scales = at::empty({input.size(0)}, input.options());
-      quantize_rows(input, codes, row_scales, int8_zero_point);
-      torch::jit::Stack stack = {codes, 1.0, int8_zero_point, layer.weight, layer.w_scales, layer.w_zero_points,
+      quantize_rows(input, codes, row_scales);
+      torch::jit::Stack stack = {codes, 1.0, kInt8RowZeroPoint, layer.weight, layer.w_scales, layer.w_zero_points,
                                  c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat), std::string("none"),
                                  empty_scalar_list(), std::string("")};
       qlinear_op_->callBoxed(&stack);
@@ -421,7 +421,6 @@ void bind_decode_program(pybind11::module_& m) {
       .def_readwrite("layers", &DecodeProgram::layers)
       .def_readwrite("output", &DecodeProgram::output)
       .def_readwrite("padding_idx", &DecodeProgram::padding_idx)
-      .def_readwrite("int8_zero_point", &DecodeProgram::int8_zero_point)
       .def("decode", &DecodeProgram::decode, py::call_guard<py::gil_scoped_release>(),
            "logits of one decoding step (decode_program.h)")
       .def("search_step", &DecodeProgram::search_step, py::call_guard<py::gil_scoped_release>(),

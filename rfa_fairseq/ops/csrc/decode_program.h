@@ -108,7 +108,6 @@ class DecodeProgram {
   std::vector<DecoderLayerProgram> layers;
   LinearLayer output;
   int64_t padding_idx = 1;
-  int64_t int8_zero_point = 64;  // the int8 activations' codes: 7-bit (64) or 8-bit with a +128 shift (128)
 
   // logits (R, V) of one step for tokens (R,) int64 at positions (R, C), (1, C) or empty; the causal states read
   // parity `read` through `order` (empty: row r reads row r; ignored when first) and write the other buffer.

@@ -26,8 +26,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -123,39 +121,16 @@ float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   return s;
 }
 
-// bf16 <-> fp32 (round to nearest even), for states stored in bf16 between steps
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S' (the fp32 S', before a bf16
-// state rounds it for the next step). State: float (fp32 states) or uint16_t (bf16 states). The portable loop:
-template <typename State>
-void update_and_read_out_portable(const State* __restrict__ s_in, State* __restrict__ s_out,
-                                  const float* __restrict__ q, const float* __restrict__ k,
-                                  const float* __restrict__ v_aug, float g, float k_scale, int64_t F, int64_t D1,
-                                  float* __restrict__ acc) {
+// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S'. The portable loop:
+void update_and_read_out_portable(const float* __restrict__ s_in, float* __restrict__ s_out, const float* __restrict__ q,
+                                  const float* __restrict__ k, const float* __restrict__ v_aug, float g, float k_scale,
+                                  int64_t F, int64_t D1, float* __restrict__ acc) {
   for (int64_t j = 0; j < D1; ++j) acc[j] = 0.0f;
   for (int64_t f = 0; f < F; ++f) {
     const float kf = k[f] * k_scale, qf = q[f];
     for (int64_t j = 0; j < D1; ++j) {
-      float previous = 0.0f;
-      if (s_in != nullptr) {
-        if constexpr (std::is_same_v<State, float>) previous = s_in[f * D1 + j];
-        else previous = bf16_to_float(s_in[f * D1 + j]);
-      }
-      const float s = g * previous + kf * v_aug[j];
-      if constexpr (std::is_same_v<State, float>) s_out[f * D1 + j] = s;
-      else s_out[f * D1 + j] = float_to_bf16(s);
+      const float s = (s_in != nullptr ? g * s_in[f * D1 + j] : 0.0f) + kf * v_aug[j];
+      s_out[f * D1 + j] = s;
       acc[j] += qf * s;
     }
   }
@@ -163,31 +138,8 @@ void update_and_read_out_portable(const State* __restrict__ s_in, State* __restr
 
 // The same with AVX2: up to 64 columns at a time, their read-out sums held in registers across the F rows (they never
 // go to memory) and each state row read and written once, in order.
-template <typename State>
-__attribute__((target("avx2,fma"))) inline __m256 load_state8(const State* p) {
-  if constexpr (std::is_same_v<State, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <typename State>
-__attribute__((target("avx2,fma"))) inline void store_state8(State* p, __m256 x) {
-  if constexpr (std::is_same_v<State, float>) {
-    _mm256_storeu_ps(p, x);
-  } else {  // round to nearest even, then the high halves of the eight words
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-  }
-}
-
-template <typename State, int kBlocks>
-__attribute__((target("avx2,fma"))) inline void update_columns(const State* __restrict__ s_in, State* __restrict__ s_out,
+template <int kBlocks>
+__attribute__((target("avx2,fma"))) inline void update_columns(const float* __restrict__ s_in, float* __restrict__ s_out,
                                                                const float* __restrict__ q, const float* __restrict__ k,
                                                                const float* __restrict__ v_aug, float g, float k_scale,
                                                                int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
@@ -198,47 +150,38 @@ __attribute__((target("avx2,fma"))) inline void update_columns(const State* __re
     const __m256 kf = _mm256_set1_ps(k[f] * k_scale), qf = _mm256_set1_ps(q[f]);
     for (int b = 0; b < kBlocks; ++b) {
       __m256 s = _mm256_mul_ps(kf, _mm256_loadu_ps(v_aug + j + 8 * b));
-      if (s_in != nullptr) s = _mm256_fmadd_ps(gv, load_state8(s_in + f * D1 + j + 8 * b), s);
-      store_state8(s_out + f * D1 + j + 8 * b, s);
+      if (s_in != nullptr) s = _mm256_fmadd_ps(gv, _mm256_loadu_ps(s_in + f * D1 + j + 8 * b), s);
+      _mm256_storeu_ps(s_out + f * D1 + j + 8 * b, s);
       a[b] = _mm256_fmadd_ps(qf, s, a[b]);
     }
   }
   for (int b = 0; b < kBlocks; ++b) _mm256_storeu_ps(acc + j + 8 * b, a[b]);
 }
 
-template <typename State>
-__attribute__((target("avx2,fma"))) void update_and_read_out_avx2(const State* __restrict__ s_in,
-                                                                  State* __restrict__ s_out, const float* __restrict__ q,
-                                                                  const float* __restrict__ k,
+__attribute__((target("avx2,fma"))) void update_and_read_out_avx2(const float* __restrict__ s_in, float* __restrict__ s_out,
+                                                                  const float* __restrict__ q, const float* __restrict__ k,
                                                                   const float* __restrict__ v_aug, float g, float k_scale,
                                                                   int64_t F, int64_t D1, float* __restrict__ acc) {
   int64_t j = 0;
-  for (; j + 64 <= D1; j += 64) update_columns<State, 8>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j + 32 <= D1; j += 32) update_columns<State, 4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j + 8 <= D1; j += 8) update_columns<State, 1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 64 <= D1; j += 64) update_columns<8>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 32 <= D1; j += 32) update_columns<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 8 <= D1; j += 8) update_columns<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
   for (; j < D1; ++j) {  // the last columns (z's, the ones column of [v, 1], among them)
     float sum = 0.0f;
     for (int64_t f = 0; f < F; ++f) {
-      float previous = 0.0f;
-      if (s_in != nullptr) {
-        if constexpr (std::is_same_v<State, float>) previous = s_in[f * D1 + j];
-        else previous = bf16_to_float(s_in[f * D1 + j]);
-      }
-      const float s = g * previous + k[f] * k_scale * v_aug[j];
-      if constexpr (std::is_same_v<State, float>) s_out[f * D1 + j] = s;
-      else s_out[f * D1 + j] = float_to_bf16(s);
+      const float s = (s_in != nullptr ? g * s_in[f * D1 + j] : 0.0f) + k[f] * k_scale * v_aug[j];
+      s_out[f * D1 + j] = s;
       sum += q[f] * s;
     }
     acc[j] = sum;
   }
 }
 
-template <typename State>
-void update_and_read_out(const State* s_in, State* s_out, const float* q, const float* k, const float* v_aug, float g,
+void update_and_read_out(const float* s_in, float* s_out, const float* q, const float* k, const float* v_aug, float g,
                          float k_scale, int64_t F, int64_t D1, float* acc) {
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return update_and_read_out_avx2<State>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
-  update_and_read_out_portable<State>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
+  if (avx2) return update_and_read_out_avx2(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
+  update_and_read_out_portable(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
 }
 
 // y += a * x
@@ -416,17 +359,16 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   check_rows(phi_k, R, H * P, "phi_k");
   check_rows(v, R, H * d, "v");
   check_rows(out, R, H * d, "out");
-  const bool bf16 = state_out.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && (bf16 || state_out.scalar_type() == torch::kFloat32),
-              "rfa static step: state_out must be a contiguous fp32 or bf16 (rows, heads, F, head_dim + 1) buffer");
+  TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && state_out.scalar_type() == torch::kFloat32,
+              "rfa static step: state_out must be a contiguous fp32 (rows, heads, F, head_dim + 1) buffer");
   const bool first = state_in.numel() == 0;
   const bool reorder = order.numel() > 0;
   TORCH_CHECK(!(first && reorder), "rfa static step: a reorder needs a state");
   if (!first) {
     TORCH_CHECK(state_in.is_contiguous() && state_in.sizes().slice(1) == state_out.sizes().slice(1) &&
-                    state_in.scalar_type() == state_out.scalar_type(),
-                "rfa static step: state_in and state_out differ in layout or dtype");
-    TORCH_CHECK(state_in.data_ptr() != state_out.data_ptr(), "rfa static step: state_out must not be state_in");
+                    state_in.scalar_type() == torch::kFloat32,
+                "rfa static step: state_in and state_out differ in layout");
+    TORCH_CHECK(state_in.data_ptr<float>() != state_out.data_ptr<float>(), "rfa static step: state_out must not be state_in");
     const int64_t R0 = state_in.size(0);
     if (reorder) {
       TORCH_CHECK(order.numel() == R && order.scalar_type() == torch::kInt64, "rfa static step: order must be (rows,) int64");
@@ -448,9 +390,9 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const float* vp = v.data_ptr<float>();
   const float* gp = gated ? gate_logits.data_ptr<float>() : nullptr;
   const bool* padp = padded ? key_pad.data_ptr<bool>() : nullptr;
-  const void* s_in = first ? nullptr : state_in.data_ptr();
+  const float* s_in = first ? nullptr : state_in.data_ptr<float>();
   const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
-  void* s_out = state_out.data_ptr();
+  float* s_out = state_out.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldq = phi_q.stride(0), ldk = phi_k.stride(0), ldv = v.stride(0), ldo = out.stride(0);
   const int64_t ldg = gated ? gate_logits.stride(0) : 0;
@@ -473,16 +415,8 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       const int64_t src = reorder ? ord[r] : r;
       const float* q = head_features(pq + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
       const float* k = head_features(pk + r * ldk + h * P, map, h, false, k_buf.data(), scratch.data());
-      const int64_t in_offset = (src * H + h) * F * D1, out_offset = rh * F * D1;
-      if (bf16) {
-        const uint16_t* in = first ? nullptr : static_cast<const uint16_t*>(s_in) + in_offset;
-        update_and_read_out<uint16_t>(in, static_cast<uint16_t*>(s_out) + out_offset, q, k, v_aug.data(), decay,
-                                      k_scale, F, D1, acc.data());
-      } else {
-        const float* in = first ? nullptr : static_cast<const float*>(s_in) + in_offset;
-        update_and_read_out<float>(in, static_cast<float*>(s_out) + out_offset, q, k, v_aug.data(), decay, k_scale, F,
-                                   D1, acc.data());
-      }
+      update_and_read_out(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(),
+                          decay, k_scale, F, D1, acc.data());
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
@@ -659,11 +593,11 @@ float max_abs(const float* __restrict__ x, int64_t n) {
 }
 
 RFA_SIMD_CLONES
-void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, float zero, uint8_t* __restrict__ q) {
-  const float top = 2.0f * zero - 1.0f;
+void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, uint8_t* __restrict__ q) {
+  const float zero = static_cast<float>(kInt8RowZeroPoint), top = static_cast<float>(2 * kInt8RowZeroPoint - 1);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    // round half to even, as torch.round; |x| <= the row's maximum keeps the code in 1 .. 2 * zero - 1
+    // round half to even, as torch.round; |x| <= the row's maximum keeps the code in 1 .. 127
     const float v = std::nearbyint(x[i] * inv_scale) + zero;
     q[i] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), top));
   }
@@ -682,9 +616,7 @@ void scale_row(float* __restrict__ y, int64_t n, float s, const float* __restric
 
 }  // namespace
 
-void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales, int64_t zero_point) {
-  TORCH_CHECK(zero_point == 64 || zero_point == 128, "rfa static step: the int8 zero point is 64 (7-bit codes) or 128 "
-              "(8-bit), not ", zero_point);
+void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == R && codes.size(1) == C,
@@ -695,13 +627,13 @@ void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& 
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const float levels = static_cast<float>(zero_point - 1), zero = static_cast<float>(zero_point);
+  const float levels = static_cast<float>(kInt8RowZeroPoint - 1);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float m = max_abs(xp + r * ldx, C);
       const float scale = m > 0.0f ? m / levels : 1.0f;
       sp[r] = scale;
-      quantize_row(xp + r * ldx, C, 1.0f / scale, zero, cp + r * C);
+      quantize_row(xp + r * ldx, C, 1.0f / scale, cp + r * C);
     }
   });
 }

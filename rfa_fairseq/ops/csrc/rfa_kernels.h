@@ -76,8 +76,6 @@ void row_log_sum_exp(const float* x, int64_t n, float* max_out, float* log_sum_o
 // int8 linear layers' activations: the zero point of the 7-bit codes (x86 without VNNI sums pairs of u8 x s8
 // products in int16, which 8-bit codes times 7-bit weights overflow)
 constexpr int64_t kInt8RowZeroPoint = 64;
-// zero_point 64: 7-bit codes (1 .. 127); 128: 8-bit codes with a +128 shift (1 .. 255)
-void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales,
-                   int64_t zero_point = kInt8RowZeroPoint);
+void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales);
 void scale_rows(torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& residual,
                 bool relu);
