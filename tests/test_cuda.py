@@ -306,6 +306,7 @@ def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, r
             eager = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12, cuda_graphs=False)
             graphed = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12)
             counted(graphed.graphs)  # made as the generator prepared its weights: counted from here
+        else:
             eager = graphed = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
         model.decoder.rfa.rfa_cuda_graphs = False  # --no-rfa-cuda-graphs (the SequenceGenerator path's switch)
         want_tokens, want_scores = decode(eager)

@@ -13,6 +13,7 @@
 #   5. decode_forced: forced output lengths 64 / 256 / 2,048, 8 and 64 sentences x beam 4, fp16, base model:
 #      softmax and rfa through fairseq's SequenceGenerator, rfa_static through the static beam search (the
 #      generator fairseq-generate gives an rfa_transformer: its whole step one graph)
+#      (RFA_GPU_FORCED_BATCHES, default "8 64", and RFA_GPU_FORCED_MODELS pick the points)
 #   6. generate_real: fairseq-generate --fp16 on Multi30k test_2016_flickr (beam 4, batch 32 / 128 / 512) with the
 #      checkpoints stage 3 trained: softmax, rfa, and rfa_eager at batch 128 (the same step uncaptured)
 #   (warm_fla compiles fla's kernels on the CPU cores from the start, beside stage 2)
@@ -22,7 +23,7 @@
 # Everything goes under ${OUT:-outputs/gpu}: progress.log, status.txt, env.txt, the stage logs, CSVs and PNGs
 # (file names carry the GPU, e.g. decode_cuda_h100_base_fp16.csv), summary.txt; with RFA_GPU_ARCHIVE=path.tar.gz
 # that folder (checkpoints aside) is also packed there after every stage (a run cut short keeps what it
-# finished). The whole run stops by RFA_GPU_BUDGET_S seconds (default 540): each stage gets what is left, a
+# finished). RFA_GPU_TRAIN_S caps the training stage (default 280 s). The whole run stops by RFA_GPU_BUDGET_S seconds (default 540): each stage gets what is left, a
 # benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages (default
 # "warm_fla graph_tests train test_cuda decode_forced generate_real").
 #
@@ -93,6 +94,8 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
       f"fairseq {fairseq.__version__}, fla {fla.__version__}, cuda {torch.version.cuda}")
 print(torch.cuda.get_device_name(), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB")
 EOF
+    # CTranslate2's PyPI wheel loads CUDA 12's cuBLAS (libcublas.so.12) at run time
+    echo "libcublas.so.12: $(ldconfig -p | grep -c 'libcublas.so.12' || true) in ldconfig; files: $(find / -xdev -name 'libcublas.so.12*' 2>/dev/null | head -n 3 | tr '\n' ' ')"
 } > "$OUT/env.txt" 2>&1 || true
 log "environment: $(tr '\n' ' ' < "$OUT/env.txt")"
 
@@ -109,7 +112,7 @@ stage graph_tests "$(budget 0 100)" python3 -m pytest -q -s -p no:cacheprovider 
 
 # ---------------------------------------------------------------- 3. training beside 4. the other tests
 TRAIN_WORK=/tmp/rfa-train-precision
-secs=$(budget 215 280)
+secs=$(budget 215 "${RFA_GPU_TRAIN_S:-280}")
 stage train "$secs" env OUT="$OUT" WORK="$TRAIN_WORK" UPDATES="${RFA_GPU_TRAIN_UPDATES:-1000}" LIMIT_S=$(( secs - 25 )) \
     PRECISIONS="${RFA_GPU_PRECISIONS:-fp16 bf16}" BASE="${RFA_GPU_BASE:-1}" bash benchmarks/gpu/train_precision.sh &
 TRAINING=$!
@@ -137,7 +140,8 @@ done
 GRACE=20
 secs=$(budget 105 110)
 stage decode_forced "$secs" python3 benchmarks/benchmark_decode.py --device cuda --one-run --dims base --dtype fp16 \
-    --beam 4 --src-len 32 --models softmax rfa rfa_static --batch-sizes 8 64 --lengths 64 256 2048 --out-dir "$OUT" \
+    --beam 4 --src-len 32 --models ${RFA_GPU_FORCED_MODELS:-softmax rfa rfa_static} --batch-sizes ${RFA_GPU_FORCED_BATCHES:-8 64} \
+    --lengths 64 256 2048 --out-dir "$OUT" \
     --time-budget $(( secs - GRACE )) --run-budget 20
 
 GENERATE=(python3 benchmarks/benchmark_generate.py --device cuda --fp16 --prep .gpu/multi30k --study-dir "$TRAIN_WORK/fp16"
