@@ -219,9 +219,11 @@ def run_one(args) -> dict:
         return hyps
 
     generate(make_generator(args.model, model, dictionary, args.beam, min(8, args.length)))  # warm-up
-    # the generator of the timed runs made once (CTranslate2's translator is), its first run a warm-up of this length
+    # the generator of the timed runs made once (CTranslate2's translator is); the static beam search's first run is a
+    # warm-up of this length (its buffers, kept across batches, sized; on CUDA its graphs captured)
     gen = make_generator(args.model, model, dictionary, args.beam, args.length)
-    generate(gen)
+    if args.model in STATIC_SEARCH_MODELS:
+        generate(gen)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     total = math.inf

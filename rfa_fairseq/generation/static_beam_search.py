@@ -154,7 +154,7 @@ class StaticBeamSearchGenerator(nn.Module):
             raise NotImplementedError("the static beam search takes no constraints (build_generator falls back)")
         src_tokens = sample["net_input"]["src_tokens"]
         N, src_len = src_tokens.shape[:2]
-        K, device = self.beam_size, src_tokens.device
+        device = src_tokens.device
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
         encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])

@@ -50,6 +50,7 @@ from ..modules.decoding import (
     step_graphs_for,
     weights_key,
 )
+from ..modules.rfa_attention import CausalRecord
 from ..ops import step_kernels
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ class DecoderLayerRecord:
     without encoder attention), its norms, its FFN's packed linear layers; post-norm or pre-norm (normalize_before).
     `step` is its part of the torch step; the native program reads the same fields (modules/native_step.py)."""
 
-    self_attn: "CausalRecord"
+    self_attn: CausalRecord
     self_attn_norm: NormRecord
     cross: Optional[object]
     cross_norm: Optional[NormRecord]

@@ -285,9 +285,6 @@ class DecodingCache:
 # ---------------------------------------------------------------- one batch
 
 
-_EMPTY = torch.empty(0)  # the native program's "absent"
-
-
 class DecodingState:
     """One batch's incremental decoding on a runtime: `start` makes (or reuses) the layers' caches from the encoder
     output, `step` decodes one token per row, `reorder` follows beam search. `compute` and `step_done` are a step's
@@ -403,9 +400,9 @@ class DecodingState:
         if need_weights and last is not None and self.layers[-1].cross is not None and last.cross.has_weights:
             weights = torch.empty(tokens.size(0), self.layers[-1].cross.key.size(2), device=tokens.device)
         logits = self.runtime.program.decode(
-            self.native_batch(), tokens, _EMPTY if positions is None else positions,
-            _EMPTY if self.first or self.order is None else self.order, self.parity, self.first, padded_inputs,
-            _EMPTY if weights is None else weights, self.threads)
+            self.native_batch(), tokens, native_step.NONE if positions is None else positions,
+            native_step.NONE if self.first or self.order is None else self.order, self.parity, self.first, padded_inputs,
+            native_step.NONE if weights is None else weights, self.threads)
         return logits, weights
 
     def native_batch(self):

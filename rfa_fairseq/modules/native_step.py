@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fairseq.modules.gelu import gelu as fairseq_gelu
 
 FFN_ACTIVATIONS = {F.relu: "relu", fairseq_gelu: "gelu", F.gelu: "gelu"}
-_NONE = torch.empty(0)  # the program's "absent"
+NONE = torch.empty(0)  # the program's "absent" tensor
 
 
 def unsupported(decoder) -> Optional[str]:
@@ -101,4 +101,4 @@ def native_batch(ext, layers: List, beam: int):
 
 
 def _or_none(t):
-    return _NONE if t is None else t
+    return NONE if t is None else t

@@ -48,7 +48,7 @@ class SoftmaxCrossRecord:
         bias always present, so that batches of other source lengths up to it run on the same buffers and shapes
         (CUDA graphs). -> (the cache, whether a buffer is new)"""
         S, n, _ = key.shape
-        H, d, C = self.heads, self.head_dim, self.heads * self.head_dim
+        H, d = self.heads, self.head_dim
         length = S if source_len is None else source_len
         if length < S:
             raise ValueError(f"source_len {source_len} is shorter than the source ({S} positions)")
