@@ -100,7 +100,7 @@ class RFAConfig(FairseqDataclass):
         metadata=_meta("decoding", "on the CPU, the static beam search splits each batch into this many parts and decodes "
             "them at once, one thread each (CTranslate2's inter_threads); 1 = one part on every thread (intra-op "
             "threads); 0 = auto: one part per thread (torch's thread count, e.g. OMP_NUM_THREADS) while each part keeps "
-            "at least 8 sentences. Same hypotheses, other speeds (default: 0)", speed_only=True),
+            "at least 32 sentences. Same hypotheses, other speeds (default: 0)", speed_only=True),
     )
     rfa_static_beam_search: bool = field(
         default=True,

@@ -36,7 +36,7 @@ from fairseq.ngram_repeat_block import NGramRepeatBlock
 from ..modules.decoding import CUDAGraphBackend, DecodingState, StepGraphs
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
-MIN_PART_SENTENCES = 8  # auto: a batch is split into parts of at least this many sentences (docs/benchmarks.md)
+MIN_PART_SENTENCES = 32  # auto: parts of at least this many sentences (smaller ones lose to intra-op threads: docs/benchmarks.md)
 
 
 def parts_for(sentences: int, threads: int, requested: int) -> int:
