@@ -624,7 +624,8 @@ def add_ratios(rows) -> None:
     for r in rows:
         soft = index.get(("softmax", r["batch"], r["length"]))
         floor = index.get(("floor", r["batch"], r["length"]))
-        r["time_vs_softmax"] = r["total_s"] / soft["total_s"] if soft else None
+        # per step: a point measured on fewer sentences (--sentences) compares as one on more
+        r["time_vs_softmax"] = r["ms_per_step"] / soft["ms_per_step"] if soft else None
         r["state_vs_softmax"] = r["attn_state_mb"] / soft["attn_state_mb"] if soft and soft["attn_state_mb"] else None
         r["step_vs_floor"] = r["ms_per_step"] / floor["ms_per_step"] if floor else None
         floor_proj = index.get(("floor_proj", r["batch"], r["length"]))
