@@ -23,8 +23,8 @@
 # Everything goes under ${OUT:-outputs/gpu}: progress.log, status.txt, env.txt, the stage logs, CSVs and PNGs
 # (file names carry the GPU, e.g. decode_cuda_h100_base_fp16.csv), summary.txt; with RFA_GPU_ARCHIVE=path.tar.gz
 # that folder (checkpoints aside) is also packed there after every stage (a run cut short keeps what it
-# finished). RFA_GPU_TRAIN_S caps the training stage (default 280 s). The whole run stops by RFA_GPU_BUDGET_S seconds (default 540): each stage gets what is left, a
-# benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages (default
+# finished). RFA_GPU_TRAIN_S caps the training stage (default 280 s). The whole run stops by RFA_GPU_BUDGET_S
+# seconds (default 540): each stage gets what is left, a benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages (default
 # "warm_fla graph_tests train test_cuda decode_forced generate_real").
 #
 #   python benchmarks/gpu/pack_carry.py --prep outputs/multi30k     # here: .gpu/multi30k (the data)
