@@ -6,8 +6,10 @@ Part 1 times one decoder self-attention module (the same call fairseq's decoder 
 makes, with the causal mask) for lengths 64 ... 8192. Kinds: softmax (fairseq's
 MultiheadAttention, materialized T x T mask), softmax_sdpa (the same projections around
 torch's scaled_dot_product_attention(is_causal=True): flash / memory-efficient kernels on
-CUDA), rfa and rfa_gated (the plugin's dispatch: fla on CUDA when installed, chunked torch
-otherwise), rfa_torch and rfa_gated_torch (the chunked torch path on any device). On the
+CUDA), rfa and rfa_gated (the plugin's dispatch: the Triton kernels on CUDA, chunked torch
+otherwise), rfa_torch and rfa_gated_torch (the chunked torch path on any device), rfa_fla (CUDA, the
+peer: flash-linear-attention's chunk_simple_gla in place of the plugin's kernels, ungated: fla 0.6 refuses its
+gated backward on Hopper under Triton < 3.7.1). On the
 CPU one fresh process per point, so that peak RSS is that point's own; on CUDA one process
 per kind, peak allocated memory reset before each length. Part 2 runs fairseq-train on
 the embedded synthetic corpus for a few hundred updates per model and reads the words/s
@@ -44,8 +46,8 @@ from benchmark_common import (  # noqa: E402
 )
 
 DEFAULT_LENGTHS = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
-KINDS = ["softmax", "softmax_sdpa", "rfa", "rfa_gated", "rfa_torch", "rfa_gated_torch"]
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+KINDS = ["softmax", "softmax_sdpa", "rfa", "rfa_gated", "rfa_torch", "rfa_gated_torch", "rfa_fla"]
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # bounds of the end-to-end part's commands (generous: a few hundred updates take minutes on a CPU)
 PREP_TIMEOUT_S = 900
 E2E_TRAIN_TIMEOUT_S = 4 * 3600
@@ -74,8 +76,26 @@ def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
     if kind == "softmax_sdpa":
         return SDPAAttention(embed, heads)
     sequence_kernel = "torch" if kind.endswith("_torch") else "auto"  # *_torch: CUDA tensors on the torch path too
+    if kind.endswith("_fla"):
+        import rfa_fairseq.modules.rfa_attention as rfa_attention
+
+        rfa_attention.causal_rfa = fla_causal_rfa  # this worker process times the peer's kernels
     return RFAAttention(embed, heads, self_attention=True, causal=True,
                         rfa=RFAConfig(rfa_chunk_size=chunk_size, rfa_gate=gate, rfa_sequence_kernel=sequence_kernel))
+
+
+def fla_causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size, sequence_kernel, eps):
+    """Causal RFA through flash-linear-attention's scalar-gated linear attention: S_t = exp(g_t) S_t-1 + k_t (x) [v_t, 1],
+    o_t = q_t S_t (fla's (B, T, H, .) layout, fp32 inputs), normalized as the plugin's kernels normalize."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    from rfa_fairseq.ops.rfa import normalize, with_ones
+
+    q, k = phi_q.float().transpose(1, 2), phi_k.float().transpose(1, 2)  # (B, T, H, F)
+    va = with_ones(v.float()).transpose(1, 2)  # (B, T, H, d + 1)
+    g = log_gate.float().transpose(1, 2) if log_gate is not None else None  # (B, T, H)
+    out, final = chunk_simple_gla(q, k, va, g=g, scale=1.0, initial_state=state, output_final_state=True)
+    return normalize(out.transpose(1, 2), eps), final
 
 
 def _sdpa_module_class():

@@ -78,8 +78,8 @@ class RFAConfig(FairseqDataclass):
     rfa_decode_kernel: ChoiceEnum(DECODE_KERNELS) = field(
         default="auto",
         metadata=_meta("decoding", "the incremental decoding step: auto = the native step on CPU in fp32 (the whole step one "
-            "C++ call; built once, cached), the torch step otherwise (CUDA, bf16/fp16); torch = always the torch step "
-            "(no C++ build); cpp = the native step, an error where it cannot run (not CPU fp32) or cannot be built. "
+            "C++ call; built once, cached), on CUDA the torch step with each causal layer's update one Triton kernel, "
+            "the torch step otherwise (bf16/fp16 on the CPU); torch = always the torch step (no C++ build, no Triton); cpp = the native step, an error where it cannot run (not CPU fp32) or cannot be built. "
             "Same results, other speeds (default: auto)", speed_only=True),
     )
     rfa_decode_precision: ChoiceEnum(DECODE_PRECISIONS) = field(
@@ -111,8 +111,8 @@ class RFAConfig(FairseqDataclass):
     )
     rfa_sequence_kernel: ChoiceEnum(SEQUENCE_KERNELS) = field(
         default="auto",
-        metadata=_meta("training", "causal RFA over whole sequences (training, scoring): auto = flash-linear-attention on CUDA when "
-            "installed, the chunked torch path otherwise; torch = always the torch path. Same results, other speeds "
+        metadata=_meta("training", "causal RFA over whole sequences (training, scoring): auto = the Triton kernels on CUDA (Triton "
+            "ships with torch's CUDA builds), the chunked torch path otherwise; torch = always the torch path. Same results, other speeds "
             "(default: auto)", speed_only=True),
     )
     rfa_encoder_self_attn: bool = field(

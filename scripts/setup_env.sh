@@ -14,7 +14,7 @@
 # without them (a warning). fairseq comes from `ve-fairseq` (binary wheels for cp311/cp312) installed
 # with --no-deps, so that its torchaudio requirement cannot replace our torch build; its real
 # dependencies are in setup.cfg. RFA_EXTRAS (default "test,bench") names the extras installed;
-# RFA_EXTRAS=test,bench,cuda adds flash-linear-attention on a GPU machine. RFA_TORCH=X.Y.Z installs that torch
+# RFA_TORCH=X.Y.Z installs that torch
 # instead of the constraints' one (every other pin kept): CI's run on the newest torch the package supports
 # (scripts/test_newest_torch.sh), into a venv of its own (RFA_VENV). It comes from PyPI (on Linux x86-64 a CUDA
 # build, which also runs on the CPU), and PIP_CONSTRAINT is emptied for its installs: some machines' global pip
@@ -56,7 +56,7 @@ stamp_value() {
 }
 
 [[ -f "$CONSTRAINTS" ]] || die "missing $CONSTRAINTS (the exact versions to install)"
-[[ "$EXTRAS" =~ ^[a-z,]*$ ]] || die "RFA_EXTRAS must be a comma-separated list of extras (test, bench, cuda), got '$EXTRAS'"
+[[ "$EXTRAS" =~ ^[a-z,]*$ ]] || die "RFA_EXTRAS must be a comma-separated list of extras (test, bench), got '$EXTRAS'"
 [[ -z "$TORCH_VERSION" || "$TORCH_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
     die "RFA_TORCH must be a torch release such as 2.15.0, got '$TORCH_VERSION'"
 # the checkout's path enters the stamp: an editable install points at it, and a venv kept elsewhere (CI's cache)
@@ -105,9 +105,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 rm -f "$STAMP"  # an interrupted install must not look finished
 if [[ -n "$TORCH_VERSION" ]]; then
-    # the constraints with their torch pin replaced: one constraints file, one override
+    # the constraints with their torch pin replaced (and no triton pin: torch's CUDA builds require their own)
     grep -q '^torch==' "$CONSTRAINTS" || die "$CONSTRAINTS pins no torch (a line torch==X.Y.Z) for RFA_TORCH to replace"
-    sed "s/^torch==.*/torch==$TORCH_VERSION/" "$CONSTRAINTS" >"$VENV/constraints-torch-$TORCH_VERSION.txt" ||
+    sed -e "s/^torch==.*/torch==$TORCH_VERSION/" -e "/^triton==/d" "$CONSTRAINTS" >"$VENV/constraints-torch-$TORCH_VERSION.txt" ||
         die "could not write $VENV/constraints-torch-$TORCH_VERSION.txt"
     CONSTRAINTS="$VENV/constraints-torch-$TORCH_VERSION.txt"
     export PIP_CONSTRAINT=/dev/null  # a machine-wide cap on torch must not refuse the release asked for

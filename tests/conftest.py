@@ -2,10 +2,17 @@ import os
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 PLUGIN_DIR = os.path.join(REPO, "rfa_fairseq")
+
+# Without a GPU, Triton's interpreter runs the CUDA path's Triton kernels on CPU tensors (tests/test_triton_kernels.py).
+# Triton reads the variable as it is imported (its own library functions are made interpreted then), so it is set
+# here, before anything imports it; with a GPU the compiled kernels are tested (tests/test_cuda.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # The heaviest files first (1.0-3.5 min each on 2 cores): scripts/run_tests.sh hands whole files to its workers in

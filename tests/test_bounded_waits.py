@@ -1,6 +1,6 @@
 """The project's own waits on other processes end: a command that runs past its limit is stopped (its
 children too) and the error names the command and the limit (scripts/quality_study.py, the benchmark
-workers, benchmarks/gpu/warm_fla.py). data-prep's worker processes: tests/test_data_prep.py."""
+workers). data-prep's worker processes: tests/test_data_prep.py."""
 import os
 import subprocess
 import sys
@@ -12,10 +12,8 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-sys.path.insert(0, os.path.join(REPO, "benchmarks", "gpu"))
 import benchmark_common  # noqa: E402
 import quality_study  # noqa: E402
-import warm_fla  # noqa: E402
 
 # a script whose child outlives a plain kill of the script, and which ignores SIGTERM itself
 STUBBORN_SCRIPT = "trap '' TERM; sleep 311 & sleep 312; wait"
@@ -66,12 +64,3 @@ def test_a_benchmark_worker_past_its_limit_is_killed_and_named():
     assert time.monotonic() - start < 30
     assert str(error.value) == f"benchmark worker did not finish within 1 s (killed): {' '.join(cmd)}"
 
-
-def test_warm_fla_kills_a_phase_past_its_limit(capsys):
-    cmds = [[sys.executable, "-c", "print('done')"], [sys.executable, "-c", "import time; time.sleep(300)"]]
-    start = time.monotonic()
-    assert warm_fla.run_phase(cmds, "compile", timeout_s=3) == 1
-    assert time.monotonic() - start < 30
-    out = capsys.readouterr().out
-    assert "warm_fla compile process 1 did not finish within 3 s (--phase-timeout-s): killed" in out
-    assert "warm_fla compile: 1/2 processes done" in out

@@ -1,12 +1,10 @@
-"""The CUDA path: flash-linear-attention against the torch references, the decoding step (its torch
-kernels) against the full forward, and fairseq-train /
-fairseq-generate on a GPU. Every test is skipped, with the reason, where CUDA or fla is missing.
+"""The CUDA path: the Triton kernels (training's causal RFA, the decoding step's causal update) against the torch
+references, the decoding step against the full forward, and fairseq-train / fairseq-generate on a GPU. Every test
+is skipped, with the reason, where CUDA or Triton is missing.
 
-Shapes: 8 heads of dim 64 (the base models), F = 64 features (the default's 2 x 32): fla compiles
-its Triton kernels per feature count and value size (its autotuning keys; the head count and length
-are run-time arguments), so tests, benchmarks and the recipe models' training share one compiled set.
-fla's matmuls on fp32 inputs run on TF32 tensor cores (~1e-3 relative per product), so tolerances
-are relative to each tensor's range, and the measured errors are printed.
+Shapes: 8 heads of dim 64 (the base models), F = 64 features (the default's 2 x 32). The Triton kernels' products
+on fp32 inputs run on TF32 tensor cores (~1e-3 relative per product), so tolerances are relative to each tensor's
+range, and the measured errors are printed.
 """
 import math
 import os
@@ -25,21 +23,20 @@ from tiny_models import tiny_model_flags
 from rfa_fairseq.ops import (
     causal_rfa,
     causal_rfa_chunked,
-    causal_rfa_fla,
     causal_rfa_recurrent,
     causal_rfa_reference,
-    fla_gated_backward_error,
-    fla_import_error,
     gate_keys,
     step_kernels,
+    triton_import_error,
 )
+from rfa_fairseq.ops.decode_step import TORCH_KERNELS, TRITON_KERNELS
 
 
 def _skip_reason():
     if not torch.cuda.is_available():
         return "no CUDA device"
-    error = fla_import_error()
-    return f"flash-linear-attention does not import ({error}); pip install .[cuda]" if error else None
+    error = triton_import_error()
+    return f"Triton does not import ({error})" if error else None
 
 
 SKIP_REASON = _skip_reason()
@@ -81,12 +78,12 @@ CASES += [(True, "fp32", True, length) for length in (1, 64, 65)]
 
 
 @pytest.mark.parametrize("gated,dtype,with_state,length", CASES)
-def test_fla_matches_reference_outputs_states_gradients(gated, dtype, with_state, length):
-    """fla's chunk_simple_gla through causal_rfa_fla == the O(T^2) reference in fp64: outputs, final
-    state and gradients w.r.t. phi_q, phi_k, v, gate logits and the initial state; right padding
-    folded in by gate_keys; lengths that are not a multiple of fla's 64-position chunks."""
-    if gated and fla_gated_backward_error():
-        pytest.skip(f"{fla_gated_backward_error()}: causal_rfa takes the torch path for these gradients")
+def test_triton_kernels_match_reference_outputs_states_gradients(gated, dtype, with_state, length):
+    """causal_rfa_triton (forward and backward, compiled) == the O(T^2) reference in fp64: outputs, final state and
+    gradients w.r.t. phi_q, phi_k, v, gate logits and the initial state; right padding folded in by gate_keys;
+    lengths that are not a multiple of the kernels' 32-position chunks."""
+    from rfa_fairseq.ops.triton_chunk import causal_rfa_triton
+
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     B, T = 2, length
@@ -97,14 +94,13 @@ def test_fla_matches_reference_outputs_states_gradients(gated, dtype, with_state
     state = torch.rand(B, H, F_, D + 1, device="cuda", requires_grad=True) if with_state else None
     pad = torch.zeros(B, T, dtype=torch.bool, device="cuda")
     pad[1, T - T // 5:] = True  # fairseq pads targets on the right
-    w_out, w_state = torch.randn(B, H, T, D, device="cuda"), torch.randn(B, H, F_, D + 1, device="cuda")
+    w_out = torch.randn(B, H, T, D, device="cuda")
     leaves = [x for x in (phi_q, phi_k, v, logits, state) if x is not None]
     results = []
-    for fn, cast in ((causal_rfa_fla, lambda x: x), (causal_rfa_reference, lambda x: x.double())):
+    for fn, cast in ((causal_rfa_triton, lambda x: x), (causal_rfa_reference, lambda x: x.double())):
         k, log_gate = gate_keys(cast(phi_k), cast(logits) if gated else None, pad)
         out, final = fn(cast(phi_q), k, cast(v), log_gate, cast(state) if with_state else None)
-        loss = (out * cast(w_out)).sum() + (final * cast(w_state)).sum()
-        results.append([out, final, *torch.autograd.grad(loss, leaves)])
+        results.append([out, final.detach(), *torch.autograd.grad((out * cast(w_out)).sum(), leaves)])
     got, want = results
     assert got[0].dtype == got[1].dtype == torch.float32  # outputs and states in fp32
     assert [g.dtype for g in got[2:]] == [x.dtype for x in leaves]
@@ -114,17 +110,44 @@ def test_fla_matches_reference_outputs_states_gradients(gated, dtype, with_state
     assert all(math.isfinite(e) and e < TOLERANCE for e in errors.values()), errors
 
 
-def test_dispatch_takes_fla_for_cuda_and_torch_when_disabled_or_fp64():
+def test_dispatch_takes_triton_for_cuda_and_torch_when_disabled_or_fp64():
+    from rfa_fairseq.ops.triton_chunk import causal_rfa_triton
+
     torch.manual_seed(1)
     q, k, v = features(2, H, 100, F_), features(2, H, 100, F_), torch.randn(2, H, 100, D, device="cuda")
     log_gate = -torch.rand(2, H, 100, device="cuda")
     assert torch.equal(causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="auto")[0],
-                       causal_rfa_fla(q, k, v, log_gate)[0])
+                       causal_rfa_triton(q, k, v, log_gate)[0])
     torch_path = causal_rfa(q, k, v, log_gate, chunk_size=64, sequence_kernel="torch")[0]
     assert torch.equal(torch_path, causal_rfa_chunked(q, k, v, log_gate)[0])
     q64, k64, v64 = q.double(), k.double(), v.double()
     assert torch.equal(causal_rfa(q64, k64, v64, chunk_size=64, sequence_kernel="auto")[0],
                        causal_rfa_chunked(q64, k64, v64)[0])
+
+
+@pytest.mark.parametrize("activation,gated,first", [("hedgehog", True, False), ("hedgehog", False, True),
+                                                    ("relu", True, False), (None, True, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_step_kernel_matches_the_torch_step_on_cuda(activation, gated, first, dtype):
+    """The decoding step's causal update in one Triton launch == TorchKernels' operations (fp32 state; fp16
+    projections as fairseq-generate --fp16 gives them), through a beam order over more rows."""
+    torch.manual_seed(2)
+    R, W = 24, (F_ // 2 if activation == "hedgehog" else F_)
+    proj = torch.randn(R, H * (2 * W + D + 1), device="cuda").to(dtype)
+    q, k, v = proj[:, : H * W], proj[:, H * W: 2 * H * W], proj[:, 2 * H * W: 2 * H * W + H * D]
+    if activation is None:
+        q, k = q.float().abs(), k.float().abs()
+    gate = proj[:, 2 * H * W + H * D:] if gated else None
+    state_in = None if first else torch.rand(R + 8, H, F_, D + 1, device="cuda")
+    order = None if first else torch.randperm(R + 8, device="cuda")[:R]
+    outs, states = [], []
+    for kernels in (TRITON_KERNELS, TORCH_KERNELS):
+        state_out = torch.full((R, H, F_, D + 1), float("nan"), device="cuda")
+        outs.append(kernels.causal_layer_step(q, k, v, gate, None, state_in, order, state_out, 1e-3, activation))
+        states.append(state_out)
+    errors = (relative_error(outs[0], outs[1]), relative_error(states[0], states[1]))
+    print(f"out {errors[0]:.1e} state {errors[1]:.1e}")
+    assert outs[0].dtype == outs[1].dtype and max(errors) < (1e-2 if dtype == torch.float16 else 1e-5)
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
@@ -170,7 +193,7 @@ MODEL_VARIANTS = [  # feature map, gated, RFA encoder, RFA cross-attention
 
 @pytest.mark.parametrize("feature_map,gate,rfa_encoder,rfa_cross", MODEL_VARIANTS)
 def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa_encoder, rfa_cross):
-    """Full forward (fla chunked) == step by step (the decoding step's torch kernels) through a whole model."""
+    """Full forward (the Triton chunked kernels) == step by step (the decoding step, Triton on CUDA) through a whole model."""
     model, d = gpu_model(flags(feature_map, gate, rfa_encoder, rfa_cross))
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=9, tgt_len=70))
     with torch.no_grad():
@@ -200,7 +223,7 @@ def test_beam_grouped_cross_state_and_shrinking_batch_on_cuda():
                          ids=["sincos-ungated-rfa_cross", "hedgehog-gated-softmax_cross"])
 def test_beam_search_scores_equal_full_forward_rescoring_on_cuda(feature_map, gate, rfa_cross):
     """fairseq's beam search on CUDA (decoding steps, reorders, finishing sentences): per-token scores ==
-    teacher-forced full forward (fla chunked), up to TF32."""
+    teacher-forced full forward (the Triton chunked kernels), up to TF32."""
     from fairseq.sequence_generator import SequenceGenerator
 
     model, d = gpu_model(flags(feature_map, gate, rfa_cross=rfa_cross), seed=4)

@@ -422,7 +422,7 @@ def test_a_run_set_to_decode_in_cpp_validates_where_cpp_cannot_run():
     torch.testing.assert_close(validated, trained, rtol=0, atol=0)
 
 
-def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_fla(monkeypatch):
+def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_triton(monkeypatch):
     from rfa_fairseq.ops import dispatch
 
     outputs = {}
@@ -433,10 +433,13 @@ def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks
         src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)
         asked = []
         with monkeypatch.context() as patch:
-            patch.setattr(dispatch, "fla_available", lambda tensor: asked.append(1) or False)
+            # every tensor counts as a CUDA one for the dispatch: auto asks whether Triton can take it
+            patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            patch.setattr(dispatch, "triton_usable", lambda *tensors: asked.append(1) or False)
+            patch.setattr(dispatch, "triton_import_error", lambda: None)
             with torch.no_grad():
                 outputs[kernel], _ = model(src, src_lengths, prev)
-        assert bool(asked) == (kernel == "auto"), "only auto may pick flash-linear-attention"
+        assert bool(asked) == (kernel == "auto"), "only auto may pick the Triton kernels"
     torch.testing.assert_close(outputs["auto"], outputs["torch"], rtol=0, atol=0)
     with pytest.raises(SystemExit):
         parse_args(["--rfa-sequence-kernel", "cpp"])

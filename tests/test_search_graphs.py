@@ -187,3 +187,22 @@ def test_a_host_read_inside_the_step_fails_the_stand_in(model_and_batches, cuda_
     monkeypatch.setattr(static_beam_search._Search, "finalize", reads_back)
     with pytest.raises(AssertionError, match="read a value back to the host"):
         _hypotheses(generator, model, batches[0])
+
+
+def test_batches_halve_to_the_same_sizes_and_replay_the_first_batches_graphs(model_and_batches, cuda_like_search):
+    """With graphs a batch halves to ceil(N / 2^j) places of its largest batch's N (finished sentences fill the rest),
+    so batches that finish differently run the same shapes: captures stay within two per size, however many batches,
+    and hypotheses stay the eager search's (which keeps only the unfinished sentences)."""
+    model, d, _ = model_and_batches
+    graphed, eager = cuda_like_search(model, d, True, beam_size=3), cuda_like_search(model, d, False, beam_size=3)
+    shapes, captures = set(), []
+    for seed in range(5):
+        src, src_lengths, _ = random_batch(d, bsz=8, src_len=7, seed=10 + seed)  # one source bucket
+        sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}, "id": torch.arange(8)}
+        before = graphed.graphs.captures
+        assert _hypotheses(graphed, model, sample) == _hypotheses(eager, model, sample)
+        captures.append(graphed.graphs.captures - before)
+        shapes |= {key[0] for key in graphed.graphs.graphs}
+    print(f"captures per batch {captures}, places {sorted(shapes)}")
+    assert shapes <= {8, 4, 2, 1} and len(shapes) > 1  # the batches halved, to the ladder's sizes only
+    assert sum(captures) <= 2 * len(shapes)  # each size captured once per state parity, whatever the batch

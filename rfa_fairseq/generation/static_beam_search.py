@@ -7,7 +7,10 @@ finish: finished sentences stay in the batch, masked (they finalize nothing more
 the search (tokens, cumulative scores, candidates, the finalized hypotheses) keeps its shape from step to
 step. Only when half the sentences in the batch have finished does the batch halve (their rows would
 otherwise cost every later step: one long sentence keeps a batch going), in place: the kept sentences move
-to the front of the same buffers. A step reads the step number from a device tensor and writes the
+to the front of the same buffers. On CUDA the batch halves to the sizes ceil(N / 2^j) of the largest
+batch's N, finished sentences filling the places the unfinished ones leave, so that every batch runs the same few
+shapes and replays the graphs the first batches captured (uncaptured steps run the same shapes: the same
+arithmetic). A step reads the step number from a device tensor and writes the
 finalized hypotheses into device buffers (`_Search`), so it reads nothing back to the host: on CUDA it is
 captured once per (rows, source-length bucket, buffer parity) and replayed at every later step of every
 batch of that shape (the buffers are the generator's, kept across batches). The host learns which
@@ -82,7 +85,8 @@ class StaticBeamSearchGenerator(nn.Module):
     parts a CPU batch is split into, one thread each (--rfa-decode-parts; 0: parts_for decides)."""
 
     # device types where reading the finished flags back would wait for the device: the host reads each step's one
-    # step later; and where K/V are padded to SOURCE_BUCKET (graphs shared by nearby source lengths)
+    # step later; and where K/V are padded to SOURCE_BUCKET and a halving batch keeps the sizes of _halved_size
+    # (graphs shared by nearby source lengths and by every batch; the uncaptured steps run the same shapes)
     LAGGED_READS_ON = ("cuda",)
     BUCKETED_ON = ("cuda",)
     GRAPHS_ON = ("cuda",)  # device types whose steps are captured as graphs (cuda_graphs=True)
@@ -110,6 +114,7 @@ class StaticBeamSearchGenerator(nn.Module):
         self._pool: Optional[ThreadPoolExecutor] = None
         self.graphs: Optional[StepGraphs] = None
         self._graph_generations = None  # the buffers' generations the graphs were captured at
+        self._largest_batch = 1  # the sentences of the largest batch so far: the sizes a batch halves to derive from it
         self._prepare_weights()
 
     @torch.no_grad()
@@ -134,6 +139,17 @@ class StaticBeamSearchGenerator(nn.Module):
             self.graphs.clear()
         self._graph_generations = generations
         return self.graphs
+
+    def _halved_size(self, unfinished: int) -> int:
+        """The places a batch keeps when it halves on a BUCKETED_ON device (CUDA): the smallest of ceil(largest batch / 2^j) that holds
+        its `unfinished` sentences, the rest filled with finished ones (masked rows: they finalize nothing). The
+        sizes are then the same in every batch, so their graphs are captured once and replayed in every batch after;
+        keeping only the unfinished would make new shapes, and new captures, in almost every batch (a capture costs
+        about two uncaptured steps)."""
+        size = self._largest_batch
+        while size > 1 and (size + 1) // 2 >= unfinished:
+            size = (size + 1) // 2
+        return size
 
     @staticmethod
     def host_flags(lane: Lane, N: int) -> List[Tensor]:
@@ -192,6 +208,7 @@ class StaticBeamSearchGenerator(nn.Module):
         """The beam search of N sentences on `lane`: key (S, N, C) their encoder output (or None), pad (N, S) or None.
         -> their finalized hypotheses, best first."""
         K, device = self.beam_size, runtime.device
+        self._largest_batch = max(self._largest_batch, N)
         bucketed = device.type in self.BUCKETED_ON  # on the CPU K/V keep their length (no padded positions to compute)
         source_len = -(-src_len // SOURCE_BUCKET) * SOURCE_BUCKET if bucketed else src_len
         buffer_len = max_len
@@ -238,10 +255,13 @@ class StaticBeamSearchGenerator(nn.Module):
                 # half the places finished: halve the batch. Finished sentences otherwise cost every later
                 # step all their rows (fairseq-generate was 17-35 % slower than SequenceGenerator on Multi30k
                 # without this); halving keeps the shapes to log2(N) + 1 sizes
-                search.collect(finalized, sentence_ids, places=flags.nonzero().squeeze(1).tolist())  # the dropped
-                kept = unfinished.to(device)
+                finished_places = flags.nonzero().squeeze(1)
+                search.collect(finalized, sentence_ids, places=finished_places.tolist())  # dropped or kept as fillers
+                fillers = finished_places[: self._halved_size(unfinished.numel()) - unfinished.numel()] if bucketed else None
+                kept = torch.cat([unfinished, fillers]) if fillers is not None else unfinished
+                sentence_ids = [sentence_ids[n] for n in unfinished.tolist()] + [None] * (kept.numel() - unfinished.numel())
+                kept = kept.to(device)
                 search.keep_sentences(state, kept)
-                sentence_ids = [sentence_ids[n] for n in unfinished.tolist()]
                 if prefix_tokens is not None:
                     prefix_tokens = prefix_tokens.index_select(0, kept)
                 decided_at = step
@@ -495,6 +515,7 @@ class _Search:
         once), as SequenceGenerator.finalize_hypos makes them: tokens without the BOS, per-position scores,
         the score normalized by length ** lenpen."""
         gen, K = self.gen, self.K
+        places = [n for n in places if sentence_ids[n] is not None]  # None: a finished place kept as a filler
         counts = self.fin_count.tolist()
         slots = [slot for n in places for slot in range(n * K, n * K + counts[n])]
         if not slots:

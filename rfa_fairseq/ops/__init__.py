@@ -17,7 +17,6 @@ from .feature_maps import (  # noqa: F401
     random_matrix_seed,
     scale_inputs,
 )
-from .fla_backend import causal_rfa_fla, fla_available, fla_gated_backward_error, fla_import_error  # noqa: F401
 from .naive import (  # noqa: F401
     causal_rfa_recurrent,
     causal_rfa_reference,
@@ -28,6 +27,7 @@ from .naive import (  # noqa: F401
     quantize_rows_reference,
     rfa_attention_weights,
 )
+from .triton_support import triton_import_error, triton_usable  # noqa: F401
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,
     POSITIVE_EPS,

@@ -28,6 +28,9 @@ Two kinds of kernel set, one choice:
         <- per sentence the k largest prev_scores[row] + lprobs[row, v] (NaN counting as -inf), best first, and
         their flat indices b * V + v (b: the beam within the sentence)
 
+- `TritonKernels` (CUDA, where Triton imports): TorchKernels with the causal layer's step in one Triton launch
+  (triton_step.py) instead of some twenty torch operations; the step's CUDA graph has that many fewer nodes.
+
 - `NativeKernels` (the CPU in fp32 weights, where the C++ module loads): the whole step is one native call of the
   decoding program (csrc/decode_program.cpp), built once per runtime from the same records
   (modules/native_step.py), with a linear-layer library: `OneDNNLinear` (oneDNN on weights packed once, torch's
@@ -49,6 +52,8 @@ from torch import Tensor
 from .. import torch_internals
 from .extension import load_fused_extension, require_fused_extension
 from .feature_maps import activate_learned_pair
+from .triton_support import kernels as triton_kernels
+from .triton_support import triton_import_error
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
@@ -63,7 +68,8 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
                  native_unsupported: Optional[str] = None):
     """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
     --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the native step on
-    the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), torch otherwise;
+    the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), on CUDA the torch step
+    with the causal layers' step in Triton (where Triton imports), torch otherwise;
     cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
     int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
     native program cannot run (modules/native_step.py's unsupported), which makes auto take torch."""
@@ -74,6 +80,8 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
         return _int8_kernels(decode_kernel, device, dtype)
     if decode_kernel == "torch":
         return TORCH_KERNELS
+    if decode_kernel == "auto" and torch.device(device).type == "cuda" and dtype != torch.float64:
+        return TRITON_KERNELS if triton_import_error() is None else TORCH_KERNELS
     if native_unsupported is not None:
         if decode_kernel == "cpp":
             raise ValueError(f"--rfa-decode-kernel cpp: the native decoding step does not support {native_unsupported}; "
@@ -194,6 +202,17 @@ class TorchKernels:
     @staticmethod
     def linear(x: Tensor, packed, activation: Optional[str] = None, residual: Optional[Tensor] = None) -> Tensor:
         return TorchLinear.linear(x, packed, activation, residual)
+
+
+class TritonKernels(TorchKernels):
+    """TorchKernels whose causal layer step is one Triton launch (triton_step.py): CUDA."""
+
+    name = "triton"
+
+    @staticmethod
+    def causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps, activation=None):
+        return triton_kernels("triton_step").causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order,
+                                                                state_out, eps, activation)
 
 
 class TorchLinear:
@@ -324,6 +343,7 @@ class NativeKernels:
 
 
 TORCH_KERNELS = TorchKernels()
+TRITON_KERNELS = TritonKernels()
 _NONE = torch.empty(0)  # the C++ kernels' "absent" argument
 ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout
 

@@ -2,16 +2,17 @@
 
     causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size, sequence_kernel) -> (out, state)
 
-causal_rfa_fla on CUDA when flash-linear-attention is installed and --rfa-sequence-kernel is auto,
-causal_rfa_chunked otherwise, and also for gated passes that need gradients where fla computes their
-backward wrongly (fla_gated_backward_error: Hopper GPUs under Triton < 3.7.1). Incremental decoding does not come here: it runs the decoding step's kernels
-(decode_step.py). The chunked torch path stays the reference: the fla path is tested against it on CUDA
-(tests/test_cuda.py).
+causal_rfa_triton (triton_chunk.py: the forward one launch, the backward two) on CUDA when Triton imports and
+--rfa-sequence-kernel is auto; causal_rfa_chunked (rfa.py, torch operations) otherwise. Incremental decoding does
+not come here: it runs the decoding step's kernels (decode_step.py). The chunked torch path stays the reference the
+Triton kernels are tested against (tests/test_triton_kernels.py on the CPU through Triton's interpreter,
+tests/test_cuda.py on a GPU).
 """
-import torch
+import functools
+import warnings
 
-from .fla_backend import causal_rfa_fla, fla_available, fla_differentiates_gated
 from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
+from .triton_support import kernels, triton_import_error, triton_usable
 
 SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 
@@ -21,14 +22,18 @@ def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size: int, s
     """phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
     state: None or a (B, H, F, d + 1) tensor entering the sequence -> out (B, H, T, d) fp32, final state
 
-    chunk_size: the torch path's chunks (--rfa-chunk-size). sequence_kernel: "auto" (fla on CUDA when usable)
+    chunk_size: the torch path's chunks (--rfa-chunk-size). sequence_kernel: "auto" (Triton on CUDA when usable)
     or "torch" (--rfa-sequence-kernel). The model's options (RFAConfig) are their only defaults.
     """
-    if sequence_kernel == "auto" and fla_available(phi_q) and (log_gate is None or not _needs_grad(
-            phi_q, phi_k, v, log_gate, state) or fla_differentiates_gated()):
-        return causal_rfa_fla(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
+    if sequence_kernel == "auto" and phi_q.is_cuda:
+        if triton_usable(phi_q, phi_k, v, log_gate, state):
+            return kernels("triton_chunk").causal_rfa_triton(phi_q, phi_k, v, log_gate, state, eps=eps)
+        if triton_import_error() is not None:
+            _warn_once(f"Triton is not usable ({triton_import_error()}): causal RFA on CUDA runs the chunked torch "
+                       f"path (same results, slower); --rfa-sequence-kernel torch silences this")
     return causal_rfa_chunked(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(f"rfa_fairseq: {message}")
