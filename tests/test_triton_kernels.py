@@ -1,14 +1,20 @@
 """The Triton kernels of the CUDA path, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1):
 triton_chunk.causal_rfa_triton (training's causal RFA, forward and backward) against the O(T^2) reference in fp64
 (outputs, final states, the gradients of every input), and triton_step.causal_layer_step (one decoding step of a
-causal layer) against TorchKernels.causal_layer_step. tests/test_cuda.py runs the compiled kernels on a GPU.
+causal layer) against TorchKernels.causal_layer_step; and every kernel compiled for Hopper by Triton's own compiler
+(tests/triton_aot.py). tests/test_cuda.py runs the compiled kernels on a GPU.
 
 Every input is fresh random data (no zeros); outputs are poisoned with NaN first, so an unwritten element fails."""
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from conftest import REPO
 
 from rfa_fairseq.ops import causal_rfa_reference, triton_import_error
 from rfa_fairseq.ops.decode_step import TORCH_KERNELS
@@ -117,3 +123,17 @@ def test_step_kernel_matches_the_torch_step(interpreted, activation, W, F_, gate
     assert _rel(got, want) < (2e-3 if dtype == torch.float16 else 1e-5)
     assert _rel(got_state[:R], want_state[:R]) < 1e-5
     assert torch.isnan(got_state[R:]).all()
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_hopper_without_a_gpu():
+    """Each kernel variant the model launches compiles for sm_90 (H100, H200) with the installed Triton and its own
+    ptxas (tests/triton_aot.py, without the interpreter): what the GPU will compile, checked where there is none."""
+    if not importlib.util.find_spec("triton") or triton_import_error() is not None:
+        pytest.skip(f"Triton is not usable here: {triton_import_error() or 'not installed'}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "triton_aot.py"), "--arch", "90"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "36 kernels compiled for sm_90" in proc.stdout

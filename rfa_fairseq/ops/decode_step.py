@@ -29,7 +29,7 @@ Two kinds of kernel set, one choice:
         their flat indices b * V + v (b: the beam within the sentence)
 
 - `TritonKernels` (CUDA, where Triton imports): TorchKernels with the causal layer's step in one Triton launch
-  (triton_step.py) instead of some twenty torch operations; the step's CUDA graph has that many fewer nodes.
+  (triton_step.py) instead of 16 torch kernels; the step's CUDA graph has that many fewer nodes per layer.
 
 - `NativeKernels` (the CPU in fp32 weights, where the C++ module loads): the whole step is one native call of the
   decoding program (csrc/decode_program.cpp), built once per runtime from the same records
