@@ -142,7 +142,11 @@ def profile_rfa(model, generator, batches, timer, rows):
         if part is not None:
             seconds[part] = seconds.get(part, 0.0) + event.cpu_time_total / 1e6
             calls[part] = calls.get(part, 0) + event.count
-    seconds["other (profiled pass)"] = profiled_total - sum(seconds.values())
+    parts = sum(seconds.values())
+    if parts > profiled_total:  # the regions are exclusive (decode_program.cpp): their sum cannot exceed the pass
+        sys.exit(f"profile_generate: the parts add up to {parts:.3f} s, more than the profiled pass's "
+                 f"{profiled_total:.3f} s: some region is counted twice")
+    seconds["other (profiled pass)"] = profiled_total - parts
     return seconds, calls, list(rows), total, profiled_total
 
 

@@ -6,18 +6,16 @@ small function that says what happens without it:
 - `Tensor._version`: `tensor_version`. The version counter that in-place updates bump; the decoding runtime
   is built again (and the encoder's linear layers packed again) when a parameter's version changes. Without it: an AttributeError
   naming it (no fallback: a stale packed weight would give wrong outputs).
-- `torch.ops.mkldnn._reorder_linear_weight`, `torch.ops.mkldnn._linear_pointwise` and its `.binary`
-  overload: `onednn_pack_linear_weight`, `onednn_linear`, `onednn_linear_add`. oneDNN's linear on weights
-  packed once into its blocked layout, with relu / a residual add fused (the CPU decoding step's linear
-  layers; 2.05-2.29x torch's MKL addmm on the step's shapes, docs/design.md). Without them
-  `onednn_linear_available()` is False and the step uses torch's addmm (same results, slower); calling
-  one anyway is a RuntimeError naming the missing op.
-- `torch.ops.onednn.qlinear_prepack`, `qlinear_pointwise`: `onednn_int8_pack_linear_weight`,
-  `onednn_int8_linear`. oneDNN's int8 linear of torch's x86 int8 inference (not the
-  deprecated quantized-tensor API): the CPU decoding step's linear layers at --rfa-decode-precision int8.
-  Without them `onednn_int8_linear_available()` is False and int8 is an error naming why.
-- The same operators by their dispatcher names (`onednn_operator_names`): the native decoding program
-  (ops/csrc/decode_program.cpp) calls them from C++; it is built only where the functions above are available.
+- `torch.ops.mkldnn._reorder_linear_weight`: `onednn_pack_linear_weight`, and `torch.ops.mkldnn._linear_pointwise`
+  with its `.binary` overload, by their dispatcher names in `onednn_operators()`: oneDNN's linear on weights packed
+  once into its blocked layout, with relu / a residual add fused (the CPU decoding step's linear layers, called by
+  the C++ LinearLibrary, ops/csrc/decode_program.cpp; 2.05-2.29x torch's MKL addmm on the step's shapes,
+  docs/design.md). Without them `onednn_linear_available()` is False and the step uses torch's addmm (same results,
+  slower); calling one anyway is a RuntimeError naming the missing op.
+- `torch.ops.onednn.qlinear_prepack`: `onednn_int8_pack_linear_weight`, and `qlinear_pointwise` in
+  `onednn_operators()`: oneDNN's int8 linear of torch's x86 int8 inference (not the deprecated quantized-tensor
+  API): the CPU decoding step's linear layers at --rfa-decode-precision int8. Without them
+  `onednn_int8_linear_available()` is False and int8 is an error naming why.
 - `torch.utils.cpp_extension.FileBaton` (a name that module imports): `torch_build_lock_is_a_baton`. Up to torch
   2.13 the JIT build's `lock` file is a baton whose mere existence blocks (a killed builder leaves it and every
   later load waits forever); from 2.14 it is a kernel-released file lock (filelock), left in place and harmless.
@@ -75,17 +73,6 @@ def onednn_pack_linear_weight(weight: Tensor, rows_hint: int) -> Tensor:
     return _mkldnn_op("_reorder_linear_weight")(weight.detach(), rows_hint)
 
 
-def onednn_linear(x: Tensor, packed_weight: Tensor, bias: Optional[Tensor], activation: Optional[str] = None) -> Tensor:
-    """F.linear(x, weight, bias) on a packed weight, followed by `activation` (None, or a oneDNN
-    post-op name such as "relu") fused into the product."""
-    return _mkldnn_op("_linear_pointwise")(x, packed_weight, bias, activation or "none", [], "")
-
-
-def onednn_linear_add(x: Tensor, residual: Tensor, packed_weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """F.linear(x, weight, bias) + residual on a packed weight, the add fused into the product."""
-    return _mkldnn_op("_linear_pointwise", "binary")(x, residual, packed_weight, bias, "add")
-
-
 @functools.lru_cache(maxsize=None)
 def onednn_int8_linear_available() -> bool:
     """Whether torch has oneDNN's int8 linear ops (torch.ops.onednn.qlinear_*, those of its x86 int8
@@ -100,19 +87,12 @@ def onednn_int8_pack_linear_weight(qweight: Tensor, rows_hint: int) -> Tensor:
     return torch.ops.onednn.qlinear_prepack(qweight, [rows_hint, qweight.size(1)])
 
 
-def onednn_int8_linear(codes: Tensor, x_scale: float, x_zero_point: int, packed: Tensor, w_scales: Tensor,
-                       w_zero_points: Tensor) -> Tensor:
-    """fp32 x W^T from x's uint8 codes, x = (codes - zero point) * scale, and W's int8 codes times its
-    per-output-channel scales (accumulated in int32)."""
-    return torch.ops.onednn.qlinear_pointwise(codes, x_scale, x_zero_point, packed, w_scales, w_zero_points, None, 1.0,
-                                              0, torch.float32, "none", [], "")
-
-
-def onednn_operator_names():
-    """(name, overload) of oneDNN's linear, its residual-add form and its int8 linear, flattened, as the native
-    decoding program looks them up in torch's dispatcher (the operators behind onednn_linear, onednn_linear_add and
-    onednn_int8_linear)."""
-    return ["mkldnn::_linear_pointwise", "", "mkldnn::_linear_pointwise", "binary", "onednn::qlinear_pointwise", ""]
+def onednn_operators():
+    """The oneDNN operators the C++ LinearLibrary calls, by role: (name, overload) as torch's dispatcher knows them:
+    the fp32 linear on a packed weight (post-op relu or none), its residual-add form, and the int8 linear (uint8
+    activations, int8 per-channel weights, fp32 output)."""
+    return {"linear": ("mkldnn::_linear_pointwise", ""), "linear_add": ("mkldnn::_linear_pointwise", "binary"),
+            "qlinear": ("onednn::qlinear_pointwise", "")}
 
 
 def torch_build_lock_is_a_baton() -> bool:

@@ -66,23 +66,33 @@ def plugin_env():
     return env
 
 
-def use_decoding_step(path: str, monkeypatch) -> None:
-    """Select the decoding step's kernels for a test: "fused" (the C++ kernels; skipped, with the reason,
-    only where no C++ toolchain exists) or "torch"."""
+def cpp_extension():
+    """The C++ module, for a test that needs it: skipped with the reason only where no C++ toolchain exists (the
+    tools missing named); failed, with the build's own error, where one exists and the module did not build."""
     import shutil
 
     import pytest
 
+    from rfa_fairseq.ops import extension
+
+    module, why_not = extension._loaded_once()
+    if module is not None:
+        return module
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"the C++ decoding step cannot be built here: {', '.join(missing)} not on PATH ({why_not})")
+    pytest.fail(f"a C++ toolchain is present but the C++ decoding step is not available: {why_not}")
+
+
+def use_decoding_step(path: str, monkeypatch) -> None:
+    """Select the decoding step's kernels for a test: "fused" (the C++ kernels; cpp_extension's skip or failure
+    where they cannot be had) or "torch"."""
     from rfa_fairseq.ops import decode_step
 
     if path == "torch":
         monkeypatch.setattr(decode_step, "load_fused_extension", lambda: None)
         return
-    if decode_step.load_fused_extension() is None:
-        missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
-        if missing:
-            pytest.skip(f"the fused decoding step cannot be built here: {', '.join(missing)} not on PATH")
-        pytest.fail("a C++ toolchain is present but the fused decoding step did not build (see the warning above)")
+    cpp_extension()
 
 
 class CppKernels:
@@ -99,25 +109,20 @@ class CppKernels:
                           activation=None, sigma=None, matrix=None):
         R, H, d = v.size(0), state_out.size(1), state_out.size(3) - 1
         out = torch.empty(R, H * d)
-        self.ext.causal_layer_step(phi_q, phi_k, v, _or_empty(gate_logits), _or_empty(key_pad), _or_empty(state_in),
-                                   _or_empty(order), state_out, out, eps, self.ext.activations[activation or "features"],
-                                   _or_empty(sigma), _or_empty(matrix))
+        self.ext.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
+                                   activation or "features", sigma, matrix)
         return out
 
     def softmax_cross_step(self, q, key, value, key_bias, beam, scaling, need_weights=False):
         out = torch.empty(q.size(0), key.size(1) * key.size(3))
         weights = torch.empty(q.size(0), key.size(2)) if need_weights else None
-        self.ext.softmax_cross_step(q, key, value, _or_empty(key_bias), beam, scaling, out, _or_empty(weights))
+        self.ext.softmax_cross_step(q, key, value, key_bias, beam, scaling, out, weights)
         return out, weights
 
     def add_layer_norm(self, x, residual, weight, bias, eps, out=None):
         out = torch.empty_like(x) if out is None else out
-        self.ext.add_layer_norm(x, _or_empty(residual), weight, bias, eps, out)
+        self.ext.add_layer_norm(x, residual, weight, bias, eps, out)
         return out
 
     def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
-        self.ext.beam_candidates(lprobs, _or_empty(prev_scores), beam, scores_out, indices_out)
-
-
-def _or_empty(t):
-    return torch.empty(0) if t is None else t
+        self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out)

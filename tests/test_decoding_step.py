@@ -6,15 +6,14 @@ import torch
 import torch.nn.functional as F
 from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
-from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.sequence_generator import SequenceGenerator
-from helpers import CppKernels, build_model, random_batch
+from helpers import CppKernels, build_model, cpp_extension, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 
 from rfa_fairseq.modules.decoding import DecodingState
 from rfa_fairseq.ops import (AFFINE_FEATURE_MAPS, FEATURE_MAPS, RANDOM_FEATURE_MAPS, activate_learned,
                              causal_rfa_recurrent, draw_random_matrix, feature_map, gate_keys, learned_feature_map,
-                             load_fused_extension, scale_inputs, step_kernels)
+                             scale_inputs, step_kernels)
 
 TORCH_KERNELS = ["--rfa-decode-kernel", "torch"]
 TORCH = step_kernels("torch", torch.device("cpu"), torch.float32)
@@ -25,9 +24,7 @@ def kernels(request):
     """The torch kernels, or the C++ module's (which the native step runs) behind the same interface."""
     if request.param == "torch":
         return step_kernels("torch", torch.device("cpu"), torch.float32)
-    ext = load_fused_extension()
-    if ext is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain; see the warning above)")
+    ext = cpp_extension()
     return CppKernels(ext)
 
 
@@ -72,13 +69,11 @@ def test_causal_layer_step_equals_the_recurrence(kernels, case, gated, activatio
 
 
 def test_the_cpp_activation_table_names_every_feature_map():
-    """The C++ module's feature-map codes (its one table) cover every map (the native step computes each) and
-    precomputed features; the learned affine maps are among them."""
-    ext = load_fused_extension()
-    if ext is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    """The C++ module's feature-map names (its one table) cover every map (the native step computes each) and
+    precomputed features, once each; the learned affine maps are among them."""
+    ext = cpp_extension()
     assert set(ext.activations) == {"features", *FEATURE_MAPS} and set(AFFINE_FEATURE_MAPS) <= set(ext.activations)
-    assert len(set(ext.activations.values())) == len(ext.activations)
+    assert len(set(ext.activations)) == len(ext.activations)
 
 
 @pytest.mark.parametrize("kind", RANDOM_FEATURE_MAPS + ("elu",))
@@ -86,9 +81,7 @@ def test_the_cpp_activation_table_names_every_feature_map():
 def test_causal_layer_step_computes_the_random_and_elu_maps_as_the_modules(kind):
     """The C++ kernel's own features of raw per-head inputs (sigma-scaled, l2-normalized random projections; elu)
     equal the feature-map modules' (ops/feature_maps.py), through the whole causal step."""
-    ext = load_fused_extension()
-    if ext is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    ext = cpp_extension()
     g = torch.Generator().manual_seed(4)
     R, H, d, D = 5, 2, 4, 6
     matrix = draw_random_matrix(H, D, d, "orthogonal", seed=3)
@@ -111,11 +104,10 @@ def test_causal_layer_step_computes_the_random_and_elu_maps_as_the_modules(kind)
 
 @torch.no_grad()
 def test_causal_layer_step_refuses_an_order_out_of_range():
-    if load_fused_extension() is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    ext = cpp_extension()
     state = torch.zeros(2, 1, 2, 3)
     with pytest.raises(RuntimeError, match="order\\[1\\] = 7 is out of range for 2 rows"):
-        CppKernels(load_fused_extension()).causal_layer_step(
+        CppKernels(ext).causal_layer_step(
             torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2), None, None, state, torch.tensor([0, 7]),
             torch.empty(2, 1, 2, 3), 1e-3)
 
@@ -331,27 +323,28 @@ def test_beam_search_scores_equal_the_full_forward_with_either_kernels(beam, opt
     assert len(lengths) > 1 or length_limited, "the test needs sentences finishing at different steps"
 
 
-def test_encoder_reorder_skips_only_reorders_that_change_nothing():
-    """RFATransformerEncoder.reorder_encoder_out == fairseq's for the beam expansion, within-beam reorders,
-    finished sentences and arbitrary orders; it returns its input when every row would get an identical copy."""
-    model, d = build_model()
+def test_decoder_start_keeps_kv_per_sentence_only_where_the_rows_are_beam_copies():
+    """The decoder reads the beam layout off the encoder output's values (no row bookkeeping in encoder_out): fairseq's
+    expansion to beams gives K/V once per sentence, rows that are not copies of one sentence per beam group K/V once
+    per row; the logits equal those of the per-row layout either way."""
+    model, d = build_model(["--rfa-softmax-cross-attn"])
     model.eval()
     src, src_lengths, _ = random_batch(d, bsz=3, src_len=6, seed=2)
+    beam = 2
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
-    # (order, whether every row gets an identical copy): the expansion to 2 beams, a within-beam reorder,
-    # sentence 1 finishing, then rows of two sentences swapping places
-    steps = [(torch.arange(3).repeat_interleave(2), False), (torch.tensor([1, 0, 2, 2, 5, 4]), True),
-             (torch.tensor([0, 0, 4, 5]), False), (torch.tensor([3, 2, 1, 0]), False)]
-    ours = theirs = encoder_out
-    for order, unchanged in steps:
-        ours_next = model.encoder.reorder_encoder_out(ours, order)
-        theirs = TransformerEncoderBase.reorder_encoder_out(model.encoder, theirs, order)
-        for key in ("encoder_out", "encoder_padding_mask", "encoder_embedding", "src_tokens", "src_lengths"):
-            for a, b in zip(ours_next[key], theirs[key]):
-                assert torch.equal(a, b), key
-        assert (ours_next is ours) == unchanged
-        ours = ours_next
+    model.set_beam_size(beam)
+    logits = {}
+    for name, order in (("beams", torch.arange(3).repeat_interleave(beam)), ("rows", torch.tensor([0, 1, 1, 2, 2, 0]))):
+        reordered = model.encoder.reorder_encoder_out(encoder_out, order)
+        incremental_state = {}
+        tokens = torch.full((order.numel(), 1), d.eos())
+        with torch.no_grad():
+            logits[name] = model.decoder(tokens, encoder_out=reordered, incremental_state=incremental_state)[0]
+        state = incremental_state[DecodingState.KEY]
+        assert (state.beam, state.sentences) == ((beam, 3) if name == "beams" else (1, 6))
+        assert state.layers[0].cross.key.size(0) == state.sentences
+    torch.testing.assert_close(logits["beams"], logits["rows"][torch.tensor([0, 5, 1, 2, 3, 4])], rtol=0, atol=0)
 
 
 def test_step_reuses_its_buffers_and_never_overwrites_what_the_caller_keeps():
@@ -433,19 +426,29 @@ def test_checkpoints_written_before_the_feature_maps_were_modules_load():
 
 @pytest.mark.slow
 def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kernels(tmp_path_factory):
+    """fairseq-generate with the native step and with the torch step: the static beam search (the native search step
+    against the torch one), and fairseq's generator (--print-alignment: the decoder's step through its DecodingState,
+    the alignments from the cross-attention weights); then int8 linear layers in both generators."""
     data = synthetic_data(tmp_path_factory)
     checkpoint = train_generate_model(data, tmp_path_factory.mktemp("decode_kernels_generate"), max_update=15)
+
+    def generate(beam, *extra):
+        proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint,
+                   "--gen-subset", "test", "--beam", beam, "--batch-size", "16", "--max-len-b", "25",
+                   "--required-batch-size-multiple", "1", "--prefix-size", "1", "--cpu", *extra)
+        lines = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "A-")]
+        assert sum(line.startswith("H-") for line in lines) == 40
+        return proc.stdout + proc.stderr, lines
+
     outputs = {}
-    for name, extra in (("cpp", []), ("torch", ["--model-overrides", "{'rfa_decode_kernel': 'torch'}"])):
-        for beam in ("1", "5"):
-            proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint,
-                       "--gen-subset", "test", "--beam", beam, "--batch-size", "16", "--max-len-b", "25",
-                       "--required-batch-size-multiple", "1", "--print-alignment", "--prefix-size", "1", "--cpu", *extra)
-            lines = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-", "A-")]
-            assert sum(line.startswith("H-") for line in lines) == 40
-            outputs[(name, beam)] = lines
-    for beam in ("1", "5"):
-        cpp, torch_kernels = outputs[("cpp", beam)], outputs[("torch", beam)]
+    for name, kernel in (("cpp", "cpp"), ("torch", "torch")):
+        overrides = ["--model-overrides", f"{{'rfa_decode_kernel': '{kernel}'}}"]
+        for beam, generator, extra in (("1", "static", []), ("5", "static", []), ("5", "fairseq", ["--print-alignment"])):
+            log, outputs[(name, beam, generator)] = generate(beam, *overrides, *extra)
+            assert f"decoding step: {'native' if name == 'cpp' else 'torch'} ({name})" in log
+            assert ("static beam search generator" in log) == (generator == "static"), (name, beam, generator)
+    for beam, generator in (("1", "static"), ("5", "static"), ("5", "fairseq")):
+        cpp, torch_kernels = outputs[("cpp", beam, generator)], outputs[("torch", beam, generator)]
         assert len(cpp) == len(torch_kernels)
         for a, b in zip(cpp, torch_kernels):
             fields_a, fields_b = a.split("\t"), b.split("\t")
@@ -457,12 +460,15 @@ def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kerne
             else:  # positional scores, printed with 4 decimals
                 diffs = [abs(float(x) - float(y)) for x, y in zip(fields_a[1].split(), fields_b[1].split())]
                 assert fields_a[0] == fields_b[0] and max(diffs) <= 2e-4, (a, b)
-    # --rfa-decode-precision int8 reaches fairseq-generate's model through --model-overrides
-    proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test",
-               "--beam", "5", "--batch-size", "16", "--max-len-b", "25", "--cpu",
-               "--model-overrides", "{'rfa_decode_precision': 'int8'}")
-    assert "linear layers: oneDNN int8" in proc.stdout + proc.stderr
-    assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 40
+    # --rfa-decode-precision int8 reaches fairseq-generate's model through --model-overrides: the static search's
+    # native int8 step and fairseq's generator on the same int8 kernels give the same lines
+    int8 = {}
+    for generator, static in (("static", True), ("fairseq", False)):
+        log, int8[generator] = generate("5", "--model-overrides",
+                                        f"{{'rfa_decode_precision': 'int8', 'rfa_static_beam_search': {static}}}")
+        assert "linear layers: oneDNN int8" in log and ("static beam search generator" in log) == static
+    hyps = {g: [line.split("\t")[2] for line in lines if line.startswith("H-")] for g, lines in int8.items()}
+    assert hyps["static"] == hyps["fairseq"]
 
 
 @pytest.mark.parametrize("cross", ["softmax", "rfa"])
@@ -504,8 +510,7 @@ def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():
 
 
 def _int8_kernels():
-    if load_fused_extension() is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain; see the warning above)")
+    cpp_extension()
     return step_kernels("auto", torch.device("cpu"), torch.float32, "int8")
 
 

@@ -46,8 +46,7 @@ JIT_STEP = textwrap.dedent("""
     v, state, order = torch.randn(3, 8, generator=g), torch.rand(3, 2, 8, 5, generator=g), torch.tensor([2, 0, 0])
     cpp = step_kernels("cpp", torch.device("cpu"), torch.float32)  # the native step's kernels, from the JIT build
     out, new_state = torch.empty(3, 8), torch.empty(3, 2, 8, 5)
-    cpp.ext.causal_layer_step(phi_q, phi_k, v, torch.empty(0), torch.empty(0), state, order, new_state, out, 1e-3,
-                              cpp.ext.activations["features"], torch.empty(0), torch.empty(0))
+    cpp.ext.causal_layer_step(phi_q, phi_k, v, None, None, state, order, new_state, out, 1e-3, "features", None, None)
     want_state = torch.empty(3, 2, 8, 5)
     want = step_kernels("torch", torch.device("cpu"), torch.float32).causal_layer_step(
         phi_q, phi_k, v, None, None, state, order, want_state, 1e-3)

@@ -3,7 +3,7 @@ import io
 
 import pytest
 import torch
-from helpers import PAPER_RFA, build_model, build_model_from_args, parse_args, random_batch, use_decoding_step
+from helpers import PAPER_RFA, build_model, build_model_from_args, cpp_extension, parse_args, random_batch, use_decoding_step
 
 from rfa_fairseq.conversion import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.config import RFAConfig
@@ -377,9 +377,8 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
     from rfa_fairseq.ops import decode_step
 
     outputs = {}
+    cpp_extension()  # the cpp case needs the C++ module (skipped, with the reason, where it cannot be built)
     for kernel in ("auto", "torch", "cpp"):
-        if kernel == "cpp" and decode_step.load_fused_extension() is None:
-            continue  # no C++ toolchain here (use_decoding_step skips such tests with the reason)
         model, d = build_model(_flags("sincos", True, False) + ["--rfa-decode-kernel", kernel])
         assert model.decoder.rfa.rfa_decode_kernel == kernel
         model.eval()
@@ -483,10 +482,8 @@ def test_softmax_encoder_inference_equals_fairseqs_forward_and_repacks_changed_w
     """The softmax encoder's inference (eval, no autograd: the step's kernels, oneDNN on packed weights with the
     C++ kernels) equals fairseq's own forward (taken with autograd on) on padded sources; after an in-place
     parameter update (an optimizer step between two validations) it uses the new weights."""
-    from rfa_fairseq.ops import load_fused_extension
-
-    if kernel == "cpp" and load_fused_extension() is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
+    if kernel == "cpp":
+        cpp_extension()
     flags = ["--rfa-decode-kernel", kernel] + (["--encoder-normalize-before"] if normalize_before else [])
     model, d = build_model(flags)
     model.eval()

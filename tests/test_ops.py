@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CppKernels
+from helpers import CppKernels, cpp_extension
 
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
@@ -315,11 +315,7 @@ def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_
     """A chain of causal_layer_step calls on two state buffers used in turn (as a decoding state keeps them):
     beam reorders with duplicated rows and a shrinking batch, interleaved with plain steps, equal
     causal_rfa_recurrent on state[order]."""
-    from rfa_fairseq.ops import load_fused_extension
-
-    if kernel == "cpp" and load_fused_extension() is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
-    kernels = CppKernels(load_fused_extension()) if kernel == "cpp" else step_kernels(kernel, torch.device("cpu"),
+    kernels = CppKernels(cpp_extension()) if kernel == "cpp" else step_kernels(kernel, torch.device("cpu"),
                                                                                        torch.float32)
     H, Fdim, d = 3, 10, 5
     g = torch.Generator().manual_seed(7)
@@ -349,11 +345,7 @@ def test_cpp_beam_candidates_equal_torch_topk_of_the_sums(first_step):
     torch.topk of prev + lprobs: same scores and indices, best first, with NaN counting as -inf, rows that are
     -inf almost everywhere (fewer finite candidates than k: the -inf ones come in index order) and a score
     column read with a stride (a column of the search's buffer)."""
-    from rfa_fairseq.ops import load_fused_extension
-
-    if load_fused_extension() is None:
-        pytest.skip("the C++ kernels cannot be built here (no C++ toolchain)")
-    cpp, ref = CppKernels(load_fused_extension()), step_kernels("torch", torch.device("cpu"), torch.float32)
+    cpp, ref = CppKernels(cpp_extension()), step_kernels("torch", torch.device("cpu"), torch.float32)
     N, K, V, k = 5, 3, 301, 6
     g = torch.Generator().manual_seed(3)
     lprobs = torch.log_softmax(torch.randn(N * K, V, generator=g) * 3, dim=-1)

@@ -56,10 +56,10 @@ def main() -> int:
             for initial in (True, False):
                 shared = dict(F=64, D=64, BT=BT, BF=64, BD=64, GATED=gated)
                 absent = {} if gated else {"G": None, "DAQ": None, "DG": None}
-                variants.append((triton_chunk.chunk_fwd, {**shared, "HAS_S0": initial, **absent,
-                                                          **({} if initial else {"S0": None})}, 8))
-                variants.append((triton_chunk.chunk_bwd_dq, {**shared, "HAS_S0": initial, **absent,
-                                                             **({} if initial else {"S0": None})}, 8))
+                for grad in (False, True):  # the forward pass; the backward's forward sweep (dq)
+                    unused = {"DO": None, "DQ": None, "DAQ": None} if not grad else {"SF": None}
+                    variants.append((triton_chunk.chunk_forward, {**shared, "HAS_S0": initial, "GRAD": grad, **absent,
+                                                                  **unused, **({} if initial else {"S0": None})}, 8))
                 variants.append((triton_chunk.chunk_bwd_dkv, {**shared, "S0_GRAD": initial, **absent,
                                                               **({} if initial else {"DS0": None})}, 8))
     for activation, W in ((1, 32), (2, 64), (0, 64)):
@@ -83,7 +83,8 @@ def main() -> int:
         except Exception as error:
             print(f"{fn.__name__} {constants}: does not compile for sm_{args.arch}: {error}", flush=True)
             return 1
-        shown = {k: v for k, v in constants.items() if k in ("BT", "GATED", "HAS_S0", "S0_GRAD", "ACTIVATION", "HAS_STATE")}
+        shown = {k: v for k, v in constants.items()
+                 if k in ("BT", "GATED", "HAS_S0", "GRAD", "S0_GRAD", "ACTIVATION", "HAS_STATE")}
         print(f"{fn.__name__} {shown}: {resource_usage(kernel)}", flush=True)
     print(f"triton_aot.py: {len(variants)} kernels compiled for sm_{args.arch} with Triton {triton.__version__}")
     return 0

@@ -60,6 +60,10 @@ def wrap_build_generator(original):
 
             if any(isinstance(m, RFATransformerModel) for m in models):
                 logger.info(f"rfa_fairseq: fairseq's generator, not the static beam search: {reason}")
+                parts = {m.rfa_config.rfa_decode_parts for m in models if isinstance(m, RFATransformerModel)}
+                if any(p > 0 for p in parts):
+                    logger.info(f"rfa_fairseq: --rfa-decode-parts {max(parts)} has no effect with fairseq's generator "
+                                f"(only the static beam search splits batches into parts)")
             return original(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
         logger.info("rfa_fairseq: static beam search generator")

@@ -28,7 +28,9 @@ The arithmetic follows SequenceGenerator._generate and search.BeamSearch.step op
 normalization), so hypotheses and scores agree with fairseq's. Shapes: N places (sentences still in the
 batch), K beams, R = N * K rows, V the vocabulary, L the token buffer's length (max_len + 2).
 """
+import logging
 import math
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
@@ -37,6 +39,8 @@ from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from ..modules.decoding import CUDAGraphBackend, DecodingState, StepGraphs
+
+logger = logging.getLogger(__name__)
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
 MIN_PART_SENTENCES = 32  # auto: parts of at least this many sentences (smaller ones lose to intra-op threads: docs/benchmarks.md)
@@ -48,6 +52,24 @@ def parts_for(sentences: int, threads: int, requested: int) -> int:
     if requested > 0:
         return max(1, min(requested, sentences))
     return max(1, min(threads, sentences // MIN_PART_SENTENCES))
+
+
+class PartThreads:
+    """The threads that decode the parts of a batch at once: `size` of them, each decoding without autograd (grad mode
+    is per thread in torch); the native step sets each one's OpenMP and MKL teams to one thread (decode_program.cpp's
+    ThreadScope). Shut down by close(), or when its owner drops it."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="rfa-decode-part",
+                                            initializer=torch.set_grad_enabled, initargs=(False,))
+        self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
+
+    def map(self, fn, items):
+        return self._executor.map(fn, items)
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 class SearchBuffers:
@@ -111,11 +133,18 @@ class StaticBeamSearchGenerator(nn.Module):
         # kept across batches: a batch of a shape seen before runs on the same addresses (and graphs)
         self.lanes: List[Lane] = [Lane()]  # lane 0 decodes an unsplit batch; lanes 1.. the parts of a split one
         self.part_lanes: List[Lane] = []
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: Optional[PartThreads] = None  # the parts' threads, owned (and shut down) by this generator
+        self._logged_parts: set = set()
         self.graphs: Optional[StepGraphs] = None
         self._graph_generations = None  # the buffers' generations the graphs were captured at
         self._largest_batch = 1  # the sentences of the largest batch so far: the sizes a batch halves to derive from it
         self._prepare_weights()
+
+    def close(self) -> None:
+        """Shut the parts' threads down (also when the generator is collected); a later batch starts them again."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     @torch.no_grad()
     def _prepare_weights(self) -> None:
@@ -126,6 +155,9 @@ class StaticBeamSearchGenerator(nn.Module):
         src_tokens = torch.full((1, 1), self.eos, dtype=torch.long, device=device)
         sample = {"net_input": {"src_tokens": src_tokens, "src_lengths": torch.ones(1, dtype=torch.long, device=device)}}
         self.generate([self.model], sample, max_steps=1)
+        if self.parts > 0 and self.model.decoder.decoding_runtime().program is None:
+            logger.info(f"rfa_fairseq: --rfa-decode-parts {self.parts} has no effect here: batches are split into "
+                        f"parts by the native step only (the CPU in fp32), not by the torch step that runs here")
 
     def _graphs_for(self, lane: Lane, device) -> Optional[StepGraphs]:
         """The CUDA graphs of the steps on `device` (None: every step as it is), dropped when a buffer they read
@@ -186,8 +218,10 @@ class StaticBeamSearchGenerator(nn.Module):
         # long and short ones), each part searched on its own lane with one thread
         while len(self.part_lanes) < parts:
             self.part_lanes.append(Lane(threads=1))
-        if self._pool is None or self._pool._max_workers < parts:
-            self._pool = ThreadPoolExecutor(max_workers=parts, thread_name_prefix="rfa-decode-part")
+        if self._pool is None or self._pool.size < parts:
+            if self._pool is not None:
+                self._pool.close()
+            self._pool = PartThreads(parts)
         members = [torch.arange(i, N, parts, device=device) for i in range(parts)]
 
         def search_part(i: int):
@@ -198,6 +232,9 @@ class StaticBeamSearchGenerator(nn.Module):
                                 bos, part_prefix, None)
 
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
+        if parts not in self._logged_parts:  # once per part count: what the split does is visible in the log
+            self._logged_parts.add(parts)
+            logger.info(f"rfa_fairseq: a batch of {N} sentences decoded in {parts} parts at once, one thread each")
         for i, hypos in zip(range(parts), self._pool.map(search_part, range(parts))):
             for n, sentence in zip(members[i].tolist(), hypos):
                 finalized[n] = sentence
@@ -332,6 +369,7 @@ class _Search:
                  device, lagged: bool):
         self.gen, self.lane, self.state, self.ws, self.device = gen, lane, state, lane.buffers, device
         self.K, self.V, self.L = gen.beam_size, gen.vocab_size, max_len + 2  # +2: BOS and EOS
+        self.eos, self.pad, self.unk, self.unk_penalty = gen.eos, gen.pad, gen.unk, float(gen.unk_penalty)
         self.cand_size = 2 * self.K  # 2 x beam in case half are EOS (SequenceGenerator)
         self.lagged = lagged  # the host reads a step's flags one step later (CUDA: no wait for the device)
         self.parity = 0  # which of each buffer pair holds the current tokens and scores
@@ -384,22 +422,10 @@ class _Search:
         self._native = None
 
     def native(self):
-        """These buffers as the native program's NativeSearch (made again after a halving's new views)."""
+        """These buffers as the native program's NativeSearch (it reads them by name; made again after a halving's
+        new views)."""
         if self._native is None:
-            ext = self.state.runtime.kernels.ext
-            native = ext.NativeSearch()
-            native.tokens0, native.tokens1 = self.token_pair
-            native.scores0, native.scores1 = self.score_pair
-            native.cand_scores, native.cand_indices = self.cand_scores, self.cand_indices
-            native.cands_to_ignore, native.finished, native.fin_count = self.cands_to_ignore, self.finished, self.fin_count
-            native.fin_tokens, native.fin_scores, native.fin_steps = self.fin_tokens, self.fin_scores, self.fin_steps
-            native.order, native.eos_bias, native.step = self.order, self.eos_bias, self.step
-            if self.positions is not None:
-                native.positions = self.positions
-            native.N, native.K = self.N, self.K
-            native.eos, native.pad, native.unk = self.gen.eos, self.gen.pad, self.gen.unk
-            native.unk_penalty = float(self.gen.unk_penalty)
-            self._native = native
+            self._native = self.state.runtime.kernels.ext.NativeSearch(self)
         return self._native
 
     @property

@@ -10,7 +10,6 @@ softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,15 +36,16 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
-from ..modules import RFAAttention, SoftmaxCrossAttention, native_step
+from ..modules import RFAAttention, SoftmaxCrossAttention
 from ..modules.decoding import (
+    FFN_ACTIVATIONS,
     DecodingCache,
     DecodingRuntime,
     DecodingState,
     LayerCache,
     NormRecord,
     PackedLinears,
-    RowSources,
+    beam_layout,
     feed_forward,
     step_graphs_for,
     weights_key,
@@ -185,7 +185,8 @@ class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
 class DecoderLayerRecord:
     """A decoder layer's part of the decoding step: its causal attention's and cross-attention's records (cross None
     without encoder attention), its norms, its FFN's packed linear layers; post-norm or pre-norm (normalize_before).
-    `step` is its part of the torch step; the native program reads the same fields (modules/native_step.py)."""
+    `step` is its part of the torch step; the native program reads the same fields by name
+    (ops/csrc/decode_program.cpp's DecoderLayerProgram::from)."""
 
     self_attn: CausalRecord
     self_attn_norm: NormRecord
@@ -196,6 +197,11 @@ class DecoderLayerRecord:
     activation_fn: object
     final_norm: NormRecord
     normalize_before: bool
+
+    @property
+    def activation(self) -> Optional[str]:
+        """The FFN activation's name for the native program ("relu", "gelu"; None: it has none, the torch step runs)."""
+        return FFN_ACTIVATIONS.get(self.activation_fn)
 
     def start(self, previous: Optional[LayerCache], rows: int, key: Optional[Tensor], key_padding_mask, source_len,
               runtime) -> "tuple[LayerCache, bool]":
@@ -237,36 +243,10 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
-    # encoder_out entry: the source sentence each row reads (RowSources; beam search copies every sentence beam times)
-    ROW_SOURCE = "rfa_row_source"
-
     def build_encoder_layer(self, cfg):
         if not getattr(cfg, RFA_CONFIG).rfa_encoder_self_attn:
             return _wrap_layer(SoftmaxEncoderLayer(cfg, return_fc=self.return_fc), cfg)
         return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
-
-    def reorder_encoder_out(self, encoder_out, new_order):
-        """fairseq's reorder, skipped when it would replace every row by an identical copy: beam search
-        reorders within each sentence's beams at every step, and those rows are copies of one source row.
-        Which rows are copies of which (RowSources) is recorded at the first reorder (the expansion to beams); the
-        decoder reads it at a batch's first step."""
-        if not encoder_out["encoder_out"]:
-            return super().reorder_encoder_out(encoder_out, new_order)
-        sources = row_sources(encoder_out)
-        if sources is None:
-            sources = RowSources.identity(encoder_out["encoder_out"][0].size(1), new_order.device)
-        followed = sources.follow(new_order)
-        if followed is None:
-            return encoder_out
-        reordered = super().reorder_encoder_out(encoder_out, new_order)
-        reordered[self.ROW_SOURCE] = [followed.source]
-        return reordered
-
-
-def row_sources(encoder_out) -> Optional[RowSources]:
-    """The RowSources that reorder_encoder_out recorded in encoder_out, or None (no reorder happened)."""
-    recorded = encoder_out.get(RFATransformerEncoder.ROW_SOURCE) if encoder_out is not None else None
-    return RowSources(recorded[0]) if recorded else None
 
 
 class RFATransformerDecoder(TransformerDecoderBase):
@@ -279,7 +259,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
                          output_projection=output_projection)
         self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
-        self._decoding = DecodingCache()  # the runtime (rebuilt when the weights change) and a spare batch state
+        self._decoding = DecodingCache()  # the runtime (rebuilt when the weights change) and the last batch's buffers
         self._logged_kernels = None
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
@@ -339,22 +319,17 @@ class RFATransformerDecoder(TransformerDecoderBase):
         return None
 
     def _start(self, prev_output_tokens, encoder_out) -> DecodingState:
-        """A batch's first step (fairseq's generators): its DecodingState (the last batch's buffers reused), K/V
-        once per sentence where the rows say which sentence they read (RowSources recorded by reorder_encoder_out)."""
+        """A batch's first step (fairseq's generators): its DecodingState (on the buffers of the last batch, when that
+        one has ended), K/V once per sentence when the encoder output holds each sentence `beam_size` times in a row
+        (fairseq's beam search expands it so: checked on the values), else once per row."""
         rows = prev_output_tokens.size(0)
         key, pad = self.encoder_keys(encoder_out)
-        beam, sentences = 1, None
-        sources = row_sources(encoder_out)
-        if key is not None and sources is not None and self.beam_size > 1 and sources.source.numel() == rows:
-            sentences = sources.beam_layout(self.beam_size)
-            beam = self.beam_size if sentences is not None else 1
-        if key is not None and beam > 1:
+        beam = 1
+        if key is not None and self.beam_size > 1 and beam_layout(key, pad, self.beam_size):
+            beam = self.beam_size
             key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
-        runtime = self.decoding_runtime()
-        state = self._decoding.take_spare() or DecodingState()
-        state.graphs = step_graphs_for(self.embed_tokens.weight.device, self.rfa.rfa_cuda_graphs)
-        weakref.finalize(state, self._decoding.keep_spare, state.__dict__, runtime)  # the next batch reuses its buffers
-        return state.start(runtime, rows, beam, key, pad)
+        state = DecodingState(graphs=step_graphs_for(self.embed_tokens.weight.device, self.rfa.rfa_cuda_graphs))
+        return state.start(self.decoding_runtime(), rows, beam, key, pad, buffers=self._decoding.buffers_for(state))
 
     def encoder_keys(self, encoder_out):
         """The encoder output (S, rows, C) and its padding mask (rows, S) that cross-attention reads, or Nones."""
@@ -373,13 +348,20 @@ class RFATransformerDecoder(TransformerDecoderBase):
         key = (options, weights_key(self))
         if self._decoding.runtime is None or self._decoding.key != key:
             kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
-                                   native_step.unsupported(self))
+                                   self._native_unsupported())
             if self._logged_kernels != (kernels.name, kernels.gemm):  # once per decoder (and when the choice changes)
                 self._logged_kernels = (kernels.name, kernels.gemm)
                 logger.info(f"rfa_fairseq: decoding step: {'native' if kernels.native else 'torch'} "
                             f"({kernels.name}); linear layers: {kernels.gemm}")
             self._decoding.set_runtime(key, DecodingRuntime(self, kernels))
         return self._decoding.runtime
+
+    def _native_unsupported(self) -> Optional[str]:
+        """What of this decoder the native program cannot run (then the kernel choice takes the torch step), or None."""
+        for layer in self.layers:
+            if layer.activation_fn not in FFN_ACTIVATIONS:
+                return f"the FFN activation {getattr(layer.activation_fn, '__name__', layer.activation_fn)}"
+        return None
 
     @torch.no_grad()
     def step_positions(self, length: int) -> Optional[Tensor]:

@@ -8,12 +8,14 @@ cross-attention reads a source K/V (or an RFA state) fixed per sentence. So deco
   packed for the kernels, its norms, its attentions' records), with the embedding and output records. On the CPU
   in fp32 (and int8) it also holds the native program: the same step compiled ahead of time in C++
   (ops/csrc/decode_program.cpp), built from the same records.
-- `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives: its rows,
-  which source sentence each row reads (`RowSources`), the pending beam order, and one cache per layer that owns
-  its buffers (`LayerCache`: the causal attention's `CausalCache`, two fp32 state buffers (rows, H, F, d + 1) used
-  in turn; the cross-attention's `SentenceCache`, K and V or the RFA state once per source sentence). A state kept
-  across batches (the static beam search, fairseq's generator through the decoder) reuses its buffers, so a batch
-  of a shape seen before runs on the same addresses (and CUDA graphs).
+- `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives and the one
+  account of its rows: which source sentence each row reads (`RowSources`, with the beam layout it allows), the
+  pending beam order, and one cache per layer that owns its buffers (`LayerCache`: the causal attention's
+  `CausalCache`, two fp32 state buffers (rows, H, F, d + 1) used in turn; the cross-attention's `SentenceCache`, K
+  and V or the RFA state once per source sentence). Everything else derives from it when it changes: the native
+  program's view of the caches (`NativeBatch`, tensors only), the caches' reorders. A state kept across batches (the
+  static beam search) reuses its buffers, so a batch of a shape seen before runs on the same addresses (and CUDA
+  graphs); fairseq's generator starts a state per batch on the buffers the last batch left (`DecodingCache`).
 
 The step is one function in two implementations: the records' `step` methods in torch (the reference, CUDA, bf16)
 and the native program (the CPU), chosen once by the kernel set. On CUDA the step is captured as a CUDA graph and
@@ -22,6 +24,7 @@ replayed (`StepGraphs`).
 fairseq's incremental_state holds one reference to the batch's DecodingState and nothing else.
 """
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,8 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq.modules.gelu import gelu as fairseq_gelu
+
 from .. import torch_internals
-from . import native_step
+
+# FFN activations the native program has, by name (DecoderLayerRecord.activation)
+FFN_ACTIVATIONS = {F.relu: "relu", fairseq_gelu: "gelu", F.gelu: "gelu"}
 
 
 # ---------------------------------------------------------------- which row reads which sentence
@@ -66,6 +73,21 @@ class RowSources:
             return None
         groups = self.source.view(-1, beam)
         return groups[:, 0] if beam == 1 or bool((groups == groups[:, :1]).all()) else None
+
+
+def beam_layout(key: Tensor, key_padding_mask: Optional[Tensor], beam: int) -> bool:
+    """Whether the encoder output key (S, rows, C) and its padding (rows, S) hold each sentence `beam` times in a row
+    (fairseq's beam search expands them so), checked on the values: then K/V are kept once per sentence."""
+    S, rows, C = key.shape
+    if beam < 1 or rows % beam:
+        return False
+    grouped = key.view(S, rows // beam, beam, C)
+    if not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
+        return False
+    if key_padding_mask is None:
+        return True
+    pad = key_padding_mask.view(rows // beam, beam, -1)
+    return torch.equal(pad, pad[:, :1].expand_as(pad))
 
 
 # ---------------------------------------------------------------- linear layers packed once
@@ -237,7 +259,7 @@ class DecodingRuntime:
         out = decoder.output_projection
         self.vocab_size = out.weight.size(0)
         self.output = kernels.pack_linear(out.weight.detach(), None if out.bias is None else out.bias.detach())
-        self.program = native_step.build_program(self) if kernels.native else None
+        self.program = kernels.new_program(self) if kernels.native else None
 
     def embed_step(self, tokens: Tensor, positions: Optional[Tensor]) -> Tensor:
         """(R,) tokens and (R, C) / (1, C) position embeddings or None -> the first layer's input (R, C)."""
@@ -249,13 +271,24 @@ class DecodingRuntime:
         return x if self.embed_norm is None else self.embed_norm(self.kernels, x)
 
 
-class DecodingCache:
-    """What a decoder keeps between batches: its runtime (with the key it was built for) and the last batch's
-    state, whose buffers the next batch reuses. A cache: copies and pickles of a model start with an empty one
-    (oneDNN's packed tensors and the native program cannot be copied)."""
+class StateBuffers:
+    """What a batch's DecodingState decodes on: its layers' caches and the CUDA graphs' input buffers."""
 
     def __init__(self):
-        self.key, self.runtime, self.spare = None, None, None
+        self.layers: List[LayerCache] = []
+        self.inputs: Dict[str, Tensor] = {}
+
+
+class DecodingCache:
+    """What a decoder keeps between batches: its runtime (with the key it was built for) and the buffers of the last
+    batch it started, which the next batch decodes on once that batch's state is gone (one set at most: a batch that
+    starts while the last one is still decoding gets buffers of its own). A cache: copies and pickles of a model start
+    with an empty one (oneDNN's packed tensors and the native program cannot be copied)."""
+
+    def __init__(self):
+        self.key, self.runtime = None, None
+        self._buffers: Optional[StateBuffers] = None
+        self._owner: Optional[weakref.ref] = None  # the DecodingState decoding on _buffers
 
     def __deepcopy__(self, memo):
         return DecodingCache()
@@ -264,22 +297,18 @@ class DecodingCache:
         return (DecodingCache, ())
 
     def clear(self) -> None:
-        self.key, self.runtime, self.spare = None, None, None
+        self.key, self.runtime, self._buffers, self._owner = None, None, None, None
 
     def set_runtime(self, key, runtime: "DecodingRuntime") -> None:
-        self.key, self.runtime, self.spare = key, runtime, None
+        self.key, self.runtime, self._buffers, self._owner = key, runtime, None, None
 
-    def take_spare(self) -> Optional["DecodingState"]:
-        spare, self.spare = self.spare, None
-        return spare
-
-    def keep_spare(self, state_dict: dict, runtime: "DecodingRuntime") -> None:
-        """A finished batch's state (its attributes: the state itself is gone) serves the next batch, unless the
-        runtime changed since (weights updated)."""
-        if self.runtime is runtime and self.spare is None:
-            spare = DecodingState()
-            spare.__dict__.update(state_dict)
-            self.spare = spare
+    def buffers_for(self, state: "DecodingState") -> StateBuffers:
+        """Buffers for `state`'s batch: the last batch's when its state is gone, else new ones (kept for the next)."""
+        last = self._owner() if self._owner is not None else None
+        if self._buffers is None or last is not None:
+            self._buffers = StateBuffers()
+        self._owner = weakref.ref(state)
+        return self._buffers
 
 
 # ---------------------------------------------------------------- one batch
@@ -304,27 +333,35 @@ class DecodingState:
         self.graphs = graphs  # CUDA graphs of the steps (None: every step runs as it is)
         self.threads = threads
         self.runtime: Optional[DecodingRuntime] = None
-        self.layers: List[LayerCache] = []
+        self.buffers = StateBuffers()
         self.rows = self.beam = self.sentences = 0
         self.rows_map: Optional[RowSources] = None
         self.order: Optional[Tensor] = None
         self.order_buffer: Optional[Tensor] = None  # use_order_buffer's
         self.parity, self.first = 0, True
         self.generation = 0  # bumped whenever a buffer is (re)allocated: a captured graph is stale then
-        self._inputs: Dict[str, Tensor] = {}  # the graphs' fixed input buffers (tokens, positions, order)
-        self._native = None  # the native program's view of this batch's buffers (NativeBatch), made on demand
+        self._native = None  # the native program's view of this batch's caches (NativeBatch), made when they change
+
+    @property
+    def layers(self) -> List[LayerCache]:
+        return self.buffers.layers
 
     @property
     def kernels(self):
         return self.runtime.kernels
 
     def start(self, runtime: DecodingRuntime, rows: int, beam: int, key: Optional[Tensor],
-              key_padding_mask: Optional[Tensor], source_len: Optional[int] = None) -> "DecodingState":
+              key_padding_mask: Optional[Tensor], source_len: Optional[int] = None,
+              buffers: Optional[StateBuffers] = None) -> "DecodingState":
         """A batch of `rows` rows, `beam` per sentence, on `runtime`: key (S, sentences, C) the encoder output once
         per sentence (or None), its padding (sentences, S) or None. source_len >= S pads the cross-attention's K/V
-        to that length (masked), so that batches of nearby source lengths share shapes. -> self"""
+        to that length (masked), so that batches of nearby source lengths share shapes. buffers: decode on these
+        (the last batch's, DecodingCache.buffers_for) instead of this state's own. -> self"""
+        if buffers is not None and buffers is not self.buffers:
+            self.buffers = buffers
+            self.generation += 1
         if self.runtime is not runtime:
-            self.layers, self.runtime = [], runtime
+            self.runtime = runtime
             self.generation += 1
         self.rows, self.beam, self.sentences = rows, beam, rows // beam
         self.rows_map = RowSources.beams(self.sentences, beam, runtime.device)
@@ -334,7 +371,7 @@ class DecodingState:
             cache, allocated = record.start(previous, rows, key, key_padding_mask, source_len, runtime)
             caches.append(cache)
             self.generation += int(allocated)
-        self.layers = caches
+        self.layers[:] = caches
         self.order = self.order_buffer = None
         self.parity, self.first = 0, True
         self._native = None
@@ -400,16 +437,15 @@ class DecodingState:
         if need_weights and last is not None and self.layers[-1].cross is not None and last.cross.has_weights:
             weights = torch.empty(tokens.size(0), self.layers[-1].cross.key.size(2), device=tokens.device)
         logits = self.runtime.program.decode(
-            self.native_batch(), tokens, native_step.NONE if positions is None else positions,
-            native_step.NONE if self.first or self.order is None else self.order, self.parity, self.first, padded_inputs,
-            native_step.NONE if weights is None else weights, self.threads)
+            self.native_batch(), tokens, positions, None if self.first else self.order, self.parity, self.first,
+            padded_inputs, weights, self.beam, self.threads)
         return logits, weights
 
     def native_batch(self):
-        """The native program's view of this batch's buffers (the caches' own tensors), made again after a
-        change of tensors."""
+        """The native program's view of this batch's caches (their own tensors, read by name), made again whenever a
+        cache's tensors change."""
         if self._native is None:
-            self._native = native_step.native_batch(self.runtime.kernels.ext, self.layers, self.beam)
+            self._native = self.runtime.kernels.ext.NativeBatch(self.layers)
         return self._native
 
     def step_done(self) -> None:
@@ -418,9 +454,9 @@ class DecodingState:
         self.order, self.first = self.order_buffer, False
 
     def _input(self, name: str, shape, dtype) -> Tensor:
-        buffer, allocated = reuse_or_allocate(self._inputs.get(name), tuple(shape), dtype, self.runtime.device)
+        buffer, allocated = reuse_or_allocate(self.buffers.inputs.get(name), tuple(shape), dtype, self.runtime.device)
         if allocated:
-            self._inputs[name] = buffer
+            self.buffers.inputs[name] = buffer
             self.generation += 1
         return buffer
 

@@ -219,8 +219,8 @@ class RFAAttention(nn.Module):
         if before_softmax:
             raise ValueError("RFA has no attention logits (before_softmax=True is unsupported)")
         if incremental_state is not None:
-            raise ValueError("RFAAttention decodes incrementally through its decoder layer's step "
-                             "(prepare_step, step: RFATransformerDecoder), not through forward")
+            raise ValueError("RFAAttention decodes incrementally through the decoding step (its decoding_record, run "
+                             "by RFATransformerDecoder's DecodingState), not through forward")
         tgt_len, bsz, _ = query.shape
         w = self.random_matrix()  # (H, D, d) or None
         phi_q = self.features(self.q_proj(query), w, is_query=True)  # (B, H, T, F)
@@ -237,7 +237,7 @@ class RFAAttention(nn.Module):
         return self.out_proj(out), None
 
     def _get_input_buffer(self, incremental_state) -> None:
-        return None  # fairseq's decoder layer asks for it; the decoding step's cache is this module's (start_step)
+        return None  # fairseq's decoder layer asks for it; incremental decoding keeps its cache in the DecodingState
 
     def _causal_self_attention(self, phi_q, query, key_padding_mask, w) -> Tensor:
         """Decoder self-attention over whole sequences, chunked. -> (B, H, T, d)"""
@@ -298,21 +298,26 @@ class RFAAttention(nn.Module):
 class FeatureMapRecord:
     """A feature map as the decoding step applies it: `activation` on the fused projection's pre-activations of a
     learned affine map (hedgehog, relu), or the map module itself on raw per-head q / k (`phi`, with its random
-    matrix and sigma for the native program). `kind` names it for the native program's table."""
+    matrix and sigma, which the native program reads). `kind` names it for the native program; `width`: the values
+    per head it is applied to (D pre-activations of an affine map, else the head dimension), `features`: F."""
 
     kind: str
     activation: Optional[str]
     phi: nn.Module
     random_matrix: Optional[Tensor]
     sigma: Optional[Tensor]
+    width: int
+    features: int
 
     @classmethod
     def of(cls, phi, random_matrix: Optional[Tensor]) -> "FeatureMapRecord":
         sigma = phi.current_sigma().detach().float().contiguous() if hasattr(phi, "current_sigma") else None
         matrix = random_matrix.detach().float().contiguous() if random_matrix is not None else None
-        return cls(phi.kind, phi.step_activation, phi, matrix, sigma)
+        linear = phi.linear_part()
+        width = linear[0].size(1) if linear is not None else phi.head_dim
+        return cls(phi.kind, phi.step_activation, phi, matrix, sigma, width, phi.output_dim)
 
-    def features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    def step_features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
         """phi(q), phi(k) of one step's raw (R, H * d) inputs -> (R, H * F) fp32 each (maps without an activation)."""
         return self.phi.step_features(q, k, self.random_matrix)
 
@@ -346,7 +351,7 @@ class CausalRecord:
         proj = kernels.linear(h, self.proj)  # [q | k | v | gate]
         q, k = proj[:, :width], proj[:, width: 2 * width]
         if self.map.activation is None:  # the step takes features, computed here
-            q, k = self.map.features(q, k)
+            q, k = self.map.step_features(q, k)
         v = proj[:, 2 * width: 2 * width + C]
         gate = proj[:, 2 * width + C: 2 * width + C + H] if self.gated else None
         # rows only shrink, so the first step's buffers fit; the first step reads no state
@@ -378,6 +383,7 @@ class RFACrossRecord:
     head_dim: int
     eps: float
     map: FeatureMapRecord
+    kind = "rfa"  # for the native program
     has_weights = False  # RFA forms no attention weights
 
     def start(self, previous: Optional[RFACrossCache], key: Tensor, key_padding_mask: Optional[Tensor],

@@ -39,6 +39,7 @@ class SoftmaxCrossRecord:
     heads: int
     head_dim: int
     scaling: float
+    kind = "softmax"  # for the native program
     has_weights = True  # fairseq's alignment: the head-averaged weights
 
     def start(self, previous: Optional[SoftmaxCrossCache], key: Tensor, key_padding_mask: Optional[Tensor],

@@ -32,17 +32,19 @@ Two kinds of kernel set, one choice:
   (triton_step.py) instead of 16 torch kernels; the step's CUDA graph has that many fewer nodes per layer.
 
 - `NativeKernels` (the CPU in fp32 weights, where the C++ module loads): the whole step is one native call of the
-  decoding program (csrc/decode_program.cpp), built once per runtime from the same records
-  (modules/native_step.py), with a linear-layer library: `OneDNNLinear` (oneDNN on weights packed once, torch's
-  mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC, benchmarks/benchmark_gemm.py),
-  `OneDNNInt8Linear` (oneDNN's int8 product, --rfa-decode-precision int8) or `TorchLinear` (a torch without
-  oneDNN). Its `linear` serves the encoder's inference, which runs in Python once per batch.
+  decoding program (csrc/decode_program.cpp), built once per runtime from the same records (read by name), with a
+  linear-layer library whose weights the records hold packed (`PackedLinear`): `OneDNNLinear` (oneDNN on weights
+  packed once, torch's mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC,
+  benchmarks/benchmark_gemm.py), `OneDNNInt8Linear` (oneDNN's int8 product, --rfa-decode-precision int8) or
+  `TorchLinear` (a torch without oneDNN). The C++ LinearLibrary runs them all, for the program's steps and for the
+  encoder's inference (`NativeKernels.linear`, once per batch from Python).
 
 No set falls back to another inside a call. The torch operations are what the C++ kernels are tested against,
 beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a torch step can be queued (or
 captured) as a whole.
 """
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -72,7 +74,7 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
     with the causal layers' step in Triton (where Triton imports), torch otherwise;
     cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
     int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
-    native program cannot run (modules/native_step.py's unsupported), which makes auto take torch."""
+    native program cannot run (RFATransformerDecoder._native_unsupported), which makes auto take torch."""
     if precision == "int8":
         if native_unsupported is not None:
             raise ValueError(f"--rfa-decode-precision int8 runs the native step, which does not support "
@@ -112,7 +114,7 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) 
         raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
                          f"(torch.ops.onednn.qlinear_*); use fp32")
     ext = require_fused_extension()
-    return NativeKernels(ext, OneDNNInt8Linear(ext))
+    return NativeKernels(ext, OneDNNInt8Linear())
 
 
 class TorchKernels:
@@ -215,6 +217,17 @@ class TritonKernels(TorchKernels):
                                                                 state_out, eps, activation)
 
 
+@dataclass
+class PackedLinear:
+    """A linear layer prepared once for a library (`pack_linear`); the native program reads these fields by name."""
+
+    weight: Tensor  # torch: (O, I); oneDNN: packed; int8: packed int8 codes
+    bias: Optional[Tensor]  # (O,) fp32, or None
+    out_features: int
+    w_scales: Optional[Tensor] = None  # int8: per output channel
+    w_zero_points: Optional[Tensor] = None
+
+
 class TorchLinear:
     """Linear layers in torch (addmm on the weight's transposed view): any device and dtype."""
 
@@ -222,131 +235,83 @@ class TorchLinear:
     label = "torch addmm"
 
     @staticmethod
-    def pack_linear(weight: Tensor, bias: Optional[Tensor]):
-        return weight.detach().t(), None if bias is None else bias.detach()  # addmm reads the transposed view
+    def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
+        return PackedLinear(weight.detach(), None if bias is None else bias.detach(), weight.size(0))
 
     @staticmethod
-    def linear(x: Tensor, packed, activation: Optional[str] = None, residual: Optional[Tensor] = None) -> Tensor:
-        weight_t, bias = packed
-        y = torch.addmm(bias, x, weight_t) if bias is not None else torch.mm(x, weight_t)
+    def linear(x: Tensor, packed: PackedLinear, activation: Optional[str] = None,
+               residual: Optional[Tensor] = None) -> Tensor:
+        weight_t = packed.weight.t()
+        y = torch.addmm(packed.bias, x, weight_t) if packed.bias is not None else torch.mm(x, weight_t)
         if activation == "relu":
             y.relu_()
         if residual is not None:
             y.add_(residual)
         return y
 
-    @staticmethod
-    def native_linear(ext, packed):
-        layer = ext.LinearLayer()
-        weight_t, bias = packed
-        layer.weight, layer.out_features = weight_t.t(), weight_t.size(1)
-        if bias is not None:
-            layer.bias = bias
-        return layer
-
 
 class OneDNNLinear:
-    """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, through torch_internals): the CPU
+    """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, called by the C++ LinearLibrary): the CPU
     in fp32, where torch has them (torch_internals.onednn_linear_available)."""
 
     code = "onednn"
     label = "oneDNN (packed weights)"
 
     @staticmethod
-    def pack_linear(weight, bias):
+    def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         # the batch size only hints the packed layout; any number of rows runs on it
-        return (torch_internals.onednn_pack_linear_weight(weight, ONEDNN_ROWS_HINT), None if bias is None
-                else bias.detach(), weight.size(0))
-
-    @staticmethod
-    def linear(x, packed, activation=None, residual=None):
-        weight, bias, _ = packed
-        if residual is not None and activation is None:
-            return torch_internals.onednn_linear_add(x, residual, weight, bias)
-        y = torch_internals.onednn_linear(x, weight, bias, activation)
-        return y if residual is None else y.add_(residual)
-
-    @staticmethod
-    def native_linear(ext, packed):
-        layer = ext.LinearLayer()
-        weight, bias, out_features = packed
-        layer.weight, layer.out_features = weight, out_features
-        if bias is not None:
-            layer.bias = bias
-        return layer
+        return PackedLinear(torch_internals.onednn_pack_linear_weight(weight, ONEDNN_ROWS_HINT),
+                            None if bias is None else bias.detach(), weight.size(0))
 
 
 class OneDNNInt8Linear:
-    """Linear layers in int8 on oneDNN (torch's x86 int8 ops, through torch_internals): each weight row quantized
-    once to int8 codes and a scale (symmetric, per output channel); each input row quantized at each call to
-    7-bit codes and a scale of its own (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in
-    int16), in C++ (quantize_rows); oneDNN's product accumulated in int32 and written in fp32 with the weights'
-    scales; then, in one C++ pass, each row's own scale, the bias, relu and the residual (scale_rows). The CPU
-    in fp32 weights."""
+    """Linear layers in int8 on oneDNN (torch's x86 int8 ops, called by the C++ LinearLibrary): each weight row
+    quantized once to int8 codes and a scale (symmetric, per output channel); each input row quantized at each call to
+    7-bit codes and a scale of its own (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in int16),
+    in C++ (quantize_rows); oneDNN's product accumulated in int32 and written in fp32 with the weights' scales; then,
+    in one C++ pass, each row's own scale, the bias, relu and the residual (scale_rows). The CPU in fp32 weights."""
 
     code = "onednn_int8"
     label = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
 
-    def __init__(self, ext):
-        self.ext = ext
-
     @staticmethod
-    def pack_linear(weight, bias):
+    def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (O,)
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         packed = torch_internals.onednn_int8_pack_linear_weight(codes, ONEDNN_ROWS_HINT)
         zero_points = torch.zeros(w.size(0), dtype=torch.int32)  # symmetric
-        return packed, scales, zero_points, _NONE if bias is None else bias.detach().float().contiguous()
-
-    def linear(self, x, packed, activation=None, residual=None):
-        weight, scales, zero_points, bias = packed
-        codes = torch.empty(x.shape, dtype=torch.uint8)
-        row_scales = torch.empty(x.size(0))
-        self.ext.quantize_rows(x, codes, row_scales)
-        y = torch_internals.onednn_int8_linear(codes, 1.0, self.ext.int8_row_zero_point, weight, scales, zero_points)
-        self.ext.scale_rows(y, row_scales, bias, _or_none(residual), activation == "relu")
-        return y
-
-    @staticmethod
-    def native_linear(ext, packed):
-        layer = ext.LinearLayer()
-        weight, scales, zero_points, bias = packed
-        layer.weight, layer.w_scales, layer.w_zero_points, layer.out_features = weight, scales, zero_points, scales.numel()
-        if bias.numel():
-            layer.bias = bias
-        return layer
+        return PackedLinear(packed, None if bias is None else bias.detach().float().contiguous(), w.size(0), scales,
+                            zero_points)
 
 
 class NativeKernels:
-    """The native step (csrc/decode_program.cpp) with a linear-layer library: the CPU in fp32 weights. `linear` and
-    `pack_linear` are the library's (the encoder's inference, the program's packed weights); `beam_candidates` is
-    the C++ kernel (the static beam search's steps that run in Python: prefix tokens, n-gram blocking)."""
+    """The native step (csrc/decode_program.cpp) with a linear-layer library: the CPU in fp32 weights. `pack_linear` is
+    the library's; `linear` (the encoder's inference) and the program's steps run the C++ LinearLibrary, the one
+    dispatch of a linear layer by library; `beam_candidates` is the C++ kernel (the static beam search's steps that run
+    in Python: prefix tokens, n-gram blocking)."""
 
     name = "cpp"
     native = True
 
     def __init__(self, ext, library):
-        self.ext, self.library = ext, library
+        self.ext = ext
         self.gemm = library.label
-        self.pack_linear, self.linear = library.pack_linear, library.linear
+        self.pack_linear = library.pack_linear
+        self.library = ext.LinearLibrary(library.code, torch_internals.onednn_operators())
 
-    def native_linear(self, packed):
-        """A packed linear layer as the native program's LinearLayer."""
-        return self.library.native_linear(self.ext, packed)
+    def linear(self, x: Tensor, packed: PackedLinear, activation: Optional[str] = None,
+               residual: Optional[Tensor] = None) -> Tensor:
+        return self.library.linear(packed, x, activation == "relu", residual)
 
-    def new_program(self):
-        return self.ext.DecodeProgram(self.ext.gemms[self.library.code], torch_internals.onednn_operator_names())
+    def new_program(self, runtime):
+        """The native program of a DecodingRuntime (modules/decoding.py), read from its records."""
+        return self.ext.DecodeProgram(runtime, self.library)
 
     def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
-        self.ext.beam_candidates(lprobs, _or_none(prev_scores), beam, scores_out, indices_out)
+        self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out)
 
 
 TORCH_KERNELS = TorchKernels()
 TRITON_KERNELS = TritonKernels()
-_NONE = torch.empty(0)  # the C++ kernels' "absent" argument
 ONEDNN_ROWS_HINT = 64  # rows of a typical step (batch x beam) for oneDNN's weight layout
-
-
-def _or_none(t: Optional[Tensor]) -> Tensor:
-    return _NONE if t is None else t

@@ -1,8 +1,9 @@
-// The one C++ module: the decoding step's kernels (rfa_decode_step.cpp) and the activation codes.
+// The one C++ module: the decoding step's kernels (rfa_decode_step.cpp, bound for the tests that compare them with
+// the torch step) and the native program (decode_program.cpp). Absent tensors are None.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <map>
+#include <optional>
 #include <string>
 
 #include "decode_program.h"
@@ -17,24 +18,58 @@
 #define RFA_STRINGIFY_(x) #x
 #define RFA_STRINGIFY(x) RFA_STRINGIFY_(x)
 
+namespace {
+
+using Optional = std::optional<torch::Tensor>;
+torch::Tensor given(const Optional& t) { return t.has_value() ? *t : torch::Tensor(); }
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("causal_layer_step", &causal_layer_step, "causal RFA layer step: feature map, gate, reorder, update, read-out");
-  m.def("softmax_cross_step", &softmax_cross_step, "softmax cross-attention step over per-sentence K, V");
-  m.def("add_layer_norm", &add_layer_norm, "out = LayerNorm(x + residual)");
-  m.def("beam_candidates", &beam_candidates, "beam search: the k best (score so far + log-probability) per sentence");
-  m.def("rfa_cross_step", &rfa_cross_step, "RFA cross-attention step: phi(q) . S over per-sentence states");
+  namespace py = pybind11;
+  m.def(
+      "causal_layer_step",
+      [](const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v, const Optional& gate_logits,
+         const Optional& key_pad, const Optional& state_in, const Optional& order, const torch::Tensor& state_out,
+         const torch::Tensor& out, double eps, const std::string& activation, const Optional& sigma,
+         const Optional& matrix) {
+        causal_layer_step(phi_q, phi_k, v, given(gate_logits), given(key_pad), given(state_in), given(order), state_out,
+                          out, eps, activation_code(activation), given(sigma), given(matrix));
+      },
+      "causal RFA layer step: feature map (activation: 'features' or the map's kind), gate, reorder, update, read-out");
+  m.def(
+      "softmax_cross_step",
+      [](const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, const Optional& key_bias,
+         int64_t beam, double scaling, const torch::Tensor& out, const Optional& weights) {
+        softmax_cross_step(q, key, value, given(key_bias), beam, scaling, out, given(weights));
+      },
+      "softmax cross-attention step over per-sentence K, V");
+  m.def(
+      "add_layer_norm",
+      [](const torch::Tensor& x, const Optional& residual, const torch::Tensor& gamma, const torch::Tensor& beta,
+         double eps, const torch::Tensor& out) { add_layer_norm(x, given(residual), gamma, beta, eps, out); },
+      "out = LayerNorm(x + residual)");
+  m.def(
+      "beam_candidates",
+      [](const torch::Tensor& lprobs, const Optional& prev_scores, int64_t beam, const torch::Tensor& scores_out,
+         const torch::Tensor& indices_out) { beam_candidates(lprobs, given(prev_scores), beam, scores_out, indices_out); },
+      "beam search: the k best (score so far + log-probability) per sentence");
+  m.def(
+      "rfa_cross_step",
+      [](const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
+         const std::string& activation, const Optional& sigma, const Optional& matrix, const torch::Tensor& out) {
+        rfa_cross_step(q, cross_state, beam, eps, activation_code(activation), given(sigma), given(matrix), out);
+      },
+      "RFA cross-attention step: phi(q) . S over per-sentence states");
   m.def("quantize_rows", &quantize_rows, "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
-  m.def("scale_rows", &scale_rows, "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
+  m.def(
+      "scale_rows",
+      [](const torch::Tensor& y, const torch::Tensor& scales, const Optional& bias, const Optional& residual, bool relu) {
+        scale_rows(y, scales, given(bias), given(residual), relu);
+      },
+      "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
   m.attr("int8_row_zero_point") = kInt8RowZeroPoint;
-  // causal_layer_step's `activation` codes by feature-map activation (None in Python: "features")
-  m.attr("activations") = std::map<std::string, int64_t>{
-      {"features", kFeatures}, {"hedgehog", kHedgehog}, {"relu", kReLU}, {"sincos", kSinCos}, {"arccos", kArcCos},
-      {"positive", kPositive}, {"elu", kELU}};
-  m.attr("gemms") = std::map<std::string, int64_t>{{"torch", kGemmTorch}, {"onednn", kGemmOneDNN},
-                                                   {"onednn_int8", kGemmOneDNNInt8}};
-  m.attr("cross_kinds") = std::map<std::string, int64_t>{{"none", kCrossNone}, {"softmax", kCrossSoftmax},
-                                                         {"rfa", kCrossRFA}};
-  m.attr("ffn_activations") = std::map<std::string, int64_t>{{"relu", kFFNReLU}, {"gelu", kFFNGELU}};
+  m.attr("activations") = activation_names();  // the names causal_layer_step and rfa_cross_step take
   bind_decode_program(m);
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);
 }

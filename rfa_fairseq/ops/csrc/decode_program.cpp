@@ -5,9 +5,10 @@
 // step. It also fuses the log-softmax into the choice of the candidates: the log-probabilities are never written,
 // each row's log-sum-exp is taken in one vectorized pass and the candidates are read off the logits.
 //
-// The step's parts are named for torch's profiler (RECORD_FUNCTION, free when no profiler runs): rfa::linear,
-// rfa::output_projection, rfa::causal_attention, rfa::cross_attention, rfa::layer_norm, rfa::embedding and
-// rfa::search (candidates, finalization, reorder); benchmarks/profile_generate.py sums them.
+// The step's parts are named for torch's profiler (RECORD_FUNCTION, free when no profiler runs), each region
+// exclusive of the others (none nests in another): rfa::linear, rfa::output_projection, rfa::causal_attention,
+// rfa::cross_attention, rfa::layer_norm, rfa::embedding and rfa::search (candidates, finalization, reorder);
+// benchmarks/profile_generate.py sums them.
 #include "decode_program.h"
 
 #include <ATen/Parallel.h>
@@ -18,67 +19,297 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "rfa_kernels.h"
+
+namespace py = pybind11;
+
+// MKL's per-thread thread count, its C interface (mkl_service.h's mkl_set_num_threads_local; the lower-case symbol is
+// the Fortran one, which takes a pointer), exported by torch's x86 builds, which link MKL; absent elsewhere: weak
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The calling thread's OpenMP team size for the duration of a call (threads <= 0: unchanged): a thread that decodes
-// its own part of a batch runs every kernel and GEMM of its step on itself alone. OpenMP's thread count is a
-// per-thread setting, so other threads keep theirs.
+// The calling thread's OpenMP and MKL team sizes for the duration of a call (threads <= 0: unchanged): a thread that
+// decodes its own part of a batch runs every kernel and GEMM of its step on itself alone. Both are per-thread
+// settings here (omp_set_num_threads sets the calling thread's ICV; MKL's local setting overrides its global one for
+// this thread only), so other threads keep theirs.
 class ThreadScope {
  public:
-  explicit ThreadScope(int64_t threads) : saved_(at::get_num_threads()) {
-    if (threads > 0 && threads != saved_) omp_set_num_threads(static_cast<int>(threads));
+  explicit ThreadScope(int64_t threads) : saved_(omp_get_max_threads()), active_(threads > 0) {
+    if (!active_) return;
+    omp_set_num_threads(static_cast<int>(threads));
+    if (MKL_Set_Num_Threads_Local != nullptr) saved_mkl_ = MKL_Set_Num_Threads_Local(static_cast<int>(threads));
   }
-  ~ThreadScope() { omp_set_num_threads(saved_); }
+  ~ThreadScope() {
+    if (!active_) return;
+    omp_set_num_threads(saved_);
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(saved_mkl_);  // 0: back to the global one
+  }
 
  private:
-  int saved_;
+  int saved_, saved_mkl_ = 0;
+  bool active_;
 };
 
-at::Tensor or_empty(const at::Tensor& t) { return t.defined() ? t : at::Tensor(); }
-at::Tensor empty_if_undefined(const at::Tensor& t) { return t.defined() ? t : at::empty({0}); }
+// a boxed call of one of torch's operators with these arguments -> its (one) output
+template <class... Args>
+at::Tensor call_operator(const c10::OperatorHandle& op, Args&&... args) {
+  torch::jit::Stack stack;
+  stack.reserve(sizeof...(Args));
+  (stack.emplace_back(std::forward<Args>(args)), ...);
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
-c10::IValue optional_tensor(const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); }
+c10::IValue optional_value(const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); }
 
 c10::IValue empty_scalar_list() {
   return c10::IValue(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
 }
 
+template <class Map>
+int64_t code_of(const Map& codes, const std::string& name, const std::string& what) {
+  auto found = codes.find(name);
+  TORCH_CHECK(found != codes.end(), "rfa decode program: ", what, " '", name, "' has no native step");
+  return found->second;
+}
+
+
 }  // namespace
 
-DecodeProgram::DecodeProgram(int64_t gemm, std::vector<std::string> onednn_ops) : gemm_(gemm) {
-  TORCH_CHECK(gemm == kGemmTorch || gemm == kGemmOneDNN || gemm == kGemmOneDNNInt8, "rfa decode program: unknown gemm ",
-              gemm);
-  // onednn_ops: (name, overload) pairs of torch's oneDNN linear, its residual-add form and its int8 linear
-  TORCH_CHECK(gemm == kGemmTorch || onednn_ops.size() == 6, "rfa decode program: the oneDNN operators' names are missing");
-  auto& dispatcher = c10::Dispatcher::singleton();
-  if (gemm == kGemmOneDNN) {
-    linear_op_ = dispatcher.findSchemaOrThrow(onednn_ops[0].c_str(), onednn_ops[1].c_str());
-    linear_add_op_ = dispatcher.findSchemaOrThrow(onednn_ops[2].c_str(), onednn_ops[3].c_str());
-  } else if (gemm == kGemmOneDNNInt8) {
-    qlinear_op_ = dispatcher.findSchemaOrThrow(onednn_ops[4].c_str(), onednn_ops[5].c_str());
+// ------------------------------------------------------------------------------------------------ records
+
+py::object Record::get(const char* name) const {
+  TORCH_CHECK(py::hasattr(object_, name), "rfa decode program: ", path_, " has no field '", name, "'");
+  return object_.attr(name);
+}
+
+bool Record::has(const char* name) const { return py::hasattr(object_, name) && !object_.attr(name).is_none(); }
+
+Record Record::sub(const char* name) const {
+  py::object value = get(name);
+  TORCH_CHECK(!value.is_none(), "rfa decode program: ", path_, ".", name, " is None");
+  return Record(value, path_ + "." + name);
+}
+
+std::optional<Record> Record::optional_sub(const char* name) const {
+  if (!has(name)) return std::nullopt;
+  return sub(name);
+}
+
+at::Tensor Record::tensor(const char* name) const {
+  at::Tensor t = optional_tensor(name);
+  TORCH_CHECK(t.defined(), "rfa decode program: ", path_, ".", name, " is None, a tensor is needed");
+  return t;
+}
+
+namespace {
+
+at::Tensor tensor_of(py::handle value, const std::string& name) {
+  TORCH_CHECK(THPVariable_Check(value.ptr()), "rfa decode program: ", name, " is not a tensor");
+  return THPVariable_Unpack(value.ptr());
+}
+
+}  // namespace
+
+at::Tensor Record::optional_tensor(const char* name) const {
+  py::object value = get(name);
+  return value.is_none() ? at::Tensor() : tensor_of(value, path_ + "." + name);
+}
+
+std::vector<at::Tensor> Record::tensors(const char* name) const {
+  std::vector<at::Tensor> out;
+  for (py::handle item : get(name)) out.push_back(tensor_of(item, path_ + "." + name + "[" + std::to_string(out.size()) + "]"));
+  return out;
+}
+
+int64_t Record::integer(const char* name) const { return get(name).cast<int64_t>(); }
+double Record::number(const char* name) const { return get(name).cast<double>(); }
+bool Record::flag(const char* name) const { return get(name).cast<bool>(); }
+std::string Record::text(const char* name) const { return get(name).cast<std::string>(); }
+
+std::vector<Record> Record::items(const char* name) const {
+  py::object value = get(name);
+  std::vector<Record> out;
+  int64_t i = 0;
+  for (py::handle item : value) out.emplace_back(item, path_ + "." + name + "[" + std::to_string(i++) + "]");
+  return out;
+}
+
+LinearLayer LinearLayer::from(const Record& r) {
+  LinearLayer layer;
+  layer.weight = r.tensor("weight");
+  layer.bias = r.optional_tensor("bias");
+  layer.w_scales = r.optional_tensor("w_scales");
+  layer.w_zero_points = r.optional_tensor("w_zero_points");
+  layer.out_features = r.integer("out_features");
+  TORCH_CHECK(!layer.bias.defined() || (layer.bias.numel() == layer.out_features && layer.bias.is_contiguous()),
+              "rfa decode program: ", r.path(), ".bias must hold out_features (", layer.out_features, ") values");
+  return layer;
+}
+
+Norm Norm::from(const std::optional<Record>& r) {
+  Norm norm;
+  if (!r) return norm;
+  norm.weight = r->tensor("weight").contiguous();
+  norm.bias = r->tensor("bias").contiguous();
+  norm.eps = r->number("eps");
+  return norm;
+}
+
+FeatureMapSpec FeatureMapSpec::from(const Record& r) {
+  FeatureMapSpec spec;
+  spec.kind = activation_code(r.text("kind"));
+  spec.width = r.integer("width");
+  spec.features = r.integer("features");
+  if (!r.has("activation")) {  // a map computed in the step from raw inputs: the random maps take their matrix
+    spec.sigma = r.optional_tensor("sigma");
+    spec.matrix = r.optional_tensor("random_matrix");
+  }
+  return spec;
+}
+
+namespace {
+
+// what every attention record has: its output projection and its heads' shape
+void read_heads(const Record& r, LinearLayer& out_proj, int64_t& heads, int64_t& head_dim) {
+  out_proj = LinearLayer::from(r.sub("out_proj"));
+  heads = r.integer("heads");
+  head_dim = r.integer("head_dim");
+}
+
+}  // namespace
+
+CausalAttention CausalAttention::from(const Record& r) {
+  CausalAttention a;
+  a.proj = LinearLayer::from(r.sub("proj"));
+  read_heads(r, a.out_proj, a.heads, a.head_dim);
+  a.map = FeatureMapSpec::from(r.sub("map"));
+  a.features = r.integer("features");
+  a.gated = r.flag("gated");
+  a.eps = r.number("eps");
+  TORCH_CHECK(a.map.features == a.features, "rfa decode program: ", r.path(), " has ", a.features,
+              " features, its map ", a.map.features);
+  return a;
+}
+
+CrossAttention CrossAttention::from(const std::optional<Record>& r) {
+  CrossAttention a;
+  if (!r) return a;
+  a.kind = code_of(std::map<std::string, int64_t>{{"softmax", kCrossSoftmax}, {"rfa", kCrossRFA}}, r->text("kind"),
+                   r->path() + " kind");
+  a.q_proj = LinearLayer::from(r->sub("q_proj"));
+  read_heads(*r, a.out_proj, a.heads, a.head_dim);
+  if (a.kind == kCrossSoftmax) {
+    a.scaling = r->number("scaling");
+  } else {
+    a.eps = r->number("eps");
+    a.map = FeatureMapSpec::from(r->sub("map"));
+  }
+  return a;
+}
+
+DecoderLayerProgram DecoderLayerProgram::from(const Record& r) {
+  DecoderLayerProgram layer;
+  layer.self_attn = CausalAttention::from(r.sub("self_attn"));
+  layer.self_attn_norm = Norm::from(r.optional_sub("self_attn_norm"));
+  layer.cross = CrossAttention::from(r.optional_sub("cross"));
+  layer.cross_norm = Norm::from(r.optional_sub("cross_norm"));
+  layer.fc1 = LinearLayer::from(r.sub("fc1"));
+  layer.fc2 = LinearLayer::from(r.sub("fc2"));
+  layer.ffn_activation = code_of(std::map<std::string, int64_t>{{"relu", kFFNReLU}, {"gelu", kFFNGELU}},
+                                 r.text("activation"), r.path() + " activation");
+  layer.final_norm = Norm::from(r.optional_sub("final_norm"));
+  layer.normalize_before = r.flag("normalize_before");
+  return layer;
+}
+
+NativeBatch::NativeBatch(const py::list& layer_caches) {
+  int64_t i = 0;
+  for (py::handle item : layer_caches) {
+    Record cache(item, "state.layers[" + std::to_string(i++) + "]");
+    std::vector<at::Tensor> states = cache.sub("self_attn").tensors("states");
+    TORCH_CHECK(states.size() == 2, "rfa decode program: ", cache.path(), ".self_attn has ", states.size(),
+                " state buffers, 2 are used in turn");
+    states0.push_back(states[0]);
+    states1.push_back(states[1]);
+    std::optional<Record> cross = cache.optional_sub("cross");
+    auto field = [&](const char* name) {
+      return cross && py::hasattr(cross->object(), name) ? cross->optional_tensor(name) : at::Tensor();
+    };
+    keys.push_back(field("key"));
+    values.push_back(field("value"));
+    key_biases.push_back(field("key_bias"));
+    cross_states.push_back(field("rfa_state"));
   }
 }
 
-at::Tensor DecodeProgram::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
+NativeSearch::NativeSearch(const py::object& object) {
+  Record s(object, "search");
+  std::vector<at::Tensor> tokens = s.tensors("token_pair"), scores = s.tensors("score_pair");
+  TORCH_CHECK(tokens.size() == 2 && scores.size() == 2, "rfa search step: two token and two score buffers");
+  tokens0 = tokens[0];
+  tokens1 = tokens[1];
+  scores0 = scores[0];
+  scores1 = scores[1];
+  cand_scores = s.tensor("cand_scores");
+  cand_indices = s.tensor("cand_indices");
+  cands_to_ignore = s.tensor("cands_to_ignore");
+  finished = s.tensor("finished");
+  fin_count = s.tensor("fin_count");
+  fin_tokens = s.tensor("fin_tokens");
+  fin_scores = s.tensor("fin_scores");
+  fin_steps = s.tensor("fin_steps");
+  order = s.tensor("order");
+  eos_bias = s.tensor("eos_bias");
+  positions = s.optional_tensor("positions");
+  step = s.tensor("step");
+  N = s.integer("N");
+  K = s.integer("K");
+  eos = s.integer("eos");
+  pad = s.integer("pad");
+  unk = s.integer("unk");
+  unk_penalty = s.number("unk_penalty");
+}
+
+// ------------------------------------------------------------------------------------------------ linear layers
+
+LinearLibrary::LinearLibrary(const std::string& gemm, const py::dict& operators) {
+  gemm_ = static_cast<Gemm>(code_of(std::map<std::string, int64_t>{{"torch", kGemmTorch}, {"onednn", kGemmOneDNN},
+                                                                   {"onednn_int8", kGemmOneDNNInt8}},
+                                    gemm, "linear-layer library"));
+  auto find = [&](const char* role) {
+    TORCH_CHECK(operators.contains(role), "rfa linear library: the torch operator for '", role, "' is not named");
+    auto name = operators[role].cast<std::pair<std::string, std::string>>();
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name.first.c_str(), name.second.c_str());
+  };
+  if (gemm_ == kGemmOneDNN) {
+    linear_op_ = find("linear");
+    linear_add_op_ = find("linear_add");
+  } else if (gemm_ == kGemmOneDNNInt8) {
+    qlinear_op_ = find("qlinear");
+  }
+}
+
+at::Tensor LinearLibrary::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
                                  const char* part) const {
   RECORD_FUNCTION(part, std::vector<c10::IValue>());
+  return unrecorded_linear(layer, x, relu, residual);
+}
+
+at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::Tensor& x, bool relu,
+                                            const at::Tensor& residual) const {
   switch (gemm_) {
     case kGemmOneDNN: {
-      torch::jit::Stack stack;
       if (residual.defined() && !relu) {  // y = x W^T + b + residual, the add fused into the product
-        stack = {x, residual, layer.weight, optional_tensor(layer.bias), std::string("add")};
-        linear_add_op_->callBoxed(&stack);
-        return stack[0].toTensor();
+        return call_operator(*linear_add_op_, x, residual, layer.weight, optional_value(layer.bias), std::string("add"));
       }
-      stack = {x, layer.weight, optional_tensor(layer.bias), std::string(relu ? "relu" : "none"), empty_scalar_list(),
-               std::string("")};
-      linear_op_->callBoxed(&stack);
-      at::Tensor y = stack[0].toTensor();
+      at::Tensor y = call_operator(*linear_op_, x, layer.weight, optional_value(layer.bias),
+                                   std::string(relu ? "relu" : "none"), empty_scalar_list(), std::string(""));
       if (residual.defined()) y.add_(residual);
       return y;
     }
@@ -89,12 +320,10 @@ at::Tensor DecodeProgram::linear(const LinearLayer& layer, const at::Tensor& x, 
       at::Tensor codes = at::empty(input.sizes(), input.options().dtype(at::kByte));
       at::Tensor row_scales = at::empty({input.size(0)}, input.options());
       quantize_rows(input, codes, row_scales);
-      torch::jit::Stack stack = {codes, 1.0, kInt8RowZeroPoint, layer.weight, layer.w_scales, layer.w_zero_points,
-                                 c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat), std::string("none"),
-                                 empty_scalar_list(), std::string("")};
-      qlinear_op_->callBoxed(&stack);
-      at::Tensor y = stack[0].toTensor();
-      scale_rows(y, row_scales, empty_if_undefined(layer.bias), empty_if_undefined(residual), relu);
+      at::Tensor y = call_operator(*qlinear_op_, codes, 1.0, kInt8RowZeroPoint, layer.weight, layer.w_scales,
+                                   layer.w_zero_points, c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat),
+                                   std::string("none"), empty_scalar_list(), std::string(""));
+      scale_rows(y, row_scales, layer.bias, residual, relu);
       return y;
     }
     default: {
@@ -106,28 +335,112 @@ at::Tensor DecodeProgram::linear(const LinearLayer& layer, const at::Tensor& x, 
   }
 }
 
+// ------------------------------------------------------------------------------------------------ the program
+
+DecodeProgram::DecodeProgram(const py::object& runtime, std::shared_ptr<LinearLibrary> library)
+    : library_(std::move(library)) {
+  Record r(runtime, "runtime");
+  embed = r.tensor("embed").contiguous();
+  embed_scale = r.number("embed_scale");
+  embed_norm = Norm::from(r.optional_sub("embed_norm"));
+  final_norm = Norm::from(r.optional_sub("final_norm"));
+  padding_idx = r.integer("padding_idx");
+  output = LinearLayer::from(r.sub("output"));
+  for (const Record& layer : r.items("layers")) layers.push_back(DecoderLayerProgram::from(layer));
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.device().is_cpu(),
+              "rfa decode program: runtime.embed must be a (vocabulary, C) fp32 CPU tensor");
+}
+
 namespace {
 
 // LayerNorm(x) into a new tensor, or into x itself (in_place)
 at::Tensor layer_norm(const Norm& norm, at::Tensor x, bool in_place) {
   RECORD_FUNCTION("rfa::layer_norm", std::vector<c10::IValue>());
   at::Tensor out = in_place ? x : at::empty_like(x);
-  at::Tensor none = at::empty({0});
-  add_layer_norm(x, none, norm.weight, norm.bias, norm.eps, out);
+  add_layer_norm(x, at::Tensor(), norm.weight, norm.bias, norm.eps, out);
   return out;
 }
 
-at::Tensor map_tensor(const at::Tensor& t) { return t.defined() ? t : at::empty({0}); }
+// `t` is a CPU tensor of `dtype`, contiguous (or with unit last stride), of `sizes` (-1: any; `at_least`: the first
+// size may be larger) -> or a RuntimeError naming it
+void expect(const at::Tensor& t, const std::string& name, at::ScalarType dtype, std::vector<int64_t> sizes,
+            bool at_least = false, bool contiguous = true) {
+  TORCH_CHECK(t.defined(), "rfa decode program: ", name, " is missing");
+  TORCH_CHECK(t.device().is_cpu(), "rfa decode program: ", name, " is on ", t.device(), ", not the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, "rfa decode program: ", name, " is ", t.scalar_type(), ", not ", dtype);
+  bool ok = t.dim() == static_cast<int64_t>(sizes.size());
+  for (size_t i = 0; ok && i < sizes.size(); ++i) {
+    ok = sizes[i] < 0 || t.size(i) == sizes[i] || (i == 0 && at_least && t.size(0) >= sizes[0]);
+  }
+  TORCH_CHECK(ok, "rfa decode program: ", name, " has shape ", t.sizes(), ", expected ", c10::IntArrayRef(sizes),
+              at_least ? " (first size or more)" : "", " (-1: any)");
+  TORCH_CHECK(contiguous ? t.is_contiguous() : t.stride(-1) == 1, "rfa decode program: ", name,
+              contiguous ? " is not contiguous" : " has no unit last stride");
+}
+
+void expect_indices(const at::Tensor& t, const std::string& name, int64_t rows, int64_t bound) {
+  expect(t, name, at::kLong, {rows}, true);
+  const int64_t* p = t.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(p[r] >= 0 && p[r] < bound, "rfa decode program: ", name, "[", r, "] = ", p[r], " is not a row of ",
+                bound);
+  }
+}
 
 }  // namespace
 
-at::Tensor DecodeProgram::decode_rows(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
-                                      const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
-                                      at::Tensor weights, int64_t beam) {
-  TORCH_CHECK(read == 0 || read == 1, "rfa decode program: read must be 0 or 1");
-  TORCH_CHECK(batch.states0.size() == layers.size() && batch.states1.size() == layers.size(),
-              "rfa decode program: the batch has ", batch.states0.size(), " layers' states for ", layers.size(),
-              " layers");
+void DecodeProgram::check_decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
+                                 const at::Tensor& order, int64_t read, bool first, const at::Tensor& weights,
+                                 int64_t beam) const {
+  TORCH_CHECK(read == 0 || read == 1, "rfa decode program: read must be 0 or 1, got ", read);
+  const size_t L = layers.size();
+  TORCH_CHECK(batch.states0.size() == L && batch.keys.size() == L, "rfa decode program: the batch has ",
+              batch.states0.size(), " layers' caches for ", L, " layers");
+  TORCH_CHECK(tokens.defined() && tokens.device().is_cpu() && tokens.scalar_type() == at::kLong && tokens.dim() == 1,
+              "rfa decode program: tokens must be a (rows,) int64 CPU tensor");
+  const int64_t R = tokens.size(0), C = embed.size(1), V = embed.size(0);
+  TORCH_CHECK(beam >= 1, "rfa decode program: beam must be positive, got ", beam);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t token = tokens.data_ptr<int64_t>()[r * tokens.stride(0)];
+    TORCH_CHECK(token >= 0 && token < V, "rfa decode program: tokens[", r, "] = ", token, " is not in the vocabulary (",
+                V, ")");
+  }
+  if (positions.defined() && positions.numel() > 0) {
+    expect(positions, "positions", at::kFloat, {-1, C}, false, false);
+    TORCH_CHECK(positions.size(0) == R || positions.size(0) == 1, "rfa decode program: positions has ",
+                positions.size(0), " rows for ", R);
+  }
+  if (weights.defined()) expect(weights, "weights", at::kFloat, {R, -1}, false, false);
+  for (size_t i = 0; i < L; ++i) {
+    const DecoderLayerProgram& layer = layers[i];
+    const std::string at = "state.layers[" + std::to_string(i) + "]";
+    const int64_t H = layer.self_attn.heads, F = layer.self_attn.features, d = layer.self_attn.head_dim;
+    expect(batch.states0[i], at + ".self_attn.states[0]", at::kFloat, {R, H, F, d + 1}, true);
+    expect(batch.states1[i], at + ".self_attn.states[1]", at::kFloat, {R, H, F, d + 1}, true);
+    if (!first) {
+      const at::Tensor& state_in = read == 0 ? batch.states0[i] : batch.states1[i];
+      if (order.defined()) {
+        if (i == 0) expect_indices(order, "order", R, state_in.size(0));
+      }
+    }
+    const int64_t sentences = (R + beam - 1) / beam;
+    if (layer.cross.kind == kCrossSoftmax) {
+      const at::Tensor& key = batch.keys[i];
+      expect(key, at + ".cross.key", at::kFloat, {sentences, layer.cross.heads, -1, layer.cross.head_dim}, true);
+      expect(batch.values[i], at + ".cross.value", at::kFloat, key.sizes().vec());
+      if (batch.key_biases[i].defined()) {
+        expect(batch.key_biases[i], at + ".cross.key_bias", at::kFloat, {key.size(0), key.size(2)});
+      }
+    } else if (layer.cross.kind == kCrossRFA) {
+      expect(batch.cross_states[i], at + ".cross.rfa_state", at::kFloat,
+             {sentences, layer.cross.heads, layer.cross.map.features, layer.cross.head_dim + 1}, true);
+    }
+  }
+}
+
+at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
+                                 const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
+                                 const at::Tensor& weights, int64_t beam) const {
   const int64_t R = tokens.size(0);
   at::Tensor x;
   {
@@ -137,9 +450,9 @@ at::Tensor DecodeProgram::decode_rows(const NativeBatch& batch, const at::Tensor
     if (positions.defined() && positions.numel() > 0) x.add_(positions);
   }
   if (embed_norm.defined()) x = layer_norm(embed_norm, x, true);
-  at::Tensor none = at::empty({0});
-  at::Tensor key_pad = padded_inputs ? tokens.eq(padding_idx) : none;
-  const at::Tensor& state_order = first || !order.defined() ? none : order;
+  const at::Tensor key_pad = padded_inputs ? tokens.eq(padding_idx) : at::Tensor();
+  const at::Tensor state_order = first ? at::Tensor() : order;
+  const LinearLibrary& lib = *library_;
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerProgram& layer = layers[i];
     const bool pre = layer.normalize_before;
@@ -147,80 +460,105 @@ at::Tensor DecodeProgram::decode_rows(const NativeBatch& batch, const at::Tensor
     const CausalAttention& self_attn = layer.self_attn;
     const int64_t H = self_attn.heads, d = self_attn.head_dim, C = H * d, width = H * self_attn.map.width;
     at::Tensor h = pre ? layer_norm(layer.self_attn_norm, x, false) : x;
-    at::Tensor proj = linear(self_attn.proj, h, false, at::Tensor());
+    at::Tensor proj = lib.linear(self_attn.proj, h, false, at::Tensor());
     at::Tensor attn = at::empty({R, C}, x.options());
     at::Tensor state_out = read == 0 ? batch.states1[i] : batch.states0[i];
-    at::Tensor state_in = first ? none : (read == 0 ? batch.states0[i] : batch.states1[i]);
+    at::Tensor state_in = first ? at::Tensor() : (read == 0 ? batch.states0[i] : batch.states1[i]);
     {
       RECORD_FUNCTION("rfa::causal_attention", std::vector<c10::IValue>());
       causal_layer_step(proj.narrow(1, 0, width), proj.narrow(1, width, width), proj.narrow(1, 2 * width, C),
-                      self_attn.gated ? proj.narrow(1, 2 * width + C, H) : none, key_pad, state_in, state_order,
-                        state_out, attn, self_attn.eps, self_attn.map.kind, map_tensor(self_attn.map.sigma),
-                        map_tensor(self_attn.map.matrix));
+                        self_attn.gated ? proj.narrow(1, 2 * width + C, H) : at::Tensor(), key_pad, state_in,
+                        state_order, state_out, attn, self_attn.eps, self_attn.map.kind, self_attn.map.sigma,
+                        self_attn.map.matrix);
     }
-    at::Tensor y = linear(self_attn.out_proj, attn, false, x);
+    at::Tensor y = lib.linear(self_attn.out_proj, attn, false, x);
     x = pre ? y : layer_norm(layer.self_attn_norm, y, true);
     // cross-attention over the per-sentence K / V (or RFA state)
     const CrossAttention& cross = layer.cross;
     if (cross.kind != kCrossNone) {
       h = pre ? layer_norm(layer.cross_norm, x, false) : x;
-      at::Tensor q = linear(cross.q_proj, h, false, at::Tensor());
+      at::Tensor q = lib.linear(cross.q_proj, h, false, at::Tensor());
       at::Tensor out = at::empty({R, C}, x.options());
-      RECORD_FUNCTION("rfa::cross_attention", std::vector<c10::IValue>());
-      if (cross.kind == kCrossSoftmax) {
-        const bool last = i + 1 == layers.size();
-        at::Tensor w = last && weights.defined() && weights.numel() > 0 ? weights : none;
-        softmax_cross_step(q, batch.keys[i], batch.values[i], map_tensor(batch.key_biases[i]), beam,
-                           cross.scaling, out, w);
-      } else {
-        rfa_cross_step(q, batch.cross_states[i], beam, cross.eps, cross.map.kind, map_tensor(cross.map.sigma),
-                       map_tensor(cross.map.matrix), out);
+      {
+        RECORD_FUNCTION("rfa::cross_attention", std::vector<c10::IValue>());
+        if (cross.kind == kCrossSoftmax) {
+          const bool last = i + 1 == layers.size();
+          softmax_cross_step(q, batch.keys[i], batch.values[i], batch.key_biases[i], beam, cross.scaling, out,
+                             last ? weights : at::Tensor());
+        } else {
+          rfa_cross_step(q, batch.cross_states[i], beam, cross.eps, cross.map.kind, cross.map.sigma, cross.map.matrix,
+                         out);
+        }
       }
-      y = linear(cross.out_proj, out, false, x);
+      y = lib.linear(cross.out_proj, out, false, x);
       x = pre ? y : layer_norm(layer.cross_norm, y, true);
     }
     // feed-forward: relu fused into the first product, the residual into the second
     h = pre ? layer_norm(layer.final_norm, x, false) : x;
     const bool relu = layer.ffn_activation == kFFNReLU;
-    at::Tensor hidden = linear(layer.fc1, h, relu, at::Tensor());
+    at::Tensor hidden = lib.linear(layer.fc1, h, relu, at::Tensor());
     if (!relu) hidden = at::gelu(hidden);
-    y = linear(layer.fc2, hidden, false, x);
+    y = lib.linear(layer.fc2, hidden, false, x);
     x = pre ? y : layer_norm(layer.final_norm, y, true);
   }
   if (final_norm.defined()) x = layer_norm(final_norm, x, true);
-  return linear(output, x, false, at::Tensor(), "rfa::output_projection");
+  return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection");
 }
 
-at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
-                                 const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
-                                 at::Tensor weights, int64_t threads) {
-  ThreadScope scope(threads);
-  at::NoGradGuard no_grad;
-  return decode_rows(batch, tokens, positions, order, read, first, padded_inputs, weights, batch.beam);
+void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s, int64_t t, int64_t parity,
+                                 int64_t read, bool first) const {
+  TORCH_CHECK(parity == 0 || parity == 1, "rfa search step: parity must be 0 or 1, got ", parity);
+  const int64_t N = s.N, K = s.K, R = N * K, V = embed.size(0);
+  TORCH_CHECK(N >= 1 && K >= 1, "rfa search step: ", N, " places x ", K, " beams");
+  expect(s.tokens0, "search.token_pair[0]", at::kLong, {R, -1});
+  const int64_t L = s.tokens0.size(1);
+  TORCH_CHECK(t >= 0 && t + 1 < L, "rfa search step: step ", t, " of a token buffer of length ", L);
+  expect(s.tokens1, "search.token_pair[1]", at::kLong, {R, L});
+  expect(s.scores0, "search.score_pair[0]", at::kFloat, {R, L - 1});
+  expect(s.scores1, "search.score_pair[1]", at::kFloat, {R, L - 1});
+  const int64_t k = std::min(2 * K, (first ? V : K * V) - 1);
+  TORCH_CHECK(k >= K, "rfa search step: ", k, " candidates for ", K, " beams (the vocabulary is too small)");
+  expect(s.cand_scores, "search.cand_scores", at::kFloat, {N * k}, true);
+  expect(s.cand_indices, "search.cand_indices", at::kLong, {N * k}, true);
+  expect(s.cands_to_ignore, "search.cands_to_ignore", at::kBool, {N, K});
+  expect(s.finished, "search.finished", at::kBool, {N});
+  expect(s.fin_count, "search.fin_count", at::kLong, {N});
+  expect(s.fin_tokens, "search.fin_tokens", at::kLong, {R, L}, true);
+  expect(s.fin_scores, "search.fin_scores", at::kFloat, {R, L - 1}, true);
+  expect(s.fin_steps, "search.fin_steps", at::kLong, {R}, true);
+  expect(s.eos_bias, "search.eos_bias", at::kFloat, {t + 1}, true);
+  expect(s.step, "search.step", at::kLong, {1});
+  if (s.positions.defined()) expect(s.positions, "search.positions", at::kFloat, {t + 1, embed.size(1)}, true);
+  for (const int64_t token : {s.eos, s.pad, s.unk}) {
+    TORCH_CHECK(token >= 0 && token < V, "rfa search step: the special token ", token, " is not in the vocabulary");
+  }
+  const int64_t* fin = s.fin_count.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(fin[n] >= 0 && fin[n] <= K, "rfa search step: search.fin_count[", n, "] = ", fin[n], " of ", K);
+  }
+  expect(s.order, "search.order", at::kLong, {R}, true);
+  // the first step decodes one row per sentence (its beams are one hypothesis), with no state to reorder
+  const at::Tensor column = (parity == 0 ? s.tokens0 : s.tokens1).select(1, t);
+  check_decode(batch, first ? column.slice(0, 0, R, K).contiguous() : column.contiguous(), at::Tensor(),
+               first ? at::Tensor() : s.order.narrow(0, 0, R), read, first, at::Tensor(), first ? 1 : K);
 }
 
 int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, int64_t t, int64_t parity, int64_t read,
-                                   bool first, bool last, int64_t threads) {
-  ThreadScope scope(threads);
-  at::NoGradGuard no_grad;
+                                   bool first, bool last) const {
   const int64_t N = s.N, K = s.K, R = N * K;
-  TORCH_CHECK(parity == 0 || parity == 1, "rfa search step: parity must be 0 or 1");
   const at::Tensor& tokens = parity == 0 ? s.tokens0 : s.tokens1;
   const at::Tensor& scores = parity == 0 ? s.scores0 : s.scores1;
   at::Tensor& next_tokens = parity == 0 ? s.tokens1 : s.tokens0;
   at::Tensor& next_scores = parity == 0 ? s.scores1 : s.scores0;
   const int64_t L = tokens.size(1);
-  TORCH_CHECK(tokens.size(0) == R && t + 1 < L, "rfa search step: step ", t, " of a (", tokens.size(0), ", ", L,
-              ") token buffer for ", N, " places x ", K, " beams");
   at::Tensor position = s.positions.defined() ? s.positions.narrow(0, t, 1) : at::Tensor();
   // the first step decodes one row per sentence: its beams are copies of one hypothesis (BOS, no state), and only
   // the first beam's candidates count; those rows' states go to rows 0 .. N - 1, which the reorder below names
   at::Tensor last_tokens = first ? tokens.select(1, t).slice(0, 0, R, K).contiguous() : tokens.select(1, t).contiguous();
-  at::Tensor logits = decode_rows(batch, last_tokens, position, s.order, read, first, false, at::Tensor(),
-                                  first ? 1 : batch.beam);
+  at::Tensor logits = decode(batch, last_tokens, position, s.order.narrow(0, 0, R), read, first, false, at::Tensor(),
+                             first ? 1 : K);
   const int64_t V = logits.size(1);
   const int64_t k = std::min(2 * K, (first ? V : K * V) - 1);  // -1: never pad (SequenceGenerator)
-  TORCH_CHECK(k >= K, "rfa search step: ", k, " candidates for ", K, " beams (the vocabulary is too small)");
   const int64_t beams = first ? 1 : K;  // the first step: a sentence's beams are one hypothesis
   const float* lg = logits.data_ptr<float>();
   const int64_t ldl = logits.stride(0);
@@ -240,44 +578,38 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   const float eos_bias = s.eos_bias.data_ptr<float>()[t];
   const float unk_penalty = static_cast<float>(s.unk_penalty);
   const int64_t eos = s.eos, pad = s.pad, unk = s.unk, Ls = L - 1;
-  TORCH_CHECK(s.cand_scores.numel() >= N * k && s.cand_indices.numel() >= N * k && s.order.numel() >= R &&
-                  s.fin_tokens.size(0) >= R && s.fin_tokens.size(1) == L && s.fin_scores.size(1) == Ls,
-              "rfa search step: the search's buffers are too small for ", N, " places x ", K, " beams");
-  constexpr int64_t kBlock = 64;
 
   RECORD_FUNCTION("rfa::search", std::vector<c10::IValue>());
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<char> eos_mask(k), ended(k);
     std::vector<int64_t> active(K);
+    std::vector<float> row_max(beams), row_log_sum(beams), row_add(beams);
     for (int64_t n = begin; n < end; ++n) {
       // candidates: per beam, log_softmax(logits) with the masks (pad never, unk penalized, EOS only from the
       // minimum length and alone at the last step) plus the beam's score so far; the k best over the beams
-      TopK best{cand_scores + n * k, cand_indices + n * k, k};
       for (int64_t b = 0; b < beams; ++b) {
-        const int64_t row = n * K + b;
-        const float* x = lg + (first ? n : row) * ldl;
-        float m, log_sum;
-        row_log_sum_exp(x, V, &m, &log_sum);
-        const float add = first ? 0.0f : sc[row * Ls + t - 1];
-        auto value = [&](int64_t v) {
-          if (v == pad || (last && v != eos)) return kNegInf;
-          float lp = (x[v] - m) - log_sum;
-          if (!last) {
-            if (v == unk) lp -= unk_penalty;
-            if (v == eos) lp += eos_bias;
-          }
-          return std::isnan(lp) ? kNegInf : lp + add;
-        };
-        for (int64_t start = 0; start < V; start += kBlock) {
-          const int64_t len = std::min(kBlock, V - start);
-          // the block's largest logit bounds its candidates: the masks only lower a value, but for a negative
-          // unk penalty (which raises <unk>)
-          const bool raises_unk = !last && unk_penalty < 0.0f && unk >= start && unk < start + len;
-          const float bound = (block_max(x + start, len) - m) - log_sum + add - (raises_unk ? unk_penalty : 0.0f);
-          if (best.count == k && !(bound > best.worst())) continue;
-          for (int64_t v = start; v < start + len; ++v) best.offer(value(v), b * V + v);
-        }
+        row_log_sum_exp(lg + (first ? n : n * K + b) * ldl, V, &row_max[b], &row_log_sum[b]);
+        row_add[b] = first ? 0.0f : sc[(n * K + b) * Ls + t - 1];
       }
+      auto row = [&](int64_t b) { return lg + (first ? n : n * K + b) * ldl; };
+      auto value = [&](int64_t b, int64_t v) {
+        if (v == pad || (last && v != eos)) return kNegInf;
+        float lp = (row(b)[v] - row_max[b]) - row_log_sum[b];
+        if (!last) {
+          if (v == unk) lp -= unk_penalty;
+          if (v == eos) lp += eos_bias;
+        }
+        return std::isnan(lp) ? kNegInf : lp + row_add[b];
+      };
+      // the block's largest logit bounds its candidates: the masks only lower a value, but for a negative unk
+      // penalty (which raises <unk>)
+      auto bound = [&](int64_t b, int64_t start, int64_t len) {
+        const bool raises_unk = !last && unk_penalty < 0.0f && unk >= start && unk < start + len;
+        return (block_max(row(b) + start, len) - row_max[b]) - row_log_sum[b] + row_add[b] -
+               (raises_unk ? unk_penalty : 0.0f);
+      };
+      TopK best{cand_scores + n * k, cand_indices + n * k, k};
+      sentence_candidates(best, beams, V, value, bound);
       const float* cs = cand_scores + n * k;
       const int64_t* ci = cand_indices + n * k;
       // EOS candidates (finite) end a hypothesis, but not those the last step's advance ignored, nor in a
@@ -313,116 +645,74 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
         }
       }
       for (int64_t j = 0; j < K; ++j) {
-        const int64_t c = active[j], row = n * K + j;
-        ignore[row] = ended[c];
+        const int64_t c = active[j], row_j = n * K + j;
+        ignore[row_j] = ended[c];
         const int64_t source = n * K + ci[c] / V;
-        order[row] = first ? n : source;  // the state row to continue (the first step wrote one per sentence)
-        std::copy(tok + source * L, tok + source * L + t + 1, next_tok + row * L);
-        next_tok[row * L + t + 1] = ci[c] % V;
-        std::copy(sc + source * Ls, sc + source * Ls + t, next_sc + row * Ls);
-        next_sc[row * Ls + t] = cs[c];
+        order[row_j] = first ? n : source;  // the state row to continue (the first step wrote one per sentence)
+        std::copy(tok + source * L, tok + source * L + t + 1, next_tok + row_j * L);
+        next_tok[row_j * L + t + 1] = ci[c] % V;
+        std::copy(sc + source * Ls, sc + source * Ls + t, next_sc + row_j * Ls);
+        next_sc[row_j * Ls + t] = cs[c];
       }
     }
   });
-  if (s.step.defined()) s.step.fill_(t + 1);
+  s.step.fill_(t + 1);
   return std::count(finished, finished + N, true);
 }
 
-void bind_decode_program(pybind11::module_& m) {
-  namespace py = pybind11;
-  py::class_<LinearLayer>(m, "LinearLayer")
-      .def(py::init<>())
-      .def_readwrite("weight", &LinearLayer::weight)
-      .def_readwrite("bias", &LinearLayer::bias)
-      .def_readwrite("w_scales", &LinearLayer::w_scales)
-      .def_readwrite("w_zero_points", &LinearLayer::w_zero_points)
-      .def_readwrite("out_features", &LinearLayer::out_features);
-  py::class_<Norm>(m, "Norm")
-      .def(py::init<>())
-      .def_readwrite("weight", &Norm::weight)
-      .def_readwrite("bias", &Norm::bias)
-      .def_readwrite("eps", &Norm::eps);
-  py::class_<FeatureMapSpec>(m, "FeatureMapSpec")
-      .def(py::init<>())
-      .def_readwrite("kind", &FeatureMapSpec::kind)
-      .def_readwrite("width", &FeatureMapSpec::width)
-      .def_readwrite("features", &FeatureMapSpec::features)
-      .def_readwrite("sigma", &FeatureMapSpec::sigma)
-      .def_readwrite("matrix", &FeatureMapSpec::matrix);
-  py::class_<CausalAttention>(m, "CausalAttention")
-      .def(py::init<>())
-      .def_readwrite("proj", &CausalAttention::proj)
-      .def_readwrite("out_proj", &CausalAttention::out_proj)
-      .def_readwrite("map", &CausalAttention::map)
-      .def_readwrite("heads", &CausalAttention::heads)
-      .def_readwrite("head_dim", &CausalAttention::head_dim)
-      .def_readwrite("gated", &CausalAttention::gated)
-      .def_readwrite("eps", &CausalAttention::eps);
-  py::class_<CrossAttention>(m, "CrossAttention")
-      .def(py::init<>())
-      .def_readwrite("kind", &CrossAttention::kind)
-      .def_readwrite("q_proj", &CrossAttention::q_proj)
-      .def_readwrite("out_proj", &CrossAttention::out_proj)
-      .def_readwrite("map", &CrossAttention::map)
-      .def_readwrite("heads", &CrossAttention::heads)
-      .def_readwrite("head_dim", &CrossAttention::head_dim)
-      .def_readwrite("scaling", &CrossAttention::scaling)
-      .def_readwrite("eps", &CrossAttention::eps);
-  py::class_<DecoderLayerProgram>(m, "DecoderLayerProgram")
-      .def(py::init<>())
-      .def_readwrite("self_attn", &DecoderLayerProgram::self_attn)
-      .def_readwrite("self_attn_norm", &DecoderLayerProgram::self_attn_norm)
-      .def_readwrite("cross", &DecoderLayerProgram::cross)
-      .def_readwrite("cross_norm", &DecoderLayerProgram::cross_norm)
-      .def_readwrite("fc1", &DecoderLayerProgram::fc1)
-      .def_readwrite("fc2", &DecoderLayerProgram::fc2)
-      .def_readwrite("ffn_activation", &DecoderLayerProgram::ffn_activation)
-      .def_readwrite("final_norm", &DecoderLayerProgram::final_norm)
-      .def_readwrite("normalize_before", &DecoderLayerProgram::normalize_before);
-  py::class_<NativeBatch>(m, "NativeBatch")
-      .def(py::init<>())
-      .def_readwrite("states0", &NativeBatch::states0)
-      .def_readwrite("states1", &NativeBatch::states1)
-      .def_readwrite("keys", &NativeBatch::keys)
-      .def_readwrite("values", &NativeBatch::values)
-      .def_readwrite("key_biases", &NativeBatch::key_biases)
-      .def_readwrite("cross_states", &NativeBatch::cross_states)
-      .def_readwrite("beam", &NativeBatch::beam);
-  py::class_<NativeSearch>(m, "NativeSearch")
-      .def(py::init<>())
-      .def_readwrite("tokens0", &NativeSearch::tokens0)
-      .def_readwrite("tokens1", &NativeSearch::tokens1)
-      .def_readwrite("scores0", &NativeSearch::scores0)
-      .def_readwrite("scores1", &NativeSearch::scores1)
-      .def_readwrite("cand_scores", &NativeSearch::cand_scores)
-      .def_readwrite("cand_indices", &NativeSearch::cand_indices)
-      .def_readwrite("cands_to_ignore", &NativeSearch::cands_to_ignore)
-      .def_readwrite("finished", &NativeSearch::finished)
-      .def_readwrite("fin_count", &NativeSearch::fin_count)
-      .def_readwrite("fin_tokens", &NativeSearch::fin_tokens)
-      .def_readwrite("fin_scores", &NativeSearch::fin_scores)
-      .def_readwrite("fin_steps", &NativeSearch::fin_steps)
-      .def_readwrite("order", &NativeSearch::order)
-      .def_readwrite("eos_bias", &NativeSearch::eos_bias)
-      .def_readwrite("positions", &NativeSearch::positions)
-      .def_readwrite("step", &NativeSearch::step)
-      .def_readwrite("N", &NativeSearch::N)
-      .def_readwrite("K", &NativeSearch::K)
-      .def_readwrite("eos", &NativeSearch::eos)
-      .def_readwrite("pad", &NativeSearch::pad)
-      .def_readwrite("unk", &NativeSearch::unk)
-      .def_readwrite("unk_penalty", &NativeSearch::unk_penalty);
+// ------------------------------------------------------------------------------------------------ bindings
+
+namespace {
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+}  // namespace
+
+void bind_decode_program(py::module_& m) {
+  py::class_<LinearLibrary, std::shared_ptr<LinearLibrary>>(m, "LinearLibrary")
+      .def(py::init<const std::string&, const py::dict&>(), py::arg("gemm"), py::arg("operators"))
+      .def(
+          "linear",
+          [](const LinearLibrary& lib, const py::object& packed, const at::Tensor& x, bool relu,
+             const std::optional<at::Tensor>& residual) {
+            const LinearLayer layer = LinearLayer::from(Record(packed, "packed"));
+            TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+                        "rfa linear: x must be a 2-d fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+            py::gil_scoped_release release;
+            return lib.unrecorded_linear(layer, x, relu, or_undefined(residual));
+          },
+          py::arg("packed"), py::arg("x"), py::arg("relu") = false, py::arg("residual") = py::none(),
+          "act(x W^T + b) + residual on this library (decode_program.h)");
+  py::class_<NativeBatch>(m, "NativeBatch").def(py::init<const py::list&>(), py::arg("layer_caches"));
+  py::class_<NativeSearch>(m, "NativeSearch").def(py::init<const py::object&>(), py::arg("search"));
   py::class_<DecodeProgram>(m, "DecodeProgram")
-      .def(py::init<int64_t, std::vector<std::string>>())
-      .def_readwrite("embed", &DecodeProgram::embed)
-      .def_readwrite("embed_scale", &DecodeProgram::embed_scale)
-      .def_readwrite("embed_norm", &DecodeProgram::embed_norm)
-      .def_readwrite("final_norm", &DecodeProgram::final_norm)
-      .def_readwrite("layers", &DecodeProgram::layers)
-      .def_readwrite("output", &DecodeProgram::output)
-      .def_readwrite("padding_idx", &DecodeProgram::padding_idx)
-      .def("decode", &DecodeProgram::decode, py::call_guard<py::gil_scoped_release>(),
-           "logits of one decoding step (decode_program.h)")
-      .def("search_step", &DecodeProgram::search_step, py::call_guard<py::gil_scoped_release>(),
-           "the static beam search's whole step (decode_program.h)");
+      .def(py::init<const py::object&, std::shared_ptr<LinearLibrary>>(), py::arg("runtime"), py::arg("library"))
+      .def(
+          "decode",
+          [](const DecodeProgram& program, const NativeBatch& batch, const at::Tensor& tokens,
+             const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& order, int64_t read,
+             bool first, bool padded_inputs, const std::optional<at::Tensor>& weights, int64_t beam, int64_t threads) {
+            program.check_decode(batch, tokens, or_undefined(positions), or_undefined(order), read, first,
+                                 or_undefined(weights), beam);
+            py::gil_scoped_release release;
+            ThreadScope scope(threads);
+            at::NoGradGuard no_grad;
+            return program.decode(batch, tokens, or_undefined(positions), or_undefined(order), read, first,
+                                  padded_inputs, or_undefined(weights), beam);
+          },
+          py::arg("batch"), py::arg("tokens"), py::arg("positions"), py::arg("order"), py::arg("read"),
+          py::arg("first"), py::arg("padded_inputs"), py::arg("weights"), py::arg("beam"), py::arg("threads"),
+          "logits of one decoding step (decode_program.h)")
+      .def(
+          "search_step",
+          [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity,
+             int64_t read, bool first, bool last, int64_t threads) {
+            program.check_search(batch, search, t, parity, read, first);
+            py::gil_scoped_release release;
+            ThreadScope scope(threads);
+            at::NoGradGuard no_grad;
+            return program.search_step(batch, search, t, parity, read, first, last);
+          },
+          py::arg("batch"), py::arg("search"), py::arg("t"), py::arg("parity"), py::arg("read"), py::arg("first"),
+          py::arg("last"), py::arg("threads"), "the static beam search's whole step (decode_program.h)");
 }

@@ -1,66 +1,121 @@
 // The whole decoding step on the CPU as one native call (decode_program.cpp): the decoder's layers and, for the
-// static beam search, the search's step after them. Built once per (weights, linear-layer library) from the
-// records that rfa_fairseq/modules/decoding.py makes; the per-batch buffers are the Python caches' own tensors,
-// handed over once per batch (NativeBatch, NativeSearch). Every call releases the GIL: threads that decode
-// different parts of a batch run at once.
+// static beam search, the search's step after them.
+//
+// Declared once: the program is built from the Python records of rfa_fairseq/modules/decoding.py (DecodingRuntime,
+// DecoderLayerRecord, CausalRecord, the cross-attention records, FeatureMapRecord, NormRecord, PackedLinear), each
+// structure below reading its record's fields by name (Record); a batch's buffers are read the same way from the
+// Python caches and the static beam search's _Search, whose own tensors they are. Nothing here is writable from
+// Python. Every tensor a call takes a pointer of is checked (shape, dtype, device, layout) with the GIL held, then the
+// GIL is released: threads that decode different parts of a batch run at once.
 #pragma once
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <pybind11/pybind11.h>
 #include <torch/extension.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "rfa_kernels.h"
 
-// The linear layers' library, decided in Python (ops/decode_step.py's step_kernels): torch's addmm, oneDNN on
-// packed fp32 weights, oneDNN's int8 product.
+// A Python object's fields read by name; `path` names it in errors (e.g. "runtime.layers[1].self_attn").
+class Record {
+ public:
+  Record(pybind11::handle object, std::string path)
+      : object_(pybind11::reinterpret_borrow<pybind11::object>(object)), path_(std::move(path)) {}
+  bool has(const char* name) const;   // the field exists and is not None
+  Record sub(const char* name) const;  // a field that is itself a record (not None)
+  std::optional<Record> optional_sub(const char* name) const;
+  at::Tensor tensor(const char* name) const;            // a tensor field (not None)
+  at::Tensor optional_tensor(const char* name) const;   // a tensor field or None (undefined)
+  int64_t integer(const char* name) const;
+  double number(const char* name) const;
+  bool flag(const char* name) const;
+  std::string text(const char* name) const;
+  std::vector<Record> items(const char* name) const;    // a list or tuple field, one record per item
+  std::vector<at::Tensor> tensors(const char* name) const;  // a list or tuple of tensors
+  pybind11::handle object() const { return object_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  pybind11::object get(const char* name) const;
+  pybind11::object object_;
+  std::string path_;
+};
+
+// The linear layers' library, decided in Python (ops/decode_step.py's step_kernels): torch's addmm, oneDNN on packed
+// fp32 weights, oneDNN's int8 product. The one dispatch of a linear layer by library: the program's steps and the
+// encoder's inference (decode_step.NativeKernels.linear) both call it.
 enum Gemm : int64_t { kGemmTorch = 0, kGemmOneDNN = 1, kGemmOneDNNInt8 = 2 };
+
+struct LinearLayer {  // decode_step.PackedLinear
+  at::Tensor weight;                   // torch: (O, I); oneDNN: packed; int8: packed int8 codes
+  at::Tensor bias;                     // (O,) or undefined
+  at::Tensor w_scales, w_zero_points;  // int8: per output channel
+  int64_t out_features = 0;
+  static LinearLayer from(const Record& record);
+};
+
+class LinearLibrary {
+ public:
+  // gemm: "torch", "onednn" or "onednn_int8"; operators: torch_internals.onednn_operators() ({"linear": (name,
+  // overload), "linear_add": ..., "qlinear": ...}), the torch operators a oneDNN library calls
+  LinearLibrary(const std::string& gemm, const pybind11::dict& operators);
+  // act(x W^T + b) + residual (residual undefined: none), `part` naming it for torch's profiler (a region of the
+  // step's profile); unrecorded: the same outside the step (the encoder's inference, a batch's start)
+  at::Tensor linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
+                    const char* part = "rfa::linear") const;
+  at::Tensor unrecorded_linear(const LinearLayer& layer, const at::Tensor& x, bool relu,
+                               const at::Tensor& residual) const;
+  Gemm gemm() const { return gemm_; }
+
+ private:
+  Gemm gemm_;
+  std::optional<c10::OperatorHandle> linear_op_, linear_add_op_, qlinear_op_;
+};
 
 enum CrossKind : int64_t { kCrossNone = 0, kCrossSoftmax = 1, kCrossRFA = 2 };
 enum FFNActivation : int64_t { kFFNReLU = 0, kFFNGELU = 1 };
 
-struct LinearLayer {
-  at::Tensor weight;                 // torch: (O, I); oneDNN: packed; int8: packed int8 codes
-  at::Tensor bias;                   // (O,) or undefined
-  at::Tensor w_scales, w_zero_points;  // int8: per output channel
-  int64_t out_features = 0;
-};
-
-struct Norm {
+struct Norm {  // NormRecord, or none
   at::Tensor weight, bias;  // undefined: no norm
   double eps = 1e-5;
   bool defined() const { return weight.defined(); }
+  static Norm from(const std::optional<Record>& record);
 };
 
 // a feature map as the step applies it (rfa_kernels.h's Activation codes): learned affine maps to the
 // pre-activations that the fused projection gives (hedgehog, relu), the others to raw per-head inputs
-struct FeatureMapSpec {
+struct FeatureMapSpec {  // FeatureMapRecord
   int64_t kind = kFeatures;
   int64_t width = 0;     // values per head in the projection's q / k columns (D for affine maps, d otherwise)
   int64_t features = 0;  // F
   at::Tensor sigma;      // (H, d) random maps
   at::Tensor matrix;     // (H, D, d) random maps
+  static FeatureMapSpec from(const Record& record);
 };
 
-struct CausalAttention {
+struct CausalAttention {  // CausalRecord
   LinearLayer proj;  // [q | k | v | gate logits]
   LinearLayer out_proj;
   FeatureMapSpec map;
-  int64_t heads = 0, head_dim = 0;
+  int64_t heads = 0, head_dim = 0, features = 0;
   bool gated = false;
   double eps = 1e-3;
+  static CausalAttention from(const Record& record);
 };
 
-struct CrossAttention {
+struct CrossAttention {  // SoftmaxCrossRecord or RFACrossRecord (their `kind`), or none
   int64_t kind = kCrossNone;
   LinearLayer q_proj, out_proj;
   FeatureMapSpec map;  // RFA cross-attention
   int64_t heads = 0, head_dim = 0;
   double scaling = 1.0, eps = 1e-3;
+  static CrossAttention from(const std::optional<Record>& record);
 };
 
-struct DecoderLayerProgram {
+struct DecoderLayerProgram {  // DecoderLayerRecord
   CausalAttention self_attn;
   Norm self_attn_norm;
   CrossAttention cross;
@@ -69,18 +124,19 @@ struct DecoderLayerProgram {
   int64_t ffn_activation = kFFNReLU;
   Norm final_norm;
   bool normalize_before = false;
+  static DecoderLayerProgram from(const Record& record);
 };
 
-// One batch's tensors the step reads and writes, owned by the Python caches (shared storage): per layer the two
-// causal state buffers and the cross-attention's per-sentence tensors; the beam (rows n * beam .. read sentence n).
+// One batch's tensors the step reads and writes, owned by the Python caches (modules/decoding.py's LayerCache: the
+// causal states, the cross-attention's per-sentence tensors), read from them by name.
 struct NativeBatch {
   std::vector<at::Tensor> states0, states1;           // per layer (>= rows, H, F, d + 1) fp32
   std::vector<at::Tensor> keys, values, key_biases;   // softmax cross-attention, per layer (or undefined)
   std::vector<at::Tensor> cross_states;               // RFA cross-attention, per layer (or undefined)
-  int64_t beam = 1;
+  explicit NativeBatch(const pybind11::list& layer_caches);
 };
 
-// The static beam search's buffers for N places of K beams (generation/static_beam_search.py's _Search owns them)
+// The static beam search's buffers for N places of K beams, read from its _Search (generation/static_beam_search.py)
 struct NativeSearch {
   at::Tensor tokens0, tokens1;    // (R, L) int64, used in turn
   at::Tensor scores0, scores1;    // (R, L - 1) fp32, used in turn
@@ -95,45 +151,43 @@ struct NativeSearch {
   at::Tensor step;                // (1,) int64: the step number, set to t + 1 after step t (the torch steps read it)
   int64_t N = 0, K = 1, eos = 2, pad = 1, unk = 3;
   double unk_penalty = 0.0;
+  explicit NativeSearch(const pybind11::object& search);
 };
 
 class DecodeProgram {
  public:
-  DecodeProgram(int64_t gemm, std::vector<std::string> onednn_ops);
+  // runtime: a DecodingRuntime (its records); library: the linear layers' library its kernel set picked
+  DecodeProgram(const pybind11::object& runtime, std::shared_ptr<LinearLibrary> library);
 
-  // the model's pieces, set once by Python (modules/decoding.py's native_program)
-  at::Tensor embed;  // (V, C)
-  double embed_scale = 1.0;
-  Norm embed_norm, final_norm;
-  std::vector<DecoderLayerProgram> layers;
-  LinearLayer output;
-  int64_t padding_idx = 1;
-
-  // logits (R, V) of one step for tokens (R,) int64 at positions (R, C), (1, C) or empty; the causal states read
-  // parity `read` through `order` (empty: row r reads row r; ignored when first) and write the other buffer.
-  // weights: (R, S) the last layer's head-averaged softmax cross-attention weights, or empty (not wanted).
+  // logits (R, V) of one step for tokens (R,) int64 at positions (R, C), (1, C) or undefined; the causal states read
+  // parity `read` through `order` (undefined: row r reads row r; ignored when first) and write the other buffer; row
+  // r reads source sentence r / beam. weights: (R, S) the last layer's head-averaged softmax cross-attention weights,
+  // or undefined (not wanted). The caller has checked the tensors (check_decode).
   at::Tensor decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
-                    const at::Tensor& order, int64_t read, bool first, bool padded_inputs, at::Tensor weights,
-                    int64_t threads);
+                    const at::Tensor& order, int64_t read, bool first, bool padded_inputs, const at::Tensor& weights,
+                    int64_t beam) const;
+  void check_decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
+                    const at::Tensor& order, int64_t read, bool first, const at::Tensor& weights, int64_t beam) const;
 
   // the static beam search's whole step t, reading its tokens/scores pair `parity` (the causal states: `read`):
   // decode, log-softmax with the masks and the 2K best candidates per place, finalization, and the reorder into
   // the other pair (search.order: the beam order the next step's causal layers apply). -> how many places have
   // finished (search.finished), so that the host reads no buffer at a step that halves nothing.
   int64_t search_step(const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity, int64_t read,
-                   bool first, bool last, int64_t threads);
+                      bool first, bool last) const;
+  void check_search(const NativeBatch& batch, const NativeSearch& search, int64_t t, int64_t parity, int64_t read,
+                    bool first) const;
 
-  // one linear layer on this program's library: act(x W^T + b) + residual; `part` names it for torch's profiler
-  at::Tensor linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
-                    const char* part = "rfa::linear") const;
+  const LinearLibrary& library() const { return *library_; }
 
  private:
-  int64_t gemm_;
-  std::optional<c10::OperatorHandle> linear_op_, linear_add_op_, qlinear_op_;
-  // decode() for rows reading sentence r / beam (the batch's beam; 1 at the search's first step, one row per sentence)
-  at::Tensor decode_rows(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
-                         const at::Tensor& order, int64_t read, bool first, bool padded_inputs, at::Tensor weights,
-                         int64_t beam);
+  std::shared_ptr<LinearLibrary> library_;
+  at::Tensor embed;  // (V, C)
+  double embed_scale = 1.0;
+  Norm embed_norm, final_norm;
+  std::vector<DecoderLayerProgram> layers;
+  LinearLayer output;
+  int64_t padding_idx = 1;
 };
 
 void bind_decode_program(pybind11::module_& m);

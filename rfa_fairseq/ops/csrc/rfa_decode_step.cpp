@@ -1,6 +1,6 @@
-// Kernels of the decoding step on CPU in fp32 (rfa_fairseq/ops/decode_step.py picks them, bindings.cpp
-// binds them): every buffer is allocated by the caller once per batch and written in place, so a decoding
-// step allocates nothing.
+// Kernels of the decoding step on CPU in fp32 (the native program, decode_program.cpp, calls them; bindings.cpp
+// binds them for the tests): each writes its outputs into buffers the caller passes; absent inputs are undefined
+// tensors.
 //
 //   causal_layer_step   one decoder self-attention step of a causal RFA layer, all heads, from phi(q),
 //                       phi(k) (or a learned map's pre-activations W x + b, activated here: hedgehog,
@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "rfa_kernels.h"
@@ -250,6 +252,29 @@ void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
 
 float block_max(const float* x, int64_t n) { return block_max_simd(x, n); }
 
+namespace {
+
+const std::map<std::string, int64_t>& activation_codes() {
+  static const std::map<std::string, int64_t> codes = {{"features", kFeatures}, {"hedgehog", kHedgehog},
+                                                       {"relu", kReLU}, {"sincos", kSinCos}, {"arccos", kArcCos},
+                                                       {"positive", kPositive}, {"elu", kELU}};
+  return codes;
+}
+
+}  // namespace
+
+int64_t activation_code(const std::string& name) {
+  auto found = activation_codes().find(name);
+  TORCH_CHECK(found != activation_codes().end(), "rfa decoding step: no feature-map activation named '", name, "'");
+  return found->second;
+}
+
+std::vector<std::string> activation_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : activation_codes()) names.push_back(entry.first);
+  return names;
+}
+
 MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const torch::Tensor& sigma,
                      const torch::Tensor& matrix) {
   TORCH_CHECK(activation >= kFeatures && activation <= kELU, "rfa static step: unknown feature-map activation ",
@@ -273,9 +298,11 @@ MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim,
     default: {  // random maps: raw per-head inputs, projected on (H, D, d)
       const int64_t D = activation == kSinCos ? F / 2 : F;
       TORCH_CHECK(activation != kSinCos || F % 2 == 0, "rfa static step: the sincos map has an even number of features");
-      TORCH_CHECK(sigma.scalar_type() == torch::kFloat32 && sigma.is_contiguous() && sigma.numel() == H * head_dim,
+      TORCH_CHECK(sigma.defined() && sigma.device().is_cpu() && sigma.scalar_type() == torch::kFloat32 &&
+                      sigma.is_contiguous() && sigma.numel() == H * head_dim,
                   "rfa static step: a random map needs sigma as a contiguous fp32 (heads, head_dim) tensor");
-      TORCH_CHECK(matrix.scalar_type() == torch::kFloat32 && matrix.is_contiguous() && matrix.numel() == H * D * head_dim,
+      TORCH_CHECK(matrix.defined() && matrix.device().is_cpu() && matrix.scalar_type() == torch::kFloat32 &&
+                      matrix.is_contiguous() && matrix.numel() == H * D * head_dim,
                   "rfa static step: a random map needs its matrix as a contiguous fp32 (heads, D, head_dim) tensor");
       map.width = head_dim;
       map.sigma = sigma.data_ptr<float>();
@@ -341,16 +368,17 @@ const float* head_features(const float* row, const MapParams& map, int64_t h, bo
 namespace {
 
 void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols && t.stride(1) == 1 &&
-                  t.scalar_type() == torch::kFloat32,
-              "rfa static step: ", name, " must be a (rows, ", cols, ") fp32 matrix with unit column stride");
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols &&
+                  t.stride(1) == 1 && t.scalar_type() == torch::kFloat32,
+              "rfa static step: ", name, " must be a (", rows, ", ", cols,
+              ") fp32 CPU matrix with unit column stride");
 }
 
 }  // namespace
 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
-                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
+                       const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
                        int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
   const MapParams map = map_params(activation, H, F, d, sigma, matrix);
@@ -359,19 +387,22 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   check_rows(phi_k, R, H * P, "phi_k");
   check_rows(v, R, H * d, "v");
   check_rows(out, R, H * d, "out");
-  TORCH_CHECK(state_out.is_contiguous() && state_out.size(0) >= R && state_out.scalar_type() == torch::kFloat32,
-              "rfa static step: state_out must be a contiguous fp32 (rows, heads, F, head_dim + 1) buffer");
-  const bool first = state_in.numel() == 0;
-  const bool reorder = order.numel() > 0;
+  TORCH_CHECK(state_out.device().is_cpu() && state_out.is_contiguous() && state_out.size(0) >= R &&
+                  state_out.scalar_type() == torch::kFloat32,
+              "rfa static step: state_out must be a contiguous fp32 CPU (rows, heads, F, head_dim + 1) buffer");
+  const bool first = !state_in.defined();
+  const bool reorder = order.defined();
   TORCH_CHECK(!(first && reorder), "rfa static step: a reorder needs a state");
   if (!first) {
-    TORCH_CHECK(state_in.is_contiguous() && state_in.sizes().slice(1) == state_out.sizes().slice(1) &&
-                    state_in.scalar_type() == torch::kFloat32,
+    TORCH_CHECK(state_in.device().is_cpu() && state_in.is_contiguous() &&
+                    state_in.sizes().slice(1) == state_out.sizes().slice(1) && state_in.scalar_type() == torch::kFloat32,
                 "rfa static step: state_in and state_out differ in layout");
     TORCH_CHECK(state_in.data_ptr<float>() != state_out.data_ptr<float>(), "rfa static step: state_out must not be state_in");
     const int64_t R0 = state_in.size(0);
     if (reorder) {
-      TORCH_CHECK(order.numel() == R && order.scalar_type() == torch::kInt64, "rfa static step: order must be (rows,) int64");
+      TORCH_CHECK(order.device().is_cpu() && order.is_contiguous() && order.numel() == R &&
+                      order.scalar_type() == torch::kInt64,
+                  "rfa static step: order must be a contiguous (rows,) int64 CPU tensor");
       const int64_t* ord = order.data_ptr<int64_t>();
       for (int64_t r = 0; r < R; ++r)
         TORCH_CHECK(ord[r] >= 0 && ord[r] < R0, "rfa static step: order[", r, "] = ", ord[r], " is out of range for ",
@@ -380,10 +411,14 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       TORCH_CHECK(R0 >= R, "rfa static step: state has ", R0, " rows for ", R);
     }
   }
-  const bool gated = gate_logits.numel() > 0;
+  const bool gated = gate_logits.defined();
   if (gated) check_rows(gate_logits, R, H, "gate_logits");
-  const bool padded = key_pad.numel() > 0;
-  if (padded) TORCH_CHECK(key_pad.numel() == R && key_pad.scalar_type() == torch::kBool, "rfa static step: bad key_pad");
+  const bool padded = key_pad.defined();
+  if (padded) {
+    TORCH_CHECK(key_pad.device().is_cpu() && key_pad.is_contiguous() && key_pad.numel() == R &&
+                    key_pad.scalar_type() == torch::kBool,
+                "rfa static step: key_pad must be a contiguous (rows,) bool CPU tensor");
+  }
 
   const float* pq = phi_q.data_ptr<float>();
   const float* pk = phi_k.data_ptr<float>();
@@ -425,7 +460,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
 }
 
 void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, torch::Tensor& out) {
+                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out) {
   const int64_t R = q.size(0), N = cross_state.size(0), H = cross_state.size(1), F = cross_state.size(2);
   const int64_t D1 = cross_state.size(3), d = D1 - 1;
   TORCH_CHECK(activation != kFeatures, "rfa cross step: the map is applied here (to raw queries or a learned affine "
@@ -434,7 +469,7 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
   const int64_t P = map.width;  // values per head in q's rows
   check_rows(q, R, H * P, "q");
   check_rows(out, R, H * d, "out");
-  TORCH_CHECK(cross_state.is_contiguous() && cross_state.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(cross_state.device().is_cpu() && cross_state.is_contiguous() && cross_state.scalar_type() == torch::kFloat32,
               "rfa cross step: the state must be a contiguous fp32 (sentences, heads, F, head_dim + 1) tensor");
   TORCH_CHECK(beam >= 1 && R <= N * beam, "rfa cross step: ", R, " rows for ", N, " sentences x beam ", beam);
   const float* qp = q.data_ptr<float>();
@@ -458,17 +493,23 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
 }
 
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                        const torch::Tensor& key_bias, int64_t beam, double scaling, torch::Tensor& out,
-                        torch::Tensor& weights) {
+                        const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
+                        const torch::Tensor& weights) {
   const int64_t R = q.size(0), N = key.size(0), H = key.size(1), S = key.size(2), d = key.size(3), C = H * d;
   check_rows(q, R, C, "q");
   check_rows(out, R, C, "out");
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && value.sizes() == key.sizes(),
-              "rfa static step: key and value must be contiguous (sentences, heads, source, head_dim)");
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && key.scalar_type() == torch::kFloat32 &&
+                  value.scalar_type() == torch::kFloat32 && key.is_contiguous() && value.is_contiguous() &&
+                  value.sizes() == key.sizes(),
+              "rfa static step: key and value must be contiguous fp32 CPU (sentences, heads, source, head_dim)");
   TORCH_CHECK(beam >= 1 && R <= N * beam, "rfa static step: ", R, " rows for ", N, " sentences x beam ", beam);
-  const bool biased = key_bias.numel() > 0;
-  if (biased) TORCH_CHECK(key_bias.is_contiguous() && key_bias.numel() >= N * S, "rfa static step: bad key_bias");
-  const bool want_weights = weights.numel() > 0;
+  const bool biased = key_bias.defined();
+  if (biased) {
+    TORCH_CHECK(key_bias.device().is_cpu() && key_bias.scalar_type() == torch::kFloat32 && key_bias.is_contiguous() &&
+                    key_bias.numel() >= N * S,
+                "rfa static step: key_bias must be a contiguous fp32 CPU (sentences, source) tensor");
+  }
+  const bool want_weights = weights.defined();
   if (want_weights) check_rows(weights, R, S, "weights");
 
   const float* qp = q.data_ptr<float>();
@@ -515,13 +556,15 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
 }
 
 void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
-                    const torch::Tensor& beta, double eps, torch::Tensor& out) {
+                    const torch::Tensor& beta, double eps, const torch::Tensor& out) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   check_rows(out, R, C, "out");
-  const bool add = residual.numel() > 0;
+  const bool add = residual.defined();
   if (add) check_rows(residual, R, C, "residual");
-  TORCH_CHECK(gamma.is_contiguous() && beta.is_contiguous() && gamma.numel() == C && beta.numel() == C,
+  TORCH_CHECK(gamma.device().is_cpu() && beta.device().is_cpu() && gamma.scalar_type() == torch::kFloat32 &&
+                  beta.scalar_type() == torch::kFloat32 && gamma.is_contiguous() && beta.is_contiguous() &&
+                  gamma.numel() == C && beta.numel() == C,
               "rfa static step: layer norm weight and bias must have ", C, " values");
   const float* xp = x.data_ptr<float>();
   const float* rp = add ? residual.data_ptr<float>() : nullptr;
@@ -540,44 +583,35 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
 }
 
 void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
-                     torch::Tensor& scores_out, torch::Tensor& indices_out) {
+                     const torch::Tensor& scores_out, const torch::Tensor& indices_out) {
   const int64_t V = lprobs.size(1), N = scores_out.size(0), k = scores_out.size(1);
-  const bool first = prev_scores.numel() == 0;  // step 0: a sentence's beams are one hypothesis: beam 0 only
+  const bool first = !prev_scores.defined();  // step 0: a sentence's beams are one hypothesis: beam 0 only
   const int64_t beams = first ? 1 : beam;
   check_rows(lprobs, N * beam, V, "lprobs");
-  TORCH_CHECK(scores_out.is_contiguous() && scores_out.scalar_type() == torch::kFloat32 && indices_out.is_contiguous() &&
+  TORCH_CHECK(scores_out.device().is_cpu() && indices_out.device().is_cpu() && scores_out.is_contiguous() &&
+                  scores_out.scalar_type() == torch::kFloat32 && indices_out.is_contiguous() &&
                   indices_out.scalar_type() == torch::kInt64 && indices_out.size(0) == N && indices_out.size(1) == k,
-              "rfa beam_candidates: scores_out (N, k) fp32 and indices_out (N, k) int64, contiguous");
+              "rfa beam_candidates: scores_out (N, k) fp32 and indices_out (N, k) int64, contiguous, on the CPU");
   TORCH_CHECK(k >= 1 && k <= beams * V, "rfa beam_candidates: k = ", k, " of ", beams * V, " candidates");
-  TORCH_CHECK(first || (prev_scores.dim() == 1 && prev_scores.size(0) == N * beam &&
+  TORCH_CHECK(first || (prev_scores.device().is_cpu() && prev_scores.dim() == 1 && prev_scores.size(0) == N * beam &&
                         prev_scores.scalar_type() == torch::kFloat32),
-              "rfa beam_candidates: prev_scores must be (", N * beam, ",) fp32, or empty at the first step");
+              "rfa beam_candidates: prev_scores must be (", N * beam, ",) fp32, or None at the first step");
   const float* lp = lprobs.data_ptr<float>();
   const float* prev = first ? nullptr : prev_scores.data_ptr<float>();
   const int64_t ldp = first ? 0 : prev_scores.stride(0);  // a column of the search's score buffer
   float* so = scores_out.data_ptr<float>();
   int64_t* io = indices_out.data_ptr<int64_t>();
   const int64_t ld = lprobs.stride(0);
-  constexpr int64_t kBlock = 64;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
+      auto row = [&](int64_t b) { return lp + (n * beam + b) * ld; };
+      auto add = [&](int64_t b) { return first ? 0.0f : prev[(n * beam + b) * ldp]; };
+      // every value counts, NaN as -inf; x + add is monotonic in x, so a block's max bounds its sums
+      auto value = [&](int64_t b, int64_t v) { return std::isnan(row(b)[v]) ? neg_inf : row(b)[v] + add(b); };
+      auto bound = [&](int64_t b, int64_t start, int64_t len) { return block_max(row(b) + start, len) + add(b); };
       TopK best{so + n * k, io + n * k, k};
-      for (int64_t b = 0; b < beams; ++b) {
-        const int64_t row = n * beam + b;
-        const float* x = lp + row * ld;
-        const float add = first ? 0.0f : prev[row * ldp];
-        for (int64_t start = 0; start < V; start += kBlock) {
-          const int64_t len = std::min(kBlock, V - start);
-          // a block can only matter when its best sum beats the k-th best (x + add is monotonic in x),
-          // or while fewer than k are kept (then every value counts, NaN as -inf)
-          if (best.count == k && !(block_max(x + start, len) + add > best.worst())) continue;
-          for (int64_t i = start; i < start + len; ++i) {
-            const float total = std::isnan(x[i]) ? neg_inf : x[i] + add;
-            best.offer(total, b * V + i);
-          }
-        }
-      }
+      sentence_candidates(best, beams, V, value, bound);
     }
   });
 }
@@ -616,7 +650,7 @@ void scale_row(float* __restrict__ y, int64_t n, float s, const float* __restric
 
 }  // namespace
 
-void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
+void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == R && codes.size(1) == C,
@@ -638,13 +672,13 @@ void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& 
   });
 }
 
-void scale_rows(torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& residual,
-                bool relu) {
+void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias,
+                const torch::Tensor& residual, bool relu) {
   const int64_t R = y.size(0), O = y.size(1);
   check_rows(y, R, O, "y");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
               "rfa static step: scales must be a contiguous fp32 tensor of ", R, " values");
-  const bool biased = bias.numel() > 0, added = residual.numel() > 0;
+  const bool biased = bias.defined(), added = residual.defined();
   TORCH_CHECK(!biased || (bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 && bias.numel() == O),
               "rfa static step: bias must be a contiguous fp32 tensor of ", O, " values");
   if (added) check_rows(residual, R, O, "residual");

@@ -2,7 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <limits>
+#include <string>
+#include <vector>
 
 // An AVX2 + FMA build of a hot loop beside the portable one, picked at load time by the CPU's features.
 // Not target_clones("arch=haswell"): GCC's resolver for an arch= clone compares the CPU *model*, so any
@@ -11,10 +14,14 @@
 
 // What turns causal_layer_step's phi_q / phi_k rows into features: the features themselves, a learned map's
 // pre-activations W x + b and its activation (hedgehog, relu), or a head's raw input and the map computed here
-// (the random maps of sigma-scaled, l2-normalized inputs with their (H, D, d) matrix; elu). The one table of these
-// codes: bindings.cpp hands it to Python by name (the module's `activations`).
+// (the random maps of sigma-scaled, l2-normalized inputs with their (H, D, d) matrix; elu). Python names them
+// ("features" or the map's kind); activation_code is the one table from names to codes.
 enum Activation : int64_t { kFeatures = 0, kHedgehog = 1, kReLU = 2, kSinCos = 3, kArcCos = 4, kPositive = 5,
                             kELU = 6 };
+int64_t activation_code(const std::string& name);
+std::vector<std::string> activation_names();
+
+// Absent tensors are undefined ones (None from Python) throughout; outputs are written through their handles.
 
 // a feature map as the kernels apply it to one head's row of `width` values
 struct MapParams {
@@ -35,20 +42,20 @@ const float* head_features(const float* row, const MapParams& map, int64_t h, bo
 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
-                       const torch::Tensor& order, torch::Tensor& state_out, torch::Tensor& out, double eps,
+                       const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
                        int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix);
 // RFA cross-attention of one step: phi(q) . S over the per-sentence states (N, H, F, d + 1), row r reading
 // sentence r / beam; q (R, H * P): raw per-head queries (P = d) or a learned affine map's pre-activations (P = D),
 // the map applied here; out (R, H * d)
 void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, torch::Tensor& out);
+                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out);
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                        const torch::Tensor& key_bias, int64_t beam, double scaling, torch::Tensor& out,
-                        torch::Tensor& weights);
+                        const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
+                        const torch::Tensor& weights);
 void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
-                    const torch::Tensor& beta, double eps, torch::Tensor& out);
+                    const torch::Tensor& beta, double eps, const torch::Tensor& out);
 void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
-                     torch::Tensor& scores_out, torch::Tensor& indices_out);
+                     const torch::Tensor& scores_out, const torch::Tensor& indices_out);
 // The k best (value, index) so far, best first; among equal values the one seen first stays first.
 struct TopK {
   float* value;
@@ -69,6 +76,21 @@ struct TopK {
 };
 // the largest of n floats (NaN ignored; -inf when none)
 float block_max(const float* x, int64_t n);
+// The one candidate selection of beam search (beam_candidates; the native search step, which reads log-softmax off
+// the logits): the best k of a sentence's beams x V candidates into `best`, value(b, v) each candidate's total (-inf
+// when excluded), bound(b, start, len) an upper bound of value over a block of 64, which is skipped when it cannot
+// beat the k-th best (or counted whole while fewer than k are kept).
+template <class Value, class Bound>
+void sentence_candidates(TopK& best, int64_t beams, int64_t V, const Value& value, const Bound& bound) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t b = 0; b < beams; ++b) {
+    for (int64_t start = 0; start < V; start += kBlock) {
+      const int64_t len = std::min(kBlock, V - start);
+      if (best.count == best.k && !(bound(b, start, len) > best.worst())) continue;
+      for (int64_t v = start; v < start + len; ++v) best.offer(value(b, v), b * V + v);
+    }
+  }
+}
 // exp of n floats in place (AVX2: a polynomial within about 1 ulp of expf on x <= 0, the range used here)
 void exp_inplace(float* x, int64_t n);
 // max and log(sum(exp(x - max))) of a row: log_softmax(x) = (x - max) - log_sum
@@ -76,6 +98,6 @@ void row_log_sum_exp(const float* x, int64_t n, float* max_out, float* log_sum_o
 // int8 linear layers' activations: the zero point of the 7-bit codes (x86 without VNNI sums pairs of u8 x s8
 // products in int16, which 8-bit codes times 7-bit weights overflow)
 constexpr int64_t kInt8RowZeroPoint = 64;
-void quantize_rows(const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales);
-void scale_rows(torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& residual,
-                bool relu);
+void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
+void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias,
+                const torch::Tensor& residual, bool relu);
