@@ -1,0 +1,231 @@
+"""The static beam search's native step (generation/static_beam_search.py: on the CPU in fp32 one
+`DecodeProgram.search_step` per step) beyond the default model: against fairseq's SequenceGenerator on the model
+variants the native program serves (RFA cross-attention, pre-norm, the random feature maps, a gelu FFN), on one it
+does not (a tanh FFN: the torch step), and at --rfa-decode-precision int8; then end to end, fairseq-generate's
+automatic split of a batch into parts at 2 threads, and fairseq-interactive against fairseq-generate."""
+import json
+import math
+import sys
+
+import pytest
+import torch
+from cli_support import run, synthetic_data, train_generate_model
+from conftest import PLUGIN_DIR
+from fairseq.sequence_generator import SequenceGenerator
+from helpers import build_model, cpp_extension, random_batch
+from test_static_generator import assert_same_hypotheses
+
+from rfa_fairseq.generation import StaticBeamSearchGenerator, static_beam_search
+from rfa_fairseq.ops import step_kernels
+
+N_SENTENCES = 8
+GENERATION = {"beam_size": 4, "max_len_b": 20}
+
+
+def eos_varying_model(flags, eos_scale=0.7):
+    """A tiny model whose EOS logit depends strongly on the decoder's output (an untrained model's EOS is as likely
+    as any token), so that the batch's sentences end at very different steps and the batch halves (eos_scale: the
+    EOS row's size; pre-norm's final layer norm makes 0.7 end every sentence at once)."""
+    model, d = build_model(["--rfa-num-features", "6", *flags])
+    model.eval()
+    with torch.no_grad():
+        W = model.decoder.output_projection.weight  # (V, C)
+        W[d.eos()] = eos_scale * torch.randn(W.size(1), generator=torch.Generator().manual_seed(0))
+    return model, d
+
+
+def sample_of(d):
+    src, src_lengths, _ = random_batch(d, bsz=N_SENTENCES, src_len=9, seed=1)  # (N, S) left-padded, (N,)
+    return {"net_input": {"src_tokens": src, "src_lengths": src_lengths}, "id": torch.arange(N_SENTENCES)}
+
+
+def search_both(model, d, sample, monkeypatch):
+    """fairseq's SequenceGenerator and the static search on the same model and batch -> (want, got, what ran):
+    the static search's runtime, how many of its steps ran in Python (`_step`: the torch step) and the batch sizes
+    it halved from and to."""
+    ran = {"python_steps": 0, "halvings": []}
+    python_step, keep_sentences = StaticBeamSearchGenerator._step, static_beam_search._Search.keep_sentences
+
+    def counted_step(self, *args, **kwargs):
+        ran["python_steps"] += 1
+        return python_step(self, *args, **kwargs)
+
+    def recorded_halving(self, state, kept):
+        ran["halvings"].append((self.N, kept.numel()))
+        return keep_sentences(self, state, kept)
+
+    with torch.no_grad():
+        want = SequenceGenerator([model], d, **GENERATION).generate([model], sample)
+        generator = StaticBeamSearchGenerator(model, d, parts=1, **GENERATION)
+        monkeypatch.setattr(StaticBeamSearchGenerator, "_step", counted_step)  # after the warm-up step at build
+        monkeypatch.setattr(static_beam_search._Search, "keep_sentences", recorded_halving)
+        got = generator.generate([model], sample)
+    ran["runtime"] = generator.lanes[0].state.runtime
+    return want, got, ran
+
+
+def assert_sentences_end_apart(hypotheses, ran):
+    lengths = {len(sentence[0]["tokens"]) for sentence in hypotheses}
+    assert len(lengths) >= 3, f"the test needs sentences that end at different steps: best lengths {lengths}"
+    assert ran["halvings"] and ran["halvings"][0][0] == N_SENTENCES, f"the batch never halved: {ran['halvings']}"
+
+
+VARIANTS = [  # (flags, the step's kernels, the EOS row's size)
+    pytest.param(["--no-rfa-softmax-cross-attn"], "cpp", 0.7, id="rfa_cross_attn"),
+    pytest.param(["--decoder-normalize-before", "--encoder-normalize-before"], "cpp", 0.35, id="pre_norm"),
+    pytest.param(["--rfa-feature-map", "sincos"], "cpp", 0.7, id="sincos"),
+    pytest.param(["--rfa-feature-map", "arccos"], "cpp", 0.7, id="arccos"),
+    pytest.param(["--rfa-feature-map", "positive"], "cpp", 0.7, id="positive"),
+    pytest.param(["--activation-fn", "gelu"], "cpp", 0.7, id="gelu_ffn"),
+    pytest.param(["--activation-fn", "tanh"], "torch", 0.7, id="tanh_ffn_torch_step"),  # the program has no tanh
+]
+
+
+@pytest.mark.parametrize("flags,kernels,eos_scale", VARIANTS)
+def test_static_search_equals_sequence_generator_on_model_variants(flags, kernels, eos_scale, monkeypatch):
+    """Hypotheses and scores of the static search == SequenceGenerator's, on the step the variant must run: the
+    native program (every search step one native call, none in Python) or, for what it cannot run, the torch step."""
+    if kernels == "cpp":
+        cpp_extension()
+    model, d = eos_varying_model(flags, eos_scale)
+    sample = sample_of(d)
+    want, got, ran = search_both(model, d, sample, monkeypatch)
+    runtime = ran["runtime"]
+    with torch.no_grad():
+        assert runtime is model.decoder.decoding_runtime()  # the runtime SequenceGenerator's steps decoded on too
+    assert runtime.kernels.name == kernels
+    if kernels == "cpp":
+        assert runtime.program is not None and ran["python_steps"] == 0, ran
+    else:
+        assert runtime.program is None and ran["python_steps"] > 0, ran
+    assert_same_hypotheses(want, got)
+    assert_sentences_end_apart(got, ran)
+
+
+def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(monkeypatch):
+    """--rfa-decode-precision int8: the native search step and SequenceGenerator (the decoder's DecodingState on the
+    same int8 native kernels) give the same hypotheses and scores; the int8 linear layers really ran."""
+    cpp_extension()
+    try:
+        step_kernels("auto", torch.device("cpu"), torch.float32, "int8")
+    except ValueError as why:
+        print(f"int8 decoding is unavailable here: {why}")
+        pytest.skip(f"int8 decoding is unavailable here: {why}")
+    model, d = eos_varying_model([])
+    sample = sample_of(d)
+    with torch.no_grad():
+        fp32 = StaticBeamSearchGenerator(model, d, parts=1, **GENERATION).generate([model], sample)
+    model.decoder.rfa.rfa_decode_precision = "int8"  # one RFAConfig: the encoder's layers read it too
+    want, got, ran = search_both(model, d, sample, monkeypatch)
+    runtime = ran["runtime"]
+    assert runtime.kernels.name == "cpp" and runtime.kernels.gemm.startswith("oneDNN int8"), runtime.kernels.gemm
+    assert runtime.program is not None and ran["python_steps"] == 0, ran
+    assert_same_hypotheses(want, got)
+    assert_sentences_end_apart(got, ran)
+    # int8 is not fp32 in disguise: some score moves by more than fp32 rounding
+    moved = max(abs(float(a[0]["score"]) - float(b[0]["score"])) for a, b in zip(fp32, got))
+    assert moved > 1e-4, f"int8 scores equal fp32's to {moved}: the int8 layers did not run"
+
+
+# ---------------------------------------------------------------- fairseq-generate and fairseq-interactive
+
+TEST_SENTENCES = 160  # batches of 64, 64 and 32: parts_for splits the 64s in 2 at 2 threads (32 sentences a part)
+DECODE = ["--beam", "4", "--max-len-b", "25", "--cpu"]
+
+# fairseq-generate with StaticBeamSearchGenerator._search spied on: every search (thread, sentences) to $1's file
+SPIED_GENERATE = """
+import json, sys, threading
+from rfa_fairseq.generation import static_beam_search as sbs
+calls, search = [], sbs.StaticBeamSearchGenerator._search
+def spied(self, lane, runtime, key, pad, N, *args):
+    calls.append({"thread": threading.current_thread().name, "sentences": N, "warm_up": args[-1] is not None,
+                  "kernels": runtime.kernels.name})
+    return search(self, lane, runtime, key, pad, N, *args)
+sbs.StaticBeamSearchGenerator._search = spied
+from fairseq_cli.generate import cli_main
+spy_file, sys.argv = sys.argv[1], ["fairseq-generate", *sys.argv[2:]]
+cli_main()
+with open(spy_file, "w") as f:
+    json.dump(calls, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(corpus, checkpoint): a tiny rfa_transformer trained briefly on a synthetic corpus of 160 test sentences
+    (100 updates, ~15 s: about 100 distinct hypotheses of 2 to 25 tokens; at 30 updates only 10 distinct ones)."""
+    data = synthetic_data(tmp_path_factory, test=TEST_SENTENCES)
+    return data, train_generate_model(data, tmp_path_factory.mktemp("native_search_variants"), max_update=100)
+
+
+def hypothesis_lines(stdout):
+    """{sentence id: (score, hypothesis)} of fairseq's H- lines ("H-7\\t-0.31\\tw1 w2")."""
+    rows = [line.split("\t") for line in stdout.splitlines() if line.startswith("H-")]
+    return {int(row[0][2:]): (float(row[1]), row[2]) for row in rows}
+
+
+def source_lines(stdout):
+    """{sentence id: source} of fairseq's S- lines ("S-7\\tw3 w9")."""
+    rows = [line.split("\t") for line in stdout.splitlines() if line.startswith("S-")]
+    return {int(row[0][2:]): row[1] for row in rows}
+
+
+def assert_same_lines(want, got):
+    """The same sentences with the same hypotheses, scores up to fp32 rounding (other batch shapes); hypotheses
+    varied enough that sentences matched wrongly would differ."""
+    assert sorted(want) == sorted(got) and len(want) == TEST_SENTENCES
+    assert len({hypothesis for _, hypothesis in want.values()}) > TEST_SENTENCES // 4, want
+    for i in want:
+        assert want[i][1] == got[i][1], f"sentence {i}: {want[i]} != {got[i]}"
+        assert math.isclose(want[i][0], got[i][0], abs_tol=1e-4), f"sentence {i}: {want[i]} != {got[i]}"
+
+
+def spied_generate(trained, tmp_path, parts):
+    """fairseq-generate at OMP_NUM_THREADS=2, batches of 64; parts: None (auto) or --rfa-decode-parts.
+    -> ({id: (score, hypothesis)}, the searches that ran)."""
+    data, checkpoint = trained
+    spy_file = tmp_path / f"searches_{parts}.json"
+    overrides = [] if parts is None else ["--model-overrides", f"{{'rfa_decode_parts': {parts}}}"]
+    proc = run(sys.executable, "-c", SPIED_GENERATE, spy_file, data / "bin", "--user-dir", PLUGIN_DIR,
+               "--path", checkpoint, "--gen-subset", "test", "--batch-size", "64",
+               "--required-batch-size-multiple", "1", *DECODE, *overrides, OMP_NUM_THREADS="2")
+    assert "static beam search generator" in proc.stdout + proc.stderr
+    searches = [s for s in json.loads(spy_file.read_text()) if not s["warm_up"]]
+    assert searches and all(s["kernels"] == "cpp" for s in searches), searches
+    return hypothesis_lines(proc.stdout), searches
+
+
+@pytest.mark.slow
+def test_fairseq_generate_at_two_threads_splits_batches_of_64_and_gives_one_parts_hypotheses(trained, tmp_path):
+    """Auto (no --rfa-decode-parts) at 2 threads: each batch of 64 is searched as 2 parts of 32 on two threads of
+    the generator's own; the batch of 32 as one part; the hypotheses are those of rfa_decode_parts=1."""
+    one_part, unsplit = spied_generate(trained, tmp_path, parts=1)
+    auto, split = spied_generate(trained, tmp_path, parts=None)
+    assert len(one_part) == TEST_SENTENCES
+    assert sorted(s["sentences"] for s in unsplit) == [32, 64, 64], unsplit
+    assert all(not s["thread"].startswith("rfa-decode-part") for s in unsplit), unsplit
+    parts = [s for s in split if s["thread"].startswith("rfa-decode-part")]
+    assert sorted(s["sentences"] for s in parts) == [32] * 4, split  # two batches of 64, two parts each
+    assert len({s["thread"] for s in parts}) == 2, parts  # at once: two threads
+    assert [s["sentences"] for s in split if s not in parts] == [32], split  # too small to split
+    assert_same_lines(one_part, auto)
+
+
+@pytest.mark.slow
+def test_fairseq_interactive_prints_fairseq_generates_hypotheses(trained):
+    """The test split's source lines through fairseq-interactive (batches of 16 from buffers of 40, numbered in input
+    order) and fairseq-generate (batches of 16 of the length-sorted split, numbered by dataset id = line): the same
+    source and hypothesis for every sentence, both on the static search."""
+    data, checkpoint = trained
+    common = ["--user-dir", PLUGIN_DIR, "--path", checkpoint, "--batch-size", "16", *DECODE]
+    generate = run("fairseq-generate", data / "bin", *common, "--gen-subset", "test",
+                   "--required-batch-size-multiple", "1")
+    lines = (data / "raw" / "test.src").read_text().splitlines()
+    interactive = run("fairseq-interactive", data / "bin", *common, "--source-lang", "src", "--target-lang", "tgt",
+                      "--buffer-size", "40", stdin="\n".join(lines) + "\n")
+    for proc in (generate, interactive):
+        assert "static beam search generator" in proc.stdout + proc.stderr
+    sources = source_lines(interactive.stdout)
+    assert len(sources) == len(lines) == TEST_SENTENCES
+    assert sources == source_lines(generate.stdout)  # interactive's ids are generate's: the same sentences
+    assert_same_lines(hypothesis_lines(generate.stdout), hypothesis_lines(interactive.stdout))
