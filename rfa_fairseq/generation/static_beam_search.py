@@ -17,8 +17,9 @@ batch of that shape (the buffers are the generator's, kept across batches). The 
 sentences finished one step late (a copy into pinned memory that the next step overlaps), which is all
 it needs to stop or halve; on the CPU it reads them at once.
 
-On the CPU the whole step is one native call (the decoding runtime's program, ops/csrc/decode_program.cpp: the
-decoder's layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and at
+On the CPU the whole step is native (the decoding runtime's program, ops/csrc/decode_program.cpp: the decoder's
+layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
+the steps until the batch halves or ends, without Python (or the GIL) between them; at
 N threads the batch is split into N parts decoded at once, one thread each (CTranslate2's inter_threads), where
 each part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides): each part is the same search on
 fewer sentences, so the hypotheses are those of one part.
@@ -261,27 +262,35 @@ class StaticBeamSearchGenerator(nn.Module):
         decided_at = -1  # flags of steps launched before the last halving describe other places: not read
         last_step = max_len if max_steps is None else min(max_len, max_steps - 1)
 
-        for step in range(last_step + 1):  # one extra step for EOS
+        step = -1
+        while step < last_step:  # steps 0 .. max_len: one extra step for EOS
+            step += 1
             prefix = prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len
             first, last = step == 0, step >= max_len
             plain = not (first or last or prefix or self.repeat_ngram_blocker is not None)
-            finished_count = None  # how many places have finished, where the native step says
             if graphs is not None and plain:
                 graphs = self._graphs_for(lane, device)  # a step that allocated (a new shape) makes the graphs stale
                 shape = (search.N, source_len, buffer_len)
                 graphs.run(shape + (search.parity,), shape,
                            lambda: self._step(search, state, step, False, False, None))
+                search.after_step(state, step)
             elif native and not prefix and self.repeat_ngram_blocker is None:
-                finished_count = runtime.program.search_step(state.native_batch(), search.native(), step, search.parity,
-                                                             state.parity, first, last, state.threads)
+                # the steps until half the places (or more) have finished, or the last: one native call
+                start = step
+                step, finished_count = runtime.program.search_steps(
+                    state.native_batch(), search.native(), start, search.parity, state.parity, last_step, max_len,
+                    state.threads)
+                for t in range(start, step + 1):
+                    search.after_step(state, t)
+                if step < last_step and 2 * finished_count < search.N:
+                    raise RuntimeError(f"the native search stopped at step {step} of {last_step} with "
+                                       f"{finished_count} of {search.N} places finished")
             else:
                 self._step(search, state, step, first=first, last=last,
                            prefix_tokens=prefix_tokens if prefix else None)
-            search.after_step(state, step)
+                search.after_step(state, step)
             if step >= last_step:
                 break
-            if finished_count is not None and 0 < 2 * (search.N - finished_count) and 2 * finished_count < search.N:
-                continue  # fewer than half the places finished: nothing to halve, no flags to read
             flags = search.finished_at(step - 1 if search.lagged else step, decided_at)
             if flags is None:
                 continue

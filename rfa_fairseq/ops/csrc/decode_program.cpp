@@ -505,8 +505,10 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
   return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection");
 }
 
-void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s, int64_t t, int64_t parity,
-                                 int64_t read, bool first) const {
+void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s, int64_t t0, int64_t t_last,
+                                 int64_t parity, int64_t read, bool first) const {
+  TORCH_CHECK(0 <= t0 && t0 <= t_last, "rfa search step: steps ", t0, " to ", t_last);
+  const int64_t t = t_last;  // the sizes must hold up to the last step
   TORCH_CHECK(parity == 0 || parity == 1, "rfa search step: parity must be 0 or 1, got ", parity);
   const int64_t N = s.N, K = s.K, R = N * K, V = embed.size(0);
   TORCH_CHECK(N >= 1 && K >= 1, "rfa search step: ", N, " places x ", K, " beams");
@@ -537,8 +539,9 @@ void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s
     TORCH_CHECK(fin[n] >= 0 && fin[n] <= K, "rfa search step: search.fin_count[", n, "] = ", fin[n], " of ", K);
   }
   expect(s.order, "search.order", at::kLong, {R}, true);
-  // the first step decodes one row per sentence (its beams are one hypothesis), with no state to reorder
-  const at::Tensor column = (parity == 0 ? s.tokens0 : s.tokens1).select(1, t);
+  // the first step decodes one row per sentence (its beams are one hypothesis), with no state to reorder; later
+  // steps read tokens and an order the steps before wrote
+  const at::Tensor column = (parity == 0 ? s.tokens0 : s.tokens1).select(1, t0);
   check_decode(batch, first ? column.slice(0, 0, R, K).contiguous() : column.contiguous(), at::Tensor(),
                first ? at::Tensor() : s.order.narrow(0, 0, R), read, first, at::Tensor(), first ? 1 : K);
 }
@@ -660,6 +663,18 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   return std::count(finished, finished + N, true);
 }
 
+std::pair<int64_t, int64_t> DecodeProgram::search_steps(const NativeBatch& batch, NativeSearch& s, int64_t t0,
+                                                        int64_t parity, int64_t read, int64_t last_step,
+                                                        int64_t max_len) const {
+  const int64_t N = s.N;
+  for (int64_t t = t0;; ++t) {
+    const int64_t finished = search_step(batch, s, t, parity, read, t == 0, t >= max_len);
+    parity ^= 1;
+    read ^= 1;
+    if (t >= last_step || 2 * finished >= N) return {t, finished};
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ bindings
 
 namespace {
@@ -707,12 +722,27 @@ void bind_decode_program(py::module_& m) {
           "search_step",
           [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity,
              int64_t read, bool first, bool last, int64_t threads) {
-            program.check_search(batch, search, t, parity, read, first);
+            program.check_search(batch, search, t, t, parity, read, first);
             py::gil_scoped_release release;
             ThreadScope scope(threads);
             at::NoGradGuard no_grad;
             return program.search_step(batch, search, t, parity, read, first, last);
           },
           py::arg("batch"), py::arg("search"), py::arg("t"), py::arg("parity"), py::arg("read"), py::arg("first"),
-          py::arg("last"), py::arg("threads"), "the static beam search's whole step (decode_program.h)");
+          py::arg("last"), py::arg("threads"), "the static beam search's whole step (decode_program.h)")
+      .def(
+          "search_steps",
+          [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, int64_t t0, int64_t parity,
+             int64_t read, int64_t last_step, int64_t max_len, int64_t threads) {
+            TORCH_CHECK(last_step <= max_len, "rfa search steps: the last step ", last_step, " is past max_len ",
+                        max_len);
+            program.check_search(batch, search, t0, last_step, parity, read, t0 == 0);
+            py::gil_scoped_release release;
+            ThreadScope scope(threads);
+            at::NoGradGuard no_grad;
+            return program.search_steps(batch, search, t0, parity, read, last_step, max_len);
+          },
+          py::arg("batch"), py::arg("search"), py::arg("t0"), py::arg("parity"), py::arg("read"), py::arg("last_step"),
+          py::arg("max_len"), py::arg("threads"),
+          "the static beam search's steps until it halves or ends, in one call (decode_program.h)");
 }

@@ -175,8 +175,15 @@ class DecodeProgram {
   // finished (search.finished), so that the host reads no buffer at a step that halves nothing.
   int64_t search_step(const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity, int64_t read,
                       bool first, bool last) const;
-  void check_search(const NativeBatch& batch, const NativeSearch& search, int64_t t, int64_t parity, int64_t read,
-                    bool first) const;
+  // search_step at t = t0, t0 + 1, ... (the first step at t = 0; the last, EOS only, at t = max_len), the buffer
+  // pairs and the causal states turning after each, until half the places or more have finished (the host halves
+  // the batch then) or step `last_step` ran: a whole stretch of the search in one call, without Python (or the GIL)
+  // between its steps. -> (the last step run, the places finished after it)
+  std::pair<int64_t, int64_t> search_steps(const NativeBatch& batch, NativeSearch& search, int64_t t0, int64_t parity,
+                                           int64_t read, int64_t last_step, int64_t max_len) const;
+  // the search's buffers are fit for its steps t0 .. t_last (the tokens read at t0 from pair `parity`)
+  void check_search(const NativeBatch& batch, const NativeSearch& search, int64_t t0, int64_t t_last, int64_t parity,
+                    int64_t read, bool first) const;
 
   const LinearLibrary& library() const { return *library_; }
 
