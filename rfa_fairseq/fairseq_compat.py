@@ -59,6 +59,17 @@ or another package replaced the attribute) fairseq's attribute is left as it is 
    a batch that only halves); anything else gets fairseq's generator and one log line naming the reason
    (`generation.fallback_reason`).
 
+8. [numpy2-get-buckets, numpy2-get-buckets-pad-dataset, numpy2-get-buckets-audio-dataset,
+   numpy2-language-pair-buckets, numpy2-token-blocks] fairseq 0.12's data code that numpy 2.3 and later no longer
+   run: `--num-batch-buckets` (`data_utils.get_buckets` calls `np.percentile(..., interpolation=)`, a keyword
+   removed in numpy 2.4; `LanguagePairDataset.__init__` types its bucketed lengths `np.compat.long`, and
+   `numpy.compat` was removed in numpy 2.3) and `TokenBlockDataset`'s `--sample-break-mode eos` (`np.compat.long`).
+   Each function runs its own code, with its `np` bound to `NUMPY_AS_FAIRSEQ_CALLS_IT`: numpy, plus
+   `compat.long` (= int, what numpy 1.x defined it as) and `percentile(interpolation=)` passed on as `method=`
+   (numpy >= 1.22). `get_buckets` is replaced wherever fairseq imported it by name. Left as fairseq has them, and
+   failing under numpy >= 1.24: `data_utils.compute_mask_indices(no_overlap=True)` (speech pretraining, `np.int`) and
+   `DynamicCRF._compute_normalizer` (non-autoregressive CRF models, `np.float`); tests/test_numpy_compat.py lists them.
+
 Not applied at import: [bf16-on-gpu] `cli.train` (rfa-train) replaces `fairseq.options.parse_args_and_arch`
 only in its own process, so that --bf16 trains on the GPU rather than asking for a TPU.
 
@@ -94,9 +105,11 @@ import pickle
 import queue
 import sys
 import threading
+import types
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+import numpy
 import torch
 from fairseq.data import iterators
 from fairseq.file_io import PathManager
@@ -290,6 +303,48 @@ def _wrap_build_generator(original):
     return wrap_build_generator(original)
 
 
+# ---------------------------------------------------------------- numpy 2 (8)
+
+
+class _NumpyAsFairseqCallsIt(types.ModuleType):
+    """numpy, as fairseq 0.12's data code calls it: every name is numpy's, except the two that numpy 2.3 and
+    2.4 removed in the form fairseq uses them."""
+
+    compat = types.SimpleNamespace(long=int)  # numpy.compat.long: Python's int (numpy/compat/py3k.py in numpy 1.x)
+
+    def __init__(self):
+        super().__init__("numpy", "numpy for fairseq 0.12's data code (rfa_fairseq.fairseq_compat)")
+
+    def __getattr__(self, name):  # only for names not defined here: numpy's own
+        return getattr(numpy, name)
+
+    @staticmethod
+    def percentile(a, q, *args, interpolation=None, **kwargs):
+        """numpy.percentile, with `interpolation=` (removed in numpy 2.4) passed on as `method=` (numpy >= 1.22)."""
+        if interpolation is not None:
+            kwargs["method"] = interpolation
+        return numpy.percentile(a, q, *args, **kwargs)
+
+
+NUMPY_AS_FAIRSEQ_CALLS_IT = _NumpyAsFairseqCallsIt()
+
+
+def _with_numpy_as_fairseq_calls_it(original):
+    """`original`'s own code and defaults, with the global `np` bound to NUMPY_AS_FAIRSEQ_CALLS_IT (its other
+    globals as its module holds them now, the module itself untouched)."""
+    globals_ = dict(original.__globals__, np=NUMPY_AS_FAIRSEQ_CALLS_IT)
+    function = types.FunctionType(original.__code__, globals_, original.__name__, original.__defaults__,
+                                  original.__closure__)  # the closure keeps super()'s __class__ cell
+    function.__kwdefaults__ = original.__kwdefaults__
+    functools.update_wrapper(function, original)
+    function.rfa_fairseq_wrapper = True
+    return function
+
+
+def _static_with_numpy_as_fairseq_calls_it(original):
+    return staticmethod(_with_numpy_as_fairseq_calls_it(original))  # the fingerprint covers the @staticmethod line
+
+
 # ---------------------------------------------------------------- the table, and applying it
 
 
@@ -377,6 +432,43 @@ PATCHES = (
         "and scores, buffers that keep their shape); anything else fairseq's generator and a log line saying why.",
         "fairseq's SequenceGenerator decodes (same hypotheses, slower)",
         "a1fa802cb71a70be", ALL_TAGS),
+    FairseqPatch(
+        "numpy2-get-buckets", "fairseq.data.data_utils", "get_buckets", _with_numpy_as_fairseq_calls_it,
+        "`--num-batch-buckets`' bucket sizes: fairseq's code, with `np.percentile(interpolation=)` (a keyword removed "
+        "in numpy 2.4) passed on as `method=`.",
+        "--num-batch-buckets fails under numpy >= 2.4 (TypeError: percentile() got an unexpected keyword argument "
+        "'interpolation')",
+        "8655c00a76f2608b", ALL_TAGS),
+    FairseqPatch(
+        "numpy2-get-buckets-pad-dataset", "fairseq.data.bucket_pad_length_dataset", "get_buckets",
+        _with_numpy_as_fairseq_calls_it,
+        "The same function as `numpy2-get-buckets`, as `BucketPadLengthDataset` (text data) imported it by name.",
+        "--num-batch-buckets fails under numpy >= 2.4 (TypeError: percentile() got an unexpected keyword argument "
+        "'interpolation')",
+        "8655c00a76f2608b", ALL_TAGS),
+    FairseqPatch(
+        "numpy2-get-buckets-audio-dataset", "fairseq.data.audio.raw_audio_dataset", "get_buckets",
+        _with_numpy_as_fairseq_calls_it,
+        "The same function as `numpy2-get-buckets`, as `RawAudioDataset` imported it by name.",
+        "--num-batch-buckets fails under numpy >= 2.4 on audio data (TypeError: percentile() got an unexpected "
+        "keyword argument 'interpolation')",
+        "8655c00a76f2608b", ALL_TAGS),
+    FairseqPatch(
+        "numpy2-language-pair-buckets", "fairseq.data.language_pair_dataset", "LanguagePairDataset.__init__",
+        _with_numpy_as_fairseq_calls_it,
+        "fairseq's code, whose bucketed lengths (`--num-batch-buckets`) are typed `np.compat.long` (`numpy.compat` was "
+        "removed in numpy 2.3): Python's int, as numpy 1.x defined it.",
+        "translation with --num-batch-buckets fails under numpy >= 2.3 (AttributeError: module 'numpy' has no "
+        "attribute 'compat')",
+        "b7954b80d7d89894", ALL_TAGS),
+    FairseqPatch(
+        "numpy2-token-blocks", "fairseq.data.token_block_dataset", "TokenBlockDataset._build_slice_indices",
+        _static_with_numpy_as_fairseq_calls_it,
+        "fairseq's code, whose blocks for `--sample-break-mode eos` are typed `np.compat.long` (removed in numpy "
+        "2.3): Python's int, as numpy 1.x defined it.",
+        "TokenBlockDataset with break mode eos (language modeling, denoising) fails under numpy >= 2.3 "
+        "(AttributeError: module 'numpy' has no attribute 'compat')",
+        "75beb6f1ca1d5f10", ALL_TAGS),
     FairseqPatch(
         "bf16-on-gpu", "fairseq.options", "parse_args_and_arch", _wrap_parse_args_and_arch,
         "rfa-train only, in its own process: --bf16 trains in bfloat16 on the GPU (or the CPU); fairseq 0.12 "

@@ -10,6 +10,9 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup_env.sh"
 cd "$REPO"
+# PYTHON picked the interpreter that creates .venv; the project's scripts (train.sh, generate.sh, score.sh) read it as
+# the interpreter to run, which in the tests is the environment's own (first on their PATH)
+unset PYTHON
 WORKERS="${RFA_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 [[ $WORKERS =~ ^[0-9]+$ && $WORKERS -ge 1 ]] || { echo "run_tests.sh: RFA_TEST_WORKERS must be a positive integer, got '$WORKERS'" >&2; exit 2; }
 if ((WORKERS > 1)); then

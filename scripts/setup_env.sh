@@ -15,15 +15,16 @@
 # with --no-deps, so that its torchaudio requirement cannot replace our torch build; its real
 # dependencies are in setup.cfg. RFA_EXTRAS (default "test,bench") names the extras installed;
 # RFA_TORCH=X.Y.Z installs that torch
-# instead of the constraints' one (every other pin kept): CI's run on the newest torch the package supports
-# (scripts/test_newest_torch.sh), into a venv of its own (RFA_VENV). It comes from PyPI (on Linux x86-64 a CUDA
-# build, which also runs on the CPU), and PIP_CONSTRAINT is emptied for its installs: some machines' global pip
-# configuration caps torch below the releases the package supports.
+# instead of the constraints' one (every other pin kept), into a venv of its own (RFA_VENV); it comes from PyPI
+# (on Linux x86-64 a CUDA build, which also runs on the CPU). RFA_CONSTRAINTS=FILE installs with FILE instead of
+# scripts/constraints.txt: CI's second job (scripts/test_newest_torch.sh) passes the newest releases setup.cfg's
+# ranges admit; FILE's contents enter the stamp. With either, PIP_CONSTRAINT is emptied for the installs: some
+# machines' global pip configuration caps torch below the releases the package supports.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RFA_VENV:-$REPO/.venv}"
-CONSTRAINTS="$REPO/scripts/constraints.txt"
+CONSTRAINTS="${RFA_CONSTRAINTS:-$REPO/scripts/constraints.txt}"
 EXTRAS="${RFA_EXTRAS:-test,bench}"
 TORCH_VERSION="${RFA_TORCH:-}"
 
@@ -55,13 +56,15 @@ stamp_value() {
     done | sha256sum | cut -d' ' -f1
 }
 
-[[ -f "$CONSTRAINTS" ]] || die "missing $CONSTRAINTS (the exact versions to install)"
+[[ -f "$CONSTRAINTS" ]] || die "missing $CONSTRAINTS (the exact versions to install${RFA_CONSTRAINTS:+, RFA_CONSTRAINTS})"
+RFA_CONSTRAINTS_SET="${RFA_CONSTRAINTS:+yes}"
 [[ "$EXTRAS" =~ ^[a-z,]*$ ]] || die "RFA_EXTRAS must be a comma-separated list of extras (test, bench), got '$EXTRAS'"
 [[ -z "$TORCH_VERSION" || "$TORCH_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
     die "RFA_TORCH must be a torch release such as 2.15.0, got '$TORCH_VERSION'"
 # the checkout's path enters the stamp: an editable install points at it, and a venv kept elsewhere (CI's cache)
 # must install the package again for another checkout
-CURRENT_STAMP="$( (stamp_value; echo "extras=$EXTRAS"; echo "torch=$TORCH_VERSION"; echo "repo=$REPO") |
+CURRENT_STAMP="$( (stamp_value; echo "extras=$EXTRAS"; echo "torch=$TORCH_VERSION"; echo "repo=$REPO"
+    [[ -z "${RFA_CONSTRAINTS:-}" ]] || { echo "constraints="; cat "$CONSTRAINTS"; }) |
     sha256sum | cut -d' ' -f1)" || die "cannot read the files the stamp covers (see above)"
 case "${1:-}" in
     "") ;;
@@ -90,7 +93,7 @@ if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$CURRENT_STA
     set -e
     if [[ $state -eq 1 ]]; then
         echo "setup_env.sh: the source tree's C++ decoding step was built for another environment: rebuilding it for $VENV"
-        [[ -z "$TORCH_VERSION" ]] || export PIP_CONSTRAINT=/dev/null
+        [[ -z "$TORCH_VERSION$RFA_CONSTRAINTS_SET" ]] || export PIP_CONSTRAINT=/dev/null
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$REPO" ||
             die "pip could not rebuild rfa-fairseq's C++ decoding step in $VENV"
     fi
@@ -110,6 +113,8 @@ if [[ -n "$TORCH_VERSION" ]]; then
     sed -e "s/^torch==.*/torch==$TORCH_VERSION/" -e "/^triton==/d" "$CONSTRAINTS" >"$VENV/constraints-torch-$TORCH_VERSION.txt" ||
         die "could not write $VENV/constraints-torch-$TORCH_VERSION.txt"
     CONSTRAINTS="$VENV/constraints-torch-$TORCH_VERSION.txt"
+fi
+if [[ -n "$TORCH_VERSION$RFA_CONSTRAINTS_SET" ]]; then
     export PIP_CONSTRAINT=/dev/null  # a machine-wide cap on torch must not refuse the release asked for
 fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
@@ -124,10 +129,12 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$
 "${PIP[@]}" --no-deps ve-fairseq || die "pip could not install ve-fairseq --no-deps (pinned in $CONSTRAINTS)"
 
 "$VENV/bin/python" - <<'EOF' || die "the environment does not import fairseq + rfa_fairseq"
-import fairseq, torch, rfa_fairseq  # noqa: F401
+import platform
+import fairseq, numpy, torch, rfa_fairseq  # noqa: F401
 from fairseq.models import ARCH_MODEL_REGISTRY
 assert "rfa_transformer" in ARCH_MODEL_REGISTRY
-print(f"setup_env.sh: fairseq {fairseq.__version__}, torch {torch.__version__}, rfa_fairseq {rfa_fairseq.__version__}")
+print(f"setup_env.sh: Python {platform.python_version()}, fairseq {fairseq.__version__}, torch {torch.__version__}, "
+      f"numpy {numpy.__version__}, rfa_fairseq {rfa_fairseq.__version__}")
 EOF
 # setup.py built the fused C++ kernels unless it could not (no compiler): say which, so that a slow
 # first decoding step (a JIT build) or the slower torch path is no surprise
