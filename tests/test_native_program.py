@@ -186,3 +186,23 @@ def test_a_reorder_that_breaks_the_beam_layout_reads_each_rows_own_sentence(path
         scratch = torch.cat([model.decoder(prev[new_order][:, : t + 1], encoder_out=fresh,
                                            incremental_state=scratch_state)[0] for t in range(prev.size(1))], 1)[:, k:]
     torch.testing.assert_close(continued, scratch, rtol=1e-5, atol=1e-5)
+
+
+def test_the_runtime_follows_its_weights_and_only_them():
+    """decoding_runtime() keeps its runtime while the decoder's tensors are the same, unmodified (the tensors are listed
+    once, WeightsWatch), and builds another after an in-place update, after `.to()` moves a weight's storage, and
+    after an assignment replaces a parameter (which a cached list alone would miss)."""
+    model, _ = build_model(FLAGS, seed=4)
+    model.eval()
+    with torch.no_grad():
+        first = model.decoder.decoding_runtime()
+        assert model.decoder.decoding_runtime() is first
+        model.decoder.layers[0].fc1.weight.mul_(1.0)  # in place: the version moves
+        second = model.decoder.decoding_runtime()
+        assert second is not first and model.decoder.decoding_runtime() is second
+        fc2 = model.decoder.layers[-1].fc2
+        fc2.weight = torch.nn.Parameter(fc2.weight.detach().clone())
+        third = model.decoder.decoding_runtime()
+        assert third is not second and model.decoder.decoding_runtime() is third
+        model.decoder.embed_tokens.weight.data = model.decoder.embed_tokens.weight.data.clone()  # new storage
+        assert model.decoder.decoding_runtime() is not third

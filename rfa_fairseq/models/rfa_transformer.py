@@ -48,7 +48,6 @@ from ..modules.decoding import (
     beam_layout,
     feed_forward,
     step_graphs_for,
-    weights_key,
 )
 from ..modules.rfa_attention import CausalRecord
 from ..ops import step_kernels
@@ -345,7 +344,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self._check_can_decode()
         weight = self.embed_tokens.weight
         options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
-        key = (options, weights_key(self))
+        key = (options, self._decoding.weights.key(self))
         if self._decoding.runtime is None or self._decoding.key != key:
             kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
                                    self._native_unsupported())

@@ -130,11 +130,34 @@ class PackedLinears:
         return cached[1]
 
 
-def weights_key(module: torch.nn.Module) -> tuple:
-    """What a runtime built from `module`'s parameters and buffers depends on: each tensor's identity, storage and
-    version (an in-place update bumps it; `.data` updates do not: the decoder drops its runtime in `train()`)."""
-    tensors = list(module.parameters()) + list(module.buffers())
-    return tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in tensors)
+class WeightsWatch:
+    """What a runtime built from a module's parameters and buffers depends on, checked at every batch: each tensor's
+    identity, storage and version (an in-place update bumps it; `.data` updates do not: the decoder drops its runtime
+    in `train()`). Listing the tensors walks the module tree (about 60 us for a decoder, each batch's cost at one
+    sentence a batch), so they are listed once and again only after a parameter, buffer or submodule was registered
+    anywhere (torch's global registration hooks count them: an assignment that replaces a weight)."""
+
+    registrations = 0  # parameters, buffers and submodules registered in this process so far
+
+    def __init__(self):
+        self._tensors: Optional[List[Tensor]] = None
+        self._listed_at = -1
+
+    def key(self, module: torch.nn.Module) -> tuple:
+        if self._tensors is None or self._listed_at != WeightsWatch.registrations:
+            self._tensors = list(module.parameters()) + list(module.buffers())
+            self._listed_at = WeightsWatch.registrations
+        return tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in self._tensors)
+
+
+def _count_registration(*_args) -> None:
+    WeightsWatch.registrations += 1
+
+
+for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_module_registration_hook):
+    _register(_count_registration)
 
 
 @dataclass
@@ -287,6 +310,7 @@ class DecodingCache:
 
     def __init__(self):
         self.key, self.runtime = None, None
+        self.weights = WeightsWatch()  # what the runtime's key reads of the decoder's tensors
         self._buffers: Optional[StateBuffers] = None
         self._owner: Optional[weakref.ref] = None  # the DecodingState decoding on _buffers
 

@@ -99,7 +99,7 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
         ext = load_fused_extension() if native else None
         if ext is None:
             return TORCH_KERNELS
-    return NativeKernels(ext, OneDNNLinear() if torch_internals.onednn_linear_available() else TorchLinear())
+    return NativeKernels(ext, OneDNNLinear(ext) if torch_internals.onednn_linear_available() else TorchLinear())
 
 
 def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "NativeKernels":
@@ -114,7 +114,7 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) 
         raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
                          f"(torch.ops.onednn.qlinear_*); use fp32")
     ext = require_fused_extension()
-    return NativeKernels(ext, OneDNNInt8Linear())
+    return NativeKernels(ext, OneDNNInt8Linear(ext))
 
 
 class TorchKernels:
@@ -226,6 +226,8 @@ class PackedLinear:
     out_features: int
     w_scales: Optional[Tensor] = None  # int8: per output channel
     w_zero_points: Optional[Tensor] = None
+    rows_weight: Optional[Tensor] = None  # the few-rows kernel's blocks of the weight (AVX-512), or None
+    rows_sums: Optional[Tensor] = None  # int8 there: (O rounded up to 16,) int32, zero point x each channel's code sum
 
 
 class TorchLinear:
@@ -252,37 +254,52 @@ class TorchLinear:
 
 class OneDNNLinear:
     """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, called by the C++ LinearLibrary): the CPU
-    in fp32, where torch has them (torch_internals.onednn_linear_available)."""
+    in fp32, where torch has them (torch_internals.onednn_linear_available). Where the CPU has AVX-512, the weight is
+    also kept in the blocks of the C++ few-rows kernel (csrc/few_rows.cpp), which the library runs for products of few
+    rows (a sentence's beam): oneDNN's call costs more than such a product's arithmetic. ext: the C++ module."""
 
     code = "onednn"
     label = "oneDNN (packed weights)"
 
-    @staticmethod
-    def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
+    def __init__(self, ext=None):
+        self.few_rows = ext if ext is not None and ext.few_rows_available(int8=False) else None
+        if self.few_rows is not None:
+            self.label = "oneDNN (packed weights) + AVX-512 few rows"
+
+    def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         # the batch size only hints the packed layout; any number of rows runs on it
-        return PackedLinear(torch_internals.onednn_pack_linear_weight(weight, ONEDNN_ROWS_HINT),
-                            None if bias is None else bias.detach(), weight.size(0))
+        w = weight.detach()
+        rows_weight = self.few_rows.few_rows_pack_fp32(w) if self.few_rows is not None else None
+        return PackedLinear(torch_internals.onednn_pack_linear_weight(w, ONEDNN_ROWS_HINT),
+                            None if bias is None else bias.detach(), w.size(0), rows_weight=rows_weight)
 
 
 class OneDNNInt8Linear:
-    """Linear layers in int8 on oneDNN (torch's x86 int8 ops, called by the C++ LinearLibrary): each weight row
-    quantized once to int8 codes and a scale (symmetric, per output channel); each input row quantized at each call to
-    7-bit codes and a scale of its own (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in int16),
-    in C++ (quantize_rows); oneDNN's product accumulated in int32 and written in fp32 with the weights' scales; then,
-    in one C++ pass, each row's own scale, the bias, relu and the residual (scale_rows). The CPU in fp32 weights."""
+    """Linear layers in int8 (called by the C++ LinearLibrary): each weight row quantized once to int8 codes and a
+    scale (symmetric, per output channel); each input row quantized at each call to 7-bit codes and a scale of its own
+    (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in int16), in C++ (quantize_rows); the product
+    accumulated in int32 and written in fp32 with the weights' scales; then, in one C++ pass, each row's own scale, the
+    bias, relu and the residual (scale_rows). The product is oneDNN's (torch's x86 int8 ops), and where the CPU has
+    AVX-512 VNNI, for products of few rows, the C++ few-rows kernel on the same codes in its own blocks (as
+    OneDNNLinear). The CPU in fp32 weights. ext: the C++ module."""
 
     code = "onednn_int8"
     label = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
 
-    @staticmethod
-    def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
+    def __init__(self, ext=None):
+        self.few_rows = ext if ext is not None and ext.few_rows_available(int8=True) else None
+        if self.few_rows is not None:
+            self.label = "oneDNN int8 + VNNI few rows (per-channel weights, per-row 7-bit activations)"
+
+    def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (O,)
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         packed = torch_internals.onednn_int8_pack_linear_weight(codes, ONEDNN_ROWS_HINT)
         zero_points = torch.zeros(w.size(0), dtype=torch.int32)  # symmetric
+        rows_weight, rows_sums = self.few_rows.few_rows_pack_int8(codes) if self.few_rows is not None else (None, None)
         return PackedLinear(packed, None if bias is None else bias.detach().float().contiguous(), w.size(0), scales,
-                            zero_points)
+                            zero_points, rows_weight, rows_sums)
 
 
 class NativeKernels:

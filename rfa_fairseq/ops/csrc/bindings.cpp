@@ -68,6 +68,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         scale_rows(y, scales, given(bias), given(residual), relu);
       },
       "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
+  m.def("few_rows_available", &few_rows_available, py::arg("int8"),
+        "whether this CPU runs the few-rows linear layers (AVX-512; int8: with VNNI)");
+  m.def("few_rows_pack_fp32", &few_rows_pack_fp32, "an fp32 weight (O, I) in the few-rows kernel's blocks");
+  m.def("few_rows_pack_int8", &few_rows_pack_int8, "int8 codes (O, I) -> [the few-rows kernel's blocks, zero-point sums]");
+  m.def(
+      "few_rows_linear_fp32",
+      [](const torch::Tensor& x, const torch::Tensor& weight, const Optional& bias, const Optional& residual, bool relu,
+         const torch::Tensor& y) { few_rows_linear_fp32(x, weight, given(bias), given(residual), relu, y); },
+      "y = act(x W^T + b) + residual on few_rows_pack_fp32's blocks");
+  m.def(
+      "few_rows_linear_int8",
+      [](const torch::Tensor& codes, const torch::Tensor& row_scales, const torch::Tensor& weight,
+         const torch::Tensor& sums, const torch::Tensor& w_scales, const Optional& bias, const Optional& residual,
+         bool relu, const torch::Tensor& y) {
+        few_rows_linear_int8(codes, row_scales, weight, sums, w_scales, given(bias), given(residual), relu, y);
+      },
+      "int8 y = act(x W^T + b) + residual from quantize_rows' codes on few_rows_pack_int8's blocks");
   m.attr("int8_row_zero_point") = kInt8RowZeroPoint;
   m.attr("activations") = activation_names();  // the names causal_layer_step and rfa_cross_step take
   bind_decode_program(m);

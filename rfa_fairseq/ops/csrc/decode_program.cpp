@@ -146,6 +146,8 @@ LinearLayer LinearLayer::from(const Record& r) {
   layer.bias = r.optional_tensor("bias");
   layer.w_scales = r.optional_tensor("w_scales");
   layer.w_zero_points = r.optional_tensor("w_zero_points");
+  layer.rows_weight = r.optional_tensor("rows_weight");
+  layer.rows_sums = r.optional_tensor("rows_sums");
   layer.out_features = r.integer("out_features");
   TORCH_CHECK(!layer.bias.defined() || (layer.bias.numel() == layer.out_features && layer.bias.is_contiguous()),
               "rfa decode program: ", r.path(), ".bias must hold out_features (", layer.out_features, ") values");
@@ -295,6 +297,17 @@ LinearLibrary::LinearLibrary(const std::string& gemm, const py::dict& operators)
   }
 }
 
+namespace {
+// t with unit stride along its rows (the few-rows kernel reads rows), or undefined
+at::Tensor rows_of(const at::Tensor& t) { return !t.defined() || t.stride(1) == 1 ? t : t.contiguous(); }
+}  // namespace
+
+// The few-rows kernel where it beats oneDNN on the step's shapes (benchmarks/benchmark_few_rows.py, AMD EPYC): up to 8
+// rows on every product, up to 64 on the layers' (not the vocabulary's, whose weights outgrow the caches)
+bool LinearLibrary::few_rows(const LinearLayer& layer, int64_t rows) {
+  return layer.rows_weight.defined() && (rows <= 8 || (rows <= 64 && layer.out_features <= 1024));
+}
+
 at::Tensor LinearLibrary::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
                                  const char* part) const {
   RECORD_FUNCTION(part, std::vector<c10::IValue>());
@@ -305,6 +318,12 @@ at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::
                                             const at::Tensor& residual) const {
   switch (gemm_) {
     case kGemmOneDNN: {
+      if (few_rows(layer, x.size(0))) {
+        const at::Tensor input = x.stride(1) == 1 ? x : x.contiguous();
+        at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
+        few_rows_linear_fp32(input, layer.rows_weight, layer.bias, rows_of(residual), relu, y);
+        return y;
+      }
       if (residual.defined() && !relu) {  // y = x W^T + b + residual, the add fused into the product
         return call_operator(*linear_add_op_, x, residual, layer.weight, optional_value(layer.bias), std::string("add"));
       }
@@ -320,6 +339,12 @@ at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::
       at::Tensor codes = at::empty(input.sizes(), input.options().dtype(at::kByte));
       at::Tensor row_scales = at::empty({input.size(0)}, input.options());
       quantize_rows(input, codes, row_scales);
+      if (few_rows(layer, input.size(0))) {
+        at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
+        few_rows_linear_int8(codes, row_scales, layer.rows_weight, layer.rows_sums, layer.w_scales, layer.bias,
+                             rows_of(residual), relu, y);
+        return y;
+      }
       at::Tensor y = call_operator(*qlinear_op_, codes, 1.0, kInt8RowZeroPoint, layer.weight, layer.w_scales,
                                    layer.w_zero_points, c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat),
                                    std::string("none"), empty_scalar_list(), std::string(""));

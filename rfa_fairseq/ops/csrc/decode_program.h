@@ -53,6 +53,7 @@ struct LinearLayer {  // decode_step.PackedLinear
   at::Tensor weight;                   // torch: (O, I); oneDNN: packed; int8: packed int8 codes
   at::Tensor bias;                     // (O,) or undefined
   at::Tensor w_scales, w_zero_points;  // int8: per output channel
+  at::Tensor rows_weight, rows_sums;   // the few-rows kernel's blocks (few_rows.cpp), or undefined
   int64_t out_features = 0;
   static LinearLayer from(const Record& record);
 };
@@ -71,6 +72,7 @@ class LinearLibrary {
   Gemm gemm() const { return gemm_; }
 
  private:
+  static bool few_rows(const LinearLayer& layer, int64_t rows);  // whether the few-rows kernel takes this product
   Gemm gemm_;
   std::optional<c10::OperatorHandle> linear_op_, linear_add_op_, qlinear_op_;
 };

@@ -101,3 +101,14 @@ constexpr int64_t kInt8RowZeroPoint = 64;
 void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
 void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias,
                 const torch::Tensor& residual, bool relu);
+// Linear layers of few rows on AVX-512 (few_rows.cpp): whether this CPU runs them (int8: with VNNI); a weight in their
+// blocks (fp32: (ceil(O / 16), I, 16); int8 codes: {(ceil(O / 16), ceil(I / 4), 16, 4) blocks, per-channel zero-point
+// sums}); y = act(x W^T + b) + residual (int8: from quantize_rows' codes and row scales, with the weights' scales)
+bool few_rows_available(bool int8);
+torch::Tensor few_rows_pack_fp32(const torch::Tensor& weight);
+std::vector<torch::Tensor> few_rows_pack_int8(const torch::Tensor& codes);
+void few_rows_linear_fp32(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          const torch::Tensor& residual, bool relu, const torch::Tensor& y);
+void few_rows_linear_int8(const torch::Tensor& codes, const torch::Tensor& row_scales, const torch::Tensor& weight,
+                          const torch::Tensor& sums, const torch::Tensor& w_scales, const torch::Tensor& bias,
+                          const torch::Tensor& residual, bool relu, const torch::Tensor& y);
