@@ -212,18 +212,18 @@ def main():
         steps = len(rows)
         at = dict(point, batch_size=batch_size)
         for part, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
-            out.append(dict(at, part=part, seconds=f"{s:.3f}", ms_per_step=f"{1e3 * s / steps:.3f}",
+            out.append(dict(at, part=part, seconds=f"{s:.6f}", ms_per_step=f"{1e3 * s / steps:.3f}",
                             calls=calls.get(part, "")))
-        out.append(dict(at, part="rfa total", seconds=f"{total:.3f}", ms_per_step=f"{1e3 * total / steps:.3f}",
+        out.append(dict(at, part="rfa total", seconds=f"{total:.6f}", ms_per_step=f"{1e3 * total / steps:.3f}",
                         calls=steps))
-        out.append(dict(at, part="rfa total (profiled pass)", seconds=f"{profiled:.3f}",
+        out.append(dict(at, part="rfa total (profiled pass)", seconds=f"{profiled:.6f}",
                         ms_per_step=f"{1e3 * profiled / steps:.3f}", calls=steps))
         floor = gemm_floor(model, generator, rows)
-        out.append(dict(at, part="gemm_floor", seconds=f"{floor:.3f}", ms_per_step=f"{1e3 * floor / steps:.3f}",
+        out.append(dict(at, part="gemm_floor", seconds=f"{floor:.6f}", ms_per_step=f"{1e3 * floor / steps:.3f}",
                         calls=steps))
         if args.ct2_model:
             ct2 = profile_ct2(args, batch_size)
-            out.append(dict(at, part="ctranslate2 total", seconds=f"{ct2:.3f}", ms_per_step="", calls=""))
+            out.append(dict(at, part="ctranslate2 total", seconds=f"{ct2:.6f}", ms_per_step="", calls=""))
         for row in out:
             if row["batch_size"] == batch_size:
                 print(f"batch {batch_size:4d}  {row['part']:22s} {row['seconds']:>8s} s  {row['ms_per_step']:>8s} ms/step")

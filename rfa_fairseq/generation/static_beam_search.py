@@ -139,6 +139,7 @@ class StaticBeamSearchGenerator(nn.Module):
         self.graphs: Optional[StepGraphs] = None
         self._graph_generations = None  # the buffers' generations the graphs were captured at
         self._largest_batch = 1  # the sentences of the largest batch so far: the sizes a batch halves to derive from it
+        self._positions: Optional[Tuple[object, Optional[Tensor]]] = None  # (runtime, its step positions so far)
         self._prepare_weights()
 
     def close(self) -> None:
@@ -159,6 +160,14 @@ class StaticBeamSearchGenerator(nn.Module):
         if self.parts > 0 and self.model.decoder.decoding_runtime().program is None:
             logger.info(f"rfa_fairseq: --rfa-decode-parts {self.parts} has no effect here: batches are split into "
                         f"parts by the native step only (the CPU in fp32), not by the torch step that runs here")
+
+    def step_positions(self, runtime, length: int) -> Optional[Tensor]:
+        """(length, C) the decoder's step_positions, computed once per runtime for the longest length so far (a
+        batch's are a prefix of them: position embeddings depend on the position only), or None."""
+        cached = self._positions
+        if cached is None or cached[0] is not runtime or (cached[1] is not None and cached[1].size(0) < length):
+            self._positions = cached = (runtime, self.model.decoder.step_positions(max(length, min(128, self.max_len))))
+        return None if cached[1] is None else cached[1][:length]
 
     def _graphs_for(self, lane: Lane, device) -> Optional[StepGraphs]:
         """The CUDA graphs of the steps on `device` (None: every step as it is), dropped when a buffer they read
@@ -398,7 +407,7 @@ class _Search:
         # -inf on EOS before the minimum length
         self.eos_bias = take("eos_bias", (max_len + 1,), torch.float32, device).zero_()
         self.eos_bias[: gen.min_len] = -math.inf
-        positions = gen.model.decoder.step_positions(max_len + 1)  # (max_len + 1, C)
+        positions = gen.step_positions(state.runtime, max_len + 1)  # (max_len + 1, C)
         self.positions = None
         if positions is not None:
             self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)

@@ -302,10 +302,11 @@ namespace {
 at::Tensor rows_of(const at::Tensor& t) { return !t.defined() || t.stride(1) == 1 ? t : t.contiguous(); }
 }  // namespace
 
-// The few-rows kernel where it beats oneDNN on the step's shapes (benchmarks/benchmark_few_rows.py, AMD EPYC): up to 8
-// rows on every product, up to 64 on the layers' (not the vocabulary's, whose weights outgrow the caches)
+// The few-rows kernel where it beats oneDNN on the step's shapes in both precisions (benchmarks/benchmark_few_rows.py,
+// benchmarks/results/few_rows_cpu.csv, AMD EPYC): up to 8 rows on every product (1.13-5x), up to 32 on the layers'
+// (1.17-1.8x at 32; not the vocabulary's, whose weights outgrow the caches: a tie from 16 rows)
 bool LinearLibrary::few_rows(const LinearLayer& layer, int64_t rows) {
-  return layer.rows_weight.defined() && (rows <= 8 || (rows <= 64 && layer.out_features <= 1024));
+  return layer.rows_weight.defined() && (rows <= 8 || (rows <= 32 && layer.out_features <= 1024));
 }
 
 at::Tensor LinearLibrary::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
