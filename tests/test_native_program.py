@@ -37,7 +37,7 @@ def _decode(runtime, state, **changes):
     """program.decode of a second step (rows through the order) with `changes` to its arguments."""
     R = N * K
     args = dict(batch=state.native_batch(), tokens=torch.full((R,), 4, dtype=torch.long), positions=None,
-                order=torch.arange(R), read=0, first=False, padded_inputs=False, weights=None, beam=K, threads=1)
+                order=torch.arange(R), read=0, first=False, padded_inputs=False, weights=None, beam=K)
     args.update(changes)
     with torch.no_grad():
         return runtime.program.decode(**args)
@@ -107,7 +107,7 @@ def test_wrong_search_buffers_raise_errors_naming_them(native, field, wrong, nam
         setattr(search, field, wrong(kept))
         search._native = None
         with pytest.raises(RuntimeError, match=named):
-            runtime.program.search_step(state.native_batch(), search.native(), 0, 0, 0, True, False, 1)
+            runtime.program.search_step(state.native_batch(), search.native(), 0, 0, 0, True, False)
     finally:
         setattr(search, field, kept)
         search._native = None
@@ -117,7 +117,7 @@ def test_a_step_past_the_token_buffer_is_an_error(native):
     _, _, runtime, state, search = native
     L = search.token_pair[0].size(1)  # max_len + 2
     with pytest.raises(RuntimeError, match=f"step {L - 1} of a token buffer of length {L}"):
-        runtime.program.search_step(state.native_batch(), search.native(), L - 1, 0, 0, True, False, 1)
+        runtime.program.search_step(state.native_batch(), search.native(), L - 1, 0, 0, True, False)
 
 
 def test_the_program_is_built_from_the_records_by_name_and_read_only(native):

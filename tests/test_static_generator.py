@@ -121,20 +121,28 @@ def test_a_batch_split_into_parts_decoded_at_once_gives_the_hypotheses_of_one_pa
     search = StaticBeamSearchGenerator._search
 
     def recorded(self, lane, *args):
-        threads.append((threading.current_thread().name, lane))
+        threads.append((threading.current_thread().name, lane, torch.get_num_threads(), torch.is_grad_enabled()))
         return search(self, lane, *args)
 
     monkeypatch.setattr(StaticBeamSearchGenerator, "_search", recorded)
-    with torch.no_grad():
-        one_part = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=20, parts=1)
-        in_parts = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=20, parts=parts)
-        one = one_part.generate([model], sample)
-        threads.clear()
-        split = in_parts.generate([model], sample)
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the process's teams: a part's thread limits its own to one thread
+    try:
+        with torch.no_grad():
+            one_part = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=20, parts=1)
+            in_parts = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=20, parts=parts)
+            one = one_part.generate([model], sample)
+            threads.clear()
+            split = in_parts.generate([model], sample)
+        teams_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(caller_threads)
     assert_same_hypotheses(one, split)
     if kernel == "auto":  # the native step: parts on the generator's worker threads, one lane each
-        assert len(threads) == parts and all(name.startswith("rfa-decode-part") for name, _ in threads)
-        assert len({id(lane) for _, lane in threads}) == parts and all(lane.state.threads == 1 for _, lane in threads)
+        assert len(threads) == parts and all(name.startswith("rfa-decode-part") for name, *_ in threads)
+        assert len({id(lane) for _, lane, *_ in threads}) == parts
+        assert all(teams == 1 and not grad for *_, teams, grad in threads), threads  # set up once per thread
+        assert teams_after == 2  # the caller's teams stay
     else:
         assert len(threads) == 1
 

@@ -56,15 +56,21 @@ def parts_for(sentences: int, threads: int, requested: int) -> int:
 
 
 class PartThreads:
-    """The threads that decode the parts of a batch at once: `size` of them, each decoding without autograd (grad mode
-    is per thread in torch); the native step sets each one's OpenMP and MKL teams to one thread (decode_program.cpp's
-    ThreadScope). Shut down by close(), or when its owner drops it."""
+    """The threads that decode the parts of a batch at once: `size` of them, each set up once as it starts: no autograd
+    (grad mode is per thread in torch) and OpenMP and MKL teams of one thread (`limit_thread`, the C++ module's
+    limit_this_thread), for the native steps and for the torch operations of its search alike; teams of the process's
+    threads in each part would spin on the other part's core. Shut down by close(), or when its owner drops it."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, limit_thread):
         self.size = size
         self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="rfa-decode-part",
-                                            initializer=torch.set_grad_enabled, initargs=(False,))
+                                            initializer=self._start_thread, initargs=(limit_thread,))
         self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
+
+    @staticmethod
+    def _start_thread(limit_thread) -> None:
+        torch.set_grad_enabled(False)
+        limit_thread(1)
 
     def map(self, fn, items):
         return self._executor.map(fn, items)
@@ -92,10 +98,10 @@ class SearchBuffers:
 
 class Lane:
     """What one part of a batch decodes on, kept across batches: its decoding state and the search's buffers (the
-    host's pinned copies of the finished flags on CUDA). threads: the native step's OpenMP threads (0: the caller's)."""
+    host's pinned copies of the finished flags on CUDA)."""
 
-    def __init__(self, threads: int = 0):
-        self.state = DecodingState(threads=threads)
+    def __init__(self):
+        self.state = DecodingState()
         self.buffers = SearchBuffers()
         self.host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
 
@@ -227,11 +233,11 @@ class StaticBeamSearchGenerator(nn.Module):
         # one part per thread: sentences dealt out in turn (a batch is sorted by length: each part gets its share of
         # long and short ones), each part searched on its own lane with one thread
         while len(self.part_lanes) < parts:
-            self.part_lanes.append(Lane(threads=1))
+            self.part_lanes.append(Lane())
         if self._pool is None or self._pool.size < parts:
             if self._pool is not None:
                 self._pool.close()
-            self._pool = PartThreads(parts)
+            self._pool = PartThreads(parts, runtime.kernels.ext.limit_this_thread)
         members = [torch.arange(i, N, parts, device=device) for i in range(parts)]
 
         def search_part(i: int):
@@ -287,8 +293,7 @@ class StaticBeamSearchGenerator(nn.Module):
                 # the steps until half the places (or more) have finished, or the last: one native call
                 start = step
                 step, finished_count = runtime.program.search_steps(
-                    state.native_batch(), search.native(), start, search.parity, state.parity, last_step, max_len,
-                    state.threads)
+                    state.native_batch(), search.native(), start, search.parity, state.parity, last_step, max_len)
                 for t in range(start, step + 1):
                     search.after_step(state, t)
                 if step < last_step and 2 * finished_count < search.N:

@@ -346,16 +346,15 @@ class DecodingState:
 
     rows: the batch's rows (beam search: sentences x beam). beam, sentences: rows n * beam .. n * beam + beam - 1
     read source sentence n (beam 1 once a reorder breaks that layout). order: the pending beam order, applied by
-    the next step. parity: the causal state buffer the next step reads. threads: the OpenMP threads of a native
-    step (0: the caller's torch threads; 1 for a thread that decodes its own part of a batch).
+    the next step. parity: the causal state buffer the next step reads. A native step runs on the calling thread's
+    OpenMP and MKL teams (a thread that decodes its own part of a batch limits its own: PartThreads).
     """
 
     KEY = "rfa_decoding_state"  # its entry in fairseq's incremental_state
     NO_HOST_READS_ON = ("cuda",)  # device types whose reorders read nothing back (a read waits for the device)
 
-    def __init__(self, graphs: Optional["StepGraphs"] = None, threads: int = 0):
+    def __init__(self, graphs: Optional["StepGraphs"] = None):
         self.graphs = graphs  # CUDA graphs of the steps (None: every step runs as it is)
-        self.threads = threads
         self.runtime: Optional[DecodingRuntime] = None
         self.buffers = StateBuffers()
         self.rows = self.beam = self.sentences = 0
@@ -462,7 +461,7 @@ class DecodingState:
             weights = torch.empty(tokens.size(0), self.layers[-1].cross.key.size(2), device=tokens.device)
         logits = self.runtime.program.decode(
             self.native_batch(), tokens, positions, None if self.first else self.order, self.parity, self.first,
-            padded_inputs, weights, self.beam, self.threads)
+            padded_inputs, weights, self.beam)
         return logits, weights
 
     def native_batch(self):

@@ -33,28 +33,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The calling thread's OpenMP and MKL team sizes for the duration of a call (threads <= 0: unchanged): a thread that
-// decodes its own part of a batch runs every kernel and GEMM of its step on itself alone. Both are per-thread
-// settings here (omp_set_num_threads sets the calling thread's ICV; MKL's local setting overrides its global one for
-// this thread only), so other threads keep theirs.
-class ThreadScope {
- public:
-  explicit ThreadScope(int64_t threads) : saved_(omp_get_max_threads()), active_(threads > 0) {
-    if (!active_) return;
-    omp_set_num_threads(static_cast<int>(threads));
-    if (MKL_Set_Num_Threads_Local != nullptr) saved_mkl_ = MKL_Set_Num_Threads_Local(static_cast<int>(threads));
-  }
-  ~ThreadScope() {
-    if (!active_) return;
-    omp_set_num_threads(saved_);
-    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(saved_mkl_);  // 0: back to the global one
-  }
-
- private:
-  int saved_, saved_mkl_ = 0;
-  bool active_;
-};
-
 // a boxed call of one of torch's operators with these arguments -> its (one) output
 template <class... Args>
 at::Tensor call_operator(const c10::OperatorHandle& op, Args&&... args) {
@@ -710,6 +688,21 @@ at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value
 }  // namespace
 
 void bind_decode_program(py::module_& m) {
+  m.def(
+      "limit_this_thread",
+      [](int64_t threads) {
+        TORCH_CHECK(threads > 0, "limit_this_thread: threads must be positive, got ", threads);
+        // torch applies its global thread count to a thread on its first parallel call, once per library (the flag is
+        // an inline function's thread_local: libtorch's copy and this module's): take both first, so that neither
+        // undoes the limit later
+        at::get_num_threads();
+        at::internal::lazy_init_num_threads();
+        omp_set_num_threads(static_cast<int>(threads));
+        if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(static_cast<int>(threads));
+      },
+      py::arg("threads"),
+      "the calling thread's OpenMP and MKL teams (torch's ops, the native step, its GEMMs) from now on: per-thread "
+      "settings (the OpenMP ICV, MKL's local count), other threads keep theirs");
   py::class_<LinearLibrary, std::shared_ptr<LinearLibrary>>(m, "LinearLibrary")
       .def(py::init<const std::string&, const py::dict&>(), py::arg("gemm"), py::arg("operators"))
       .def(
@@ -732,43 +725,40 @@ void bind_decode_program(py::module_& m) {
           "decode",
           [](const DecodeProgram& program, const NativeBatch& batch, const at::Tensor& tokens,
              const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& order, int64_t read,
-             bool first, bool padded_inputs, const std::optional<at::Tensor>& weights, int64_t beam, int64_t threads) {
+             bool first, bool padded_inputs, const std::optional<at::Tensor>& weights, int64_t beam) {
             program.check_decode(batch, tokens, or_undefined(positions), or_undefined(order), read, first,
                                  or_undefined(weights), beam);
             py::gil_scoped_release release;
-            ThreadScope scope(threads);
             at::NoGradGuard no_grad;
             return program.decode(batch, tokens, or_undefined(positions), or_undefined(order), read, first,
                                   padded_inputs, or_undefined(weights), beam);
           },
           py::arg("batch"), py::arg("tokens"), py::arg("positions"), py::arg("order"), py::arg("read"),
-          py::arg("first"), py::arg("padded_inputs"), py::arg("weights"), py::arg("beam"), py::arg("threads"),
+          py::arg("first"), py::arg("padded_inputs"), py::arg("weights"), py::arg("beam"),
           "logits of one decoding step (decode_program.h)")
       .def(
           "search_step",
           [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity,
-             int64_t read, bool first, bool last, int64_t threads) {
+             int64_t read, bool first, bool last) {
             program.check_search(batch, search, t, t, parity, read, first);
             py::gil_scoped_release release;
-            ThreadScope scope(threads);
             at::NoGradGuard no_grad;
             return program.search_step(batch, search, t, parity, read, first, last);
           },
           py::arg("batch"), py::arg("search"), py::arg("t"), py::arg("parity"), py::arg("read"), py::arg("first"),
-          py::arg("last"), py::arg("threads"), "the static beam search's whole step (decode_program.h)")
+          py::arg("last"), "the static beam search's whole step (decode_program.h)")
       .def(
           "search_steps",
           [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, int64_t t0, int64_t parity,
-             int64_t read, int64_t last_step, int64_t max_len, int64_t threads) {
+             int64_t read, int64_t last_step, int64_t max_len) {
             TORCH_CHECK(last_step <= max_len, "rfa search steps: the last step ", last_step, " is past max_len ",
                         max_len);
             program.check_search(batch, search, t0, last_step, parity, read, t0 == 0);
             py::gil_scoped_release release;
-            ThreadScope scope(threads);
             at::NoGradGuard no_grad;
             return program.search_steps(batch, search, t0, parity, read, last_step, max_len);
           },
           py::arg("batch"), py::arg("search"), py::arg("t0"), py::arg("parity"), py::arg("read"), py::arg("last_step"),
-          py::arg("max_len"), py::arg("threads"),
+          py::arg("max_len"),
           "the static beam search's steps until it halves or ends, in one call (decode_program.h)");
 }
