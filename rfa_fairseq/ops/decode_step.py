@@ -252,7 +252,21 @@ class TorchLinear:
         return y
 
 
-class OneDNNLinear:
+class FewRowsLibrary:
+    """A oneDNN library whose weights are also kept in the blocks of the C++ few-rows kernels (csrc/few_rows.cpp) where
+    this CPU runs them (AVX-512; int8: with VNNI): the C++ LinearLibrary takes them for products of few rows.
+    `few_rows`: the C++ module then, else None; the label says which."""
+
+    INT8 = False
+    FEW_ROWS_LABEL = ""
+
+    def __init__(self, ext=None):
+        self.few_rows = ext if ext is not None and ext.few_rows_available(int8=self.INT8) else None
+        if self.few_rows is not None:
+            self.label = self.FEW_ROWS_LABEL
+
+
+class OneDNNLinear(FewRowsLibrary):
     """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, called by the C++ LinearLibrary): the CPU
     in fp32, where torch has them (torch_internals.onednn_linear_available). Where the CPU has AVX-512, the weight is
     also kept in the blocks of the C++ few-rows kernel (csrc/few_rows.cpp), which the library runs for products of few
@@ -260,11 +274,7 @@ class OneDNNLinear:
 
     code = "onednn"
     label = "oneDNN (packed weights)"
-
-    def __init__(self, ext=None):
-        self.few_rows = ext if ext is not None and ext.few_rows_available(int8=False) else None
-        if self.few_rows is not None:
-            self.label = "oneDNN (packed weights) + AVX-512 few rows"
+    FEW_ROWS_LABEL = "oneDNN (packed weights) + AVX-512 few rows"
 
     def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         # the batch size only hints the packed layout; any number of rows runs on it
@@ -274,7 +284,7 @@ class OneDNNLinear:
                             None if bias is None else bias.detach(), w.size(0), rows_weight=rows_weight)
 
 
-class OneDNNInt8Linear:
+class OneDNNInt8Linear(FewRowsLibrary):
     """Linear layers in int8 (called by the C++ LinearLibrary): each weight row quantized once to int8 codes and a
     scale (symmetric, per output channel); each input row quantized at each call to 7-bit codes and a scale of its own
     (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in int16), in C++ (quantize_rows); the product
@@ -285,11 +295,8 @@ class OneDNNInt8Linear:
 
     code = "onednn_int8"
     label = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
-
-    def __init__(self, ext=None):
-        self.few_rows = ext if ext is not None and ext.few_rows_available(int8=True) else None
-        if self.few_rows is not None:
-            self.label = "oneDNN int8 + VNNI few rows (per-channel weights, per-row 7-bit activations)"
+    INT8 = True
+    FEW_ROWS_LABEL = "oneDNN int8 + VNNI few rows (per-channel weights, per-row 7-bit activations)"
 
     def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         w = weight.detach().float()
