@@ -147,6 +147,33 @@ def test_a_batch_split_into_parts_decoded_at_once_gives_the_hypotheses_of_one_pa
         assert len(threads) == 1
 
 
+
+def test_a_generator_warms_up_only_weights_no_generator_prepared(monkeypatch):
+    """Building the generator runs one warm-up step (the weights packed before the first batch), unless an earlier
+    generator of the same model did it for the same weights (hub.translate builds a generator per call); a changed
+    weight warms up again. The hypotheses do not depend on it."""
+    model, d = build_model([], seed=5)
+    model.eval()
+    src, src_lengths, _ = random_batch(d, bsz=3, src_len=6, seed=2)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+    warm_ups = []
+    generate = StaticBeamSearchGenerator.generate
+
+    def counted(self, models, sample, *args, max_steps=None, **kwargs):
+        warm_ups.extend([max_steps] if max_steps is not None else [])
+        return generate(self, models, sample, *args, max_steps=max_steps, **kwargs)
+
+    monkeypatch.setattr(StaticBeamSearchGenerator, "generate", counted)
+    with torch.no_grad():
+        first = StaticBeamSearchGenerator(model, d, beam_size=2, max_len_b=8)
+        assert warm_ups == [1]
+        second = StaticBeamSearchGenerator(model, d, beam_size=2, max_len_b=8)
+        assert warm_ups == [1]
+        assert_same_hypotheses(first.generate([model], sample), second.generate([model], sample))
+        model.decoder.layers[0].fc1.weight.mul_(1.0)  # in place: the runtime is built again, and warmed up
+        StaticBeamSearchGenerator(model, d, beam_size=2, max_len_b=8)
+        assert warm_ups == [1, 1]
+
 def test_parts_per_batch():
     """Auto: one part per thread while each part keeps MIN_PART_SENTENCES sentences; --rfa-decode-parts overrides
     (at most one part per sentence)."""

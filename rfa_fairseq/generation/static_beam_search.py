@@ -158,11 +158,14 @@ class StaticBeamSearchGenerator(nn.Module):
     def _prepare_weights(self) -> None:
         """One batch of one one-token sentence, one step: the layers pack their weights for the kernels now, as
         the generator is built (CTranslate2 prepares its weights when it loads a model), not inside the first
-        batch's translation."""
-        device = self.model.decoder.embed_tokens.weight.device
-        src_tokens = torch.full((1, 1), self.eos, dtype=torch.long, device=device)
-        sample = {"net_input": {"src_tokens": src_tokens, "src_lengths": torch.ones(1, dtype=torch.long, device=device)}}
-        self.generate([self.model], sample, max_steps=1)
+        batch's translation; skipped where an earlier generator of the model did it for the same weights (hub.translate
+        builds one per call)."""
+        if not self.model.decoder.has_decoding_runtime():
+            device = self.model.decoder.embed_tokens.weight.device
+            src_tokens = torch.full((1, 1), self.eos, dtype=torch.long, device=device)
+            sample = {"net_input": {"src_tokens": src_tokens,
+                                    "src_lengths": torch.ones(1, dtype=torch.long, device=device)}}
+            self.generate([self.model], sample, max_steps=1)
         if self.parts > 0 and self.model.decoder.decoding_runtime().program is None:
             logger.info(f"rfa_fairseq: --rfa-decode-parts {self.parts} has no effect here: batches are split into "
                         f"parts by the native step only (the CPU in fp32), not by the torch step that runs here")

@@ -342,10 +342,9 @@ class RFATransformerDecoder(TransformerDecoderBase):
         weights' device and dtype, the layers' records, the native program. Built once and again only when a
         parameter or buffer changes (or after training, which updates them through .data)."""
         self._check_can_decode()
-        weight = self.embed_tokens.weight
-        options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
-        key = (options, self._decoding.weights.key(self))
+        key = self._runtime_key()
         if self._decoding.runtime is None or self._decoding.key != key:
+            weight = self.embed_tokens.weight
             kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
                                    self._native_unsupported())
             if self._logged_kernels != (kernels.name, kernels.gemm):  # once per decoder (and when the choice changes)
@@ -354,6 +353,16 @@ class RFATransformerDecoder(TransformerDecoderBase):
                             f"({kernels.name}); linear layers: {kernels.gemm}")
             self._decoding.set_runtime(key, DecodingRuntime(self, kernels))
         return self._decoding.runtime
+
+    def has_decoding_runtime(self) -> bool:
+        """Whether decoding_runtime() has its runtime built for the current weights and options (the static beam
+        search then skips its warm-up: hub.translate builds a generator per call)."""
+        return self._decoding.runtime is not None and self._decoding.key == self._runtime_key()
+
+    def _runtime_key(self) -> tuple:
+        weight = self.embed_tokens.weight
+        options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
+        return options, self._decoding.weights.key(self)
 
     def _native_unsupported(self) -> Optional[str]:
         """What of this decoder the native program cannot run (then the kernel choice takes the torch step), or None."""
