@@ -11,6 +11,7 @@ warm-up calls, one thread.
     python benchmarks/benchmark_few_rows.py    # -> benchmarks/results/few_rows_cpu.csv
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -57,7 +58,7 @@ def main():
         for cin, cout in SHAPES:
             weight, bias = torch.randn(cout, cin, generator=gen) * 0.05, torch.randn(cout, generator=gen)
             packed = library_class(ext).pack_linear(weight, bias)
-            plain = type(packed)(**{**packed.__dict__, "rows_weight": None, "rows_sums": None})
+            plain = dataclasses.replace(packed, rows_weight=None, rows_sums=None)
             for rows in args.rows:
                 x = torch.randn(rows, cin, generator=gen)
                 times = {}

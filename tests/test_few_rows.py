@@ -1,5 +1,7 @@
 """The linear layers of few rows on AVX-512 (ops/csrc/few_rows.cpp) against oneDNN's on the same weights (fp32) and the
 same codes (int8: quantize_rows, onednn::qlinear_pointwise, scale_rows), and the library's choice between them."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def _few_rows(ext, precision, packed, x, relu, residual):
 
 def _onednn(library, packed, x, relu, residual):
     """oneDNN's product on the packed layer, its few-rows blocks dropped (the library's other path)."""
-    plain = type(packed)(**{**packed.__dict__, "rows_weight": None, "rows_sums": None})
+    plain = dataclasses.replace(packed, rows_weight=None, rows_sums=None)
     return library.linear(plain, x, relu, residual)
 
 

@@ -298,7 +298,7 @@ at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::
   switch (gemm_) {
     case kGemmOneDNN: {
       if (few_rows(layer, x.size(0))) {
-        const at::Tensor input = x.stride(1) == 1 ? x : x.contiguous();
+        const at::Tensor input = rows_of(x);
         at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
         few_rows_linear_fp32(input, layer.rows_weight, layer.bias, rows_of(residual), relu, y);
         return y;
