@@ -97,10 +97,12 @@ class RFAConfig(FairseqDataclass):
     )
     rfa_decode_parts: int = field(
         default=0,
-        metadata=_meta("decoding", "on the CPU, the static beam search splits each batch into this many parts and decodes "
-            "them at once, one thread each (CTranslate2's inter_threads); 1 = one part on every thread (intra-op "
-            "threads); 0 = auto: one part per thread (torch's thread count, e.g. OMP_NUM_THREADS) while each part keeps "
-            "at least 32 sentences. Same hypotheses, other speeds (default: 0)", speed_only=True),
+        metadata=_meta("decoding", "on the CPU, the static beam search decodes this many parts at once, one thread "
+            "each (CTranslate2's inter_threads): fairseq-generate, fairseq-interactive and hub.translate hand it this "
+            "many of their batches at once, and a batch on its own is split into this many parts; 1 = one batch at a "
+            "time on every thread (intra-op threads); 0 = auto: one part per thread (torch's thread count, e.g. "
+            "OMP_NUM_THREADS), a batch on its own split only while each part keeps at least 32 sentences. Same "
+            "hypotheses, other speeds (default: 0)", speed_only=True),
     )
     rfa_static_beam_search: bool = field(
         default=True,

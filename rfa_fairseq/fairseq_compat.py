@@ -58,6 +58,9 @@ or another package replaced the attribute) fairseq's attribute is left as it is 
    (`generation.StaticBeamSearchGenerator`: same hypotheses and scores, buffers that keep their shape,
    a batch that only halves); anything else gets fairseq's generator and one log line naming the reason
    (`generation.fallback_reason`).
+   [batches-at-once] `FairseqTask.get_batch_iterator`: for a task whose rfa_transformer was prepared for inference
+   and decodes on the native step at N threads, every N batches come joined, and the static beam search decodes
+   each on its own thread (`generation.batch_groups`).
 
 8. [numpy2-get-buckets, numpy2-get-buckets-pad-dataset, numpy2-get-buckets-audio-dataset,
    numpy2-language-pair-buckets, numpy2-token-blocks] fairseq 0.12's data code that numpy 2.3 and later no longer
@@ -303,6 +306,12 @@ def _wrap_build_generator(original):
     return wrap_build_generator(original)
 
 
+def _wrap_get_batch_iterator(original):
+    from .generation.batch_groups import wrap_get_batch_iterator
+
+    return wrap_get_batch_iterator(original)
+
+
 # ---------------------------------------------------------------- numpy 2 (8)
 
 
@@ -432,6 +441,13 @@ PATCHES = (
         "and scores, buffers that keep their shape); anything else fairseq's generator and a log line saying why.",
         "fairseq's SequenceGenerator decodes (same hypotheses, slower)",
         "a1fa802cb71a70be", ALL_TAGS),
+    FairseqPatch(
+        "batches-at-once", "fairseq.tasks", "FairseqTask.get_batch_iterator", _wrap_get_batch_iterator,
+        "Where a task's rfa_transformer, prepared for inference, decodes on the native step at N threads (or "
+        "--rfa-decode-parts N), its batches come N at a time, joined, and the static beam search decodes each on its "
+        "own thread, as one thread decodes it alone (`generation.batch_groups`).",
+        "fairseq-generate, fairseq-interactive and hub.translate decode one batch at a time on the threads",
+        "ce8db78326543b99", "fairseq main (3d262bb); v0.12.2, v0.12.3 (git tags) differ"),
     FairseqPatch(
         "numpy2-get-buckets", "fairseq.data.data_utils", "get_buckets", _with_numpy_as_fairseq_calls_it,
         "`--num-batch-buckets`' bucket sizes: fairseq's code, with `np.percentile(interpolation=)` (a keyword removed "

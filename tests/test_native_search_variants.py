@@ -2,10 +2,12 @@
 `DecodeProgram.search_step` per step) beyond the default model: against fairseq's SequenceGenerator on the model
 variants the native program serves (RFA cross-attention, pre-norm, the random feature maps, a gelu FFN), on one it
 does not (a tanh FFN: the torch step), and at --rfa-decode-precision int8; then end to end, fairseq-generate's
-automatic split of a batch into parts at 2 threads, and fairseq-interactive against fairseq-generate."""
+batches decoded two at once at 2 threads (fairseq-generate, fairseq-interactive, hub.translate), and
+fairseq-interactive against fairseq-generate."""
 import json
 import math
 import sys
+import threading
 
 import pytest
 import torch
@@ -129,7 +131,7 @@ def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(
 
 # ---------------------------------------------------------------- fairseq-generate and fairseq-interactive
 
-TEST_SENTENCES = 160  # batches of 64, 64 and 32: parts_for splits the 64s in 2 at 2 threads (32 sentences a part)
+TEST_SENTENCES = 160  # batches of 64, 64 and 32: at 2 threads the 64s decoded at once
 DECODE = ["--beam", "4", "--max-len-b", "25", "--cpu"]
 
 # fairseq-generate with StaticBeamSearchGenerator._search spied on: every search (thread, sentences) to $1's file
@@ -180,35 +182,100 @@ def assert_same_lines(want, got):
         assert math.isclose(want[i][0], got[i][0], abs_tol=1e-4), f"sentence {i}: {want[i]} != {got[i]}"
 
 
-def spied_generate(trained, tmp_path, parts):
-    """fairseq-generate at OMP_NUM_THREADS=2, batches of 64; parts: None (auto) or --rfa-decode-parts.
-    -> ({id: (score, hypothesis)}, the searches that ran)."""
+def spied_generate(trained, tmp_path, parts, batch_size=64, threads=2):
+    """fairseq-generate at OMP_NUM_THREADS=threads; parts: None (auto) or --rfa-decode-parts.
+    -> ({id: (score, hypothesis)}, the searches that ran, the log)."""
     data, checkpoint = trained
-    spy_file = tmp_path / f"searches_{parts}.json"
+    spy_file = tmp_path / f"searches_{parts}_{batch_size}_{threads}.json"
     overrides = [] if parts is None else ["--model-overrides", f"{{'rfa_decode_parts': {parts}}}"]
     proc = run(sys.executable, "-c", SPIED_GENERATE, spy_file, data / "bin", "--user-dir", PLUGIN_DIR,
-               "--path", checkpoint, "--gen-subset", "test", "--batch-size", "64",
-               "--required-batch-size-multiple", "1", *DECODE, *overrides, OMP_NUM_THREADS="2")
+               "--path", checkpoint, "--gen-subset", "test", "--batch-size", str(batch_size),
+               "--required-batch-size-multiple", "1", *DECODE, *overrides, OMP_NUM_THREADS=str(threads))
     assert "static beam search generator" in proc.stdout + proc.stderr
     searches = [s for s in json.loads(spy_file.read_text()) if not s["warm_up"]]
     assert searches and all(s["kernels"] == "cpp" for s in searches), searches
-    return hypothesis_lines(proc.stdout), searches
+    return hypothesis_lines(proc.stdout), searches, proc.stdout + proc.stderr
+
+
+def on_part_threads(searches):
+    return [s for s in searches if s["thread"].startswith("rfa-decode-part")]
 
 
 @pytest.mark.slow
-def test_fairseq_generate_at_two_threads_splits_batches_of_64_and_gives_one_parts_hypotheses(trained, tmp_path):
-    """Auto (no --rfa-decode-parts) at 2 threads: each batch of 64 is searched as 2 parts of 32 on two threads of
-    the generator's own; the batch of 32 as one part; the hypotheses are those of rfa_decode_parts=1."""
-    one_part, unsplit = spied_generate(trained, tmp_path, parts=1)
-    auto, split = spied_generate(trained, tmp_path, parts=None)
-    assert len(one_part) == TEST_SENTENCES
-    assert sorted(s["sentences"] for s in unsplit) == [32, 64, 64], unsplit
-    assert all(not s["thread"].startswith("rfa-decode-part") for s in unsplit), unsplit
-    parts = [s for s in split if s["thread"].startswith("rfa-decode-part")]
-    assert sorted(s["sentences"] for s in parts) == [32] * 4, split  # two batches of 64, two parts each
-    assert len({s["thread"] for s in parts}) == 2, parts  # at once: two threads
-    assert [s["sentences"] for s in split if s not in parts] == [32], split  # too small to split
-    assert_same_lines(one_part, auto)
+def test_fairseq_generate_at_two_threads_decodes_two_batches_at_once_with_one_threads_lines(trained, tmp_path):
+    """Auto (no --rfa-decode-parts) at 2 threads: fairseq-generate's batches of 64 come two at a time, each searched on
+    a thread of the generator's own (the last batch, alone, on the process's threads: too small to split); the
+    lines, scores included, are those of one thread. One batch of all 160 sentences is split into 2 parts of 80."""
+    one_thread, unsplit, _ = spied_generate(trained, tmp_path, parts=None, threads=1)
+    assert sorted(s["sentences"] for s in unsplit) == [32, 64, 64] and not on_part_threads(unsplit), unsplit
+    auto, searches, log = spied_generate(trained, tmp_path, parts=None)
+    assert "2 batches decoded at once" in log
+    parts = on_part_threads(searches)
+    assert sorted(s["sentences"] for s in parts) == [64, 64], searches  # two batches of 64, at once
+    assert len({s["thread"] for s in parts}) == 2, parts
+    assert [s["sentences"] for s in searches if s not in parts] == [32], searches
+    assert one_thread == auto
+    assert len({hypothesis for _, hypothesis in auto.values()}) > TEST_SENTENCES // 4, auto
+
+    one_batch, searches, log = spied_generate(trained, tmp_path, parts=None, batch_size=TEST_SENTENCES)
+    assert "a batch of 160 sentences decoded in 2 parts at once" in log
+    assert sorted(s["sentences"] for s in on_part_threads(searches)) == [80, 80], searches
+    assert_same_lines(one_thread, one_batch)  # other batches: the same hypotheses, scores to fp32 rounding
+
+    at_once, searches, log = spied_generate(trained, tmp_path, parts=1)  # --rfa-decode-parts 1: one at a time
+    assert "decoded at once" not in log and not on_part_threads(searches), searches
+    assert at_once == one_thread
+
+
+def interactive_lines(trained, threads, batch_size=16):
+    data, checkpoint = trained
+    lines = (data / "raw" / "test.src").read_text().splitlines()
+    proc = run("fairseq-interactive", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--batch-size",
+               str(batch_size), *DECODE, "--source-lang", "src", "--target-lang", "tgt", "--buffer-size", "40",
+               stdin="\n".join(lines) + "\n", OMP_NUM_THREADS=str(threads))
+    assert len(source_lines(proc.stdout)) == len(lines) == TEST_SENTENCES
+    return proc
+
+
+@pytest.mark.slow
+def test_fairseq_interactive_at_two_threads_decodes_two_batches_at_once_with_one_threads_lines(trained):
+    """Buffers of 40 lines in batches of 16 (16, 16, 8 a buffer): at 2 threads two at a time, the lines of one thread."""
+    one = interactive_lines(trained, threads=1)
+    two = interactive_lines(trained, threads=2)
+    assert "batches decoded at once" not in one.stdout + one.stderr
+    assert "2 batches decoded at once" in two.stdout + two.stderr
+    assert [l for l in one.stdout.splitlines() if l[:2] in ("S-", "H-", "P-", "D-")] == \
+        [l for l in two.stdout.splitlines() if l[:2] in ("S-", "H-", "P-", "D-")]
+
+
+@pytest.mark.slow
+def test_hub_translate_at_two_threads_decodes_two_batches_at_once_with_one_threads_translations(trained, monkeypatch):
+    from rfa_fairseq import hub
+
+    data, checkpoint = trained
+    lines = (data / "raw" / "test.src").read_text().splitlines()
+    translator = hub.load(checkpoint, data / "bin", sentencepiece_model=None, batch_size=16, device="cpu",
+                          source_lang="src", target_lang="tgt")
+    threads_seen = []
+    search = StaticBeamSearchGenerator._search
+
+    def spied(self, lane, *args):
+        threads_seen.append(threading.current_thread().name)
+        return search(self, lane, *args)
+
+    monkeypatch.setattr(StaticBeamSearchGenerator, "_search", spied)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = translator.translate(lines, beam=4, max_len_b=25)
+        assert not any(name.startswith("rfa-decode-part") for name in threads_seen)
+        torch.set_num_threads(2)
+        threads_seen.clear()
+        two = translator.translate(lines, beam=4, max_len_b=25)
+    finally:
+        torch.set_num_threads(before)
+    assert sum(name.startswith("rfa-decode-part") for name in threads_seen) == TEST_SENTENCES // 16  # 10 batches
+    assert one == two and len(one) == TEST_SENTENCES
 
 
 @pytest.mark.slow

@@ -265,10 +265,9 @@ def test_no_rfa_static_beam_search_gives_sequence_generator(caplog):
 # ---------------------------------------------------------------- fairseq-generate
 
 @pytest.mark.slow
-def test_fairseq_generate_at_two_threads_in_two_parts_prints_one_parts_lines(tmp_path_factory):
-    """fairseq-generate at 2 threads (OMP_NUM_THREADS): batches of 16 sentences split into 2 parts (--rfa-decode-parts
-    2; auto splits only batches of 64 and more), each on a thread of its own; the same H-/P- lines as one part on both
-    threads (--rfa-decode-parts 1)."""
+def test_fairseq_generate_at_two_threads_two_batches_at_once_print_one_at_a_times_lines(tmp_path_factory):
+    """fairseq-generate at 2 threads (OMP_NUM_THREADS), batches of 16 sentences: two at once (--rfa-decode-parts 2),
+    each on a thread of its own, print the same H-/P- lines as one at a time on both threads (--rfa-decode-parts 1)."""
     data = synthetic_data(tmp_path_factory)
     checkpoint = train_generate_model(data, tmp_path_factory.mktemp("static_generator_parts"), max_update=30)
     outputs = {}
@@ -278,8 +277,8 @@ def test_fairseq_generate_at_two_threads_in_two_parts_prints_one_parts_lines(tmp
                    "--model-overrides", f"{{'rfa_decode_parts': {parts}}}", OMP_NUM_THREADS="2")
         outputs[parts] = [line for line in proc.stdout.splitlines() if line[:2] in ("H-", "P-")]
         assert sum(line.startswith("H-") for line in outputs[parts]) == 40
-        split = "sentences decoded in 2 parts at once" in proc.stdout + proc.stderr
-        assert split == (parts == 2), f"rfa_decode_parts {parts}: the log says the batches were split: {split}"
+        at_once = "2 batches decoded at once" in proc.stdout + proc.stderr
+        assert at_once == (parts == 2), f"rfa_decode_parts {parts}: the log says two batches at once: {at_once}"
     assert outputs[2] == outputs[1]
 
 

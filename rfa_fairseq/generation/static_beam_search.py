@@ -19,10 +19,10 @@ it needs to stop or halve; on the CPU it reads them at once.
 
 On the CPU the whole step is native (the decoding runtime's program, ops/csrc/decode_program.cpp: the decoder's
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
-the steps until the batch halves or ends, without Python (or the GIL) between them; at
-N threads the batch is split into N parts decoded at once, one thread each (CTranslate2's inter_threads), where
-each part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides): each part is the same search on
-fewer sentences, so the hypotheses are those of one part.
+the steps until the batch halves or ends, without Python (or the GIL) between them. At N threads the CLIs' batches
+come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder and search, on its own
+thread, as one thread decodes it alone; a batch of its own is split into N parts where each part keeps enough
+sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer sentences.
 
 The arithmetic follows SequenceGenerator._generate and search.BeamSearch.step operation by operation
 (same masks, same fp32 additions, same top-k over 2 * beam candidates, same finalization and length
@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from ..modules.decoding import CUDAGraphBackend, DecodingState, StepGraphs
+from .batch_groups import user_batches
 
 logger = logging.getLogger(__name__)
 
@@ -219,45 +220,62 @@ class StaticBeamSearchGenerator(nn.Module):
         max_steps stops the search early (warming the kernels only)."""
         if constraints is not None:
             raise NotImplementedError("the static beam search takes no constraints (build_generator falls back)")
-        src_tokens = sample["net_input"]["src_tokens"]
-        N, src_len = src_tokens.shape[:2]
-        device = src_tokens.device
-        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
-        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
-        encoder_out = self.model.encoder.forward_torchscript(sample["net_input"])
-        key, pad = self.model.decoder.encoder_keys(encoder_out)  # once per sentence: no copies for the beams
+        net_input = sample["net_input"]
         runtime = self.model.decoder.decoding_runtime()
         bos = self.eos if bos_token is None else bos_token
-        parts = 1
-        if runtime.program is not None and max_steps is None:
-            parts = parts_for(N, torch.get_num_threads(), self.parts)
-        if parts == 1:
-            return self._search(self.lanes[0], runtime, key, pad, N, src_len, max_len, bos, prefix_tokens, max_steps)
-        # one part per thread: sentences dealt out in turn (a batch is sorted by length: each part gets its share of
-        # long and short ones), each part searched on its own lane with one thread
-        while len(self.part_lanes) < parts:
+        parts = self._parts(net_input["src_tokens"], runtime, max_steps)
+        if parts is None:
+            return self._decode(self.lanes[0], runtime, net_input, prefix_tokens, bos, max_steps)
+        while len(self.part_lanes) < len(parts):
             self.part_lanes.append(Lane())
-        if self._pool is None or self._pool.size < parts:
+        if self._pool is None or self._pool.size < len(parts):
             if self._pool is not None:
                 self._pool.close()
-            self._pool = PartThreads(parts, runtime.kernels.ext.limit_this_thread)
-        members = [torch.arange(i, N, parts, device=device) for i in range(parts)]
+            self._pool = PartThreads(len(parts), runtime.kernels.ext.limit_this_thread)
 
-        def search_part(i: int):
-            part_key = key.index_select(1, members[i]) if key is not None else None
-            part_pad = pad.index_select(0, members[i]) if pad is not None else None
-            part_prefix = prefix_tokens.index_select(0, members[i]) if prefix_tokens is not None else None
-            return self._search(self.part_lanes[i], runtime, part_key, part_pad, members[i].numel(), src_len, max_len,
-                                bos, part_prefix, None)
+        def decode_part(i: int):  # on the part's thread: its encoder pass too
+            rows, columns = parts[i]
+            part_input = {name: (value[rows][:, columns] if name == "src_tokens" else value[rows]).contiguous()
+                          for name, value in net_input.items() if name != "prev_output_tokens" and value is not None}
+            part_prefix = prefix_tokens[rows].contiguous() if prefix_tokens is not None else None
+            return self._decode(self.part_lanes[i], runtime, part_input, part_prefix, bos, None)
 
+        N = net_input["src_tokens"].size(0)
+        sentences = list(range(N))
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
+        for (rows, _), hypos in zip(parts, self._pool.map(decode_part, range(len(parts)))):
+            for n, sentence in zip(sentences[rows] if isinstance(rows, slice) else rows.tolist(), hypos):
+                finalized[n] = sentence
+        return finalized
+
+    def _parts(self, src_tokens: Tensor, runtime, max_steps: Optional[int]) -> Optional[List[Tuple[object, slice]]]:
+        """The parts of a batch decoded at once, one thread each, as (rows, columns) of its source tokens: the user's
+        batches of a joined batch (batch_groups.user_batches), else its sentences dealt out in turn to parts_for
+        parts (a batch is sorted by length: each part gets its share of long and short ones). None: the batch in
+        one piece, on the process's threads (the torch step, or a warm-up)."""
+        if runtime.program is None or max_steps is not None:
+            return None
+        joined = user_batches(src_tokens)
+        if joined is not None:
+            return joined
+        N = src_tokens.size(0)
+        parts = parts_for(N, torch.get_num_threads(), self.parts)
+        if parts == 1:
+            return None
         if parts not in self._logged_parts:  # once per part count: what the split does is visible in the log
             self._logged_parts.add(parts)
             logger.info(f"rfa_fairseq: a batch of {N} sentences decoded in {parts} parts at once, one thread each")
-        for i, hypos in zip(range(parts), self._pool.map(search_part, range(parts))):
-            for n, sentence in zip(members[i].tolist(), hypos):
-                finalized[n] = sentence
-        return finalized
+        return [(torch.arange(i, N, parts, device=src_tokens.device), slice(None)) for i in range(parts)]
+
+    def _decode(self, lane: Lane, runtime, net_input: Dict[str, Tensor], prefix_tokens: Optional[Tensor], bos: int,
+                max_steps: Optional[int]) -> List[List[Dict[str, Tensor]]]:
+        """The encoder pass and the beam search of the batch `net_input` on `lane`."""
+        N, src_len = net_input["src_tokens"].shape[:2]
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        encoder_out = self.model.encoder.forward_torchscript(net_input)
+        key, pad = self.model.decoder.encoder_keys(encoder_out)  # once per sentence: no copies for the beams
+        return self._search(lane, runtime, key, pad, N, src_len, max_len, bos, prefix_tokens, max_steps)
 
     def _search(self, lane: Lane, runtime, key: Optional[Tensor], pad: Optional[Tensor], N: int, src_len: int,
                 max_len: int, bos: int, prefix_tokens: Optional[Tensor], max_steps: Optional[int]):

@@ -10,6 +10,7 @@ softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,6 +56,9 @@ from ..ops import step_kernels
 logger = logging.getLogger(__name__)
 
 RFA_CONFIG = "rfa_config"  # the model's RFAConfig, in the cfg that build_model hands to fairseq's builders
+# the models fairseq-generate, fairseq-interactive and the hub prepared for inference: their tasks' batches may come
+# several at a time (generation.batch_groups)
+PREPARED_FOR_INFERENCE: "weakref.WeakSet[RFATransformerModel]" = weakref.WeakSet()
 
 
 def _wrap_layer(layer, cfg):
@@ -269,6 +273,11 @@ class RFATransformerDecoder(TransformerDecoderBase):
             self._decoding.clear()
         return super().train(mode)
 
+    def prepare_for_inference_(self, cfg):
+        """fairseq-generate, fairseq-interactive and the hub call this before they ask their task for batches."""
+        super().prepare_for_inference_(cfg)
+        PREPARED_FOR_INFERENCE.add(self)
+
     def set_beam_size(self, beam_size: int) -> None:
         super().set_beam_size(beam_size)
         self.beam_size = int(beam_size)
@@ -344,15 +353,22 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self._check_can_decode()
         key = self._runtime_key()
         if self._decoding.runtime is None or self._decoding.key != key:
-            weight = self.embed_tokens.weight
-            kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
-                                   self._native_unsupported())
+            kernels = self._step_kernels()
             if self._logged_kernels != (kernels.name, kernels.gemm):  # once per decoder (and when the choice changes)
                 self._logged_kernels = (kernels.name, kernels.gemm)
                 logger.info(f"rfa_fairseq: decoding step: {'native' if kernels.native else 'torch'} "
                             f"({kernels.name}); linear layers: {kernels.gemm}")
             self._decoding.set_runtime(key, DecodingRuntime(self, kernels))
         return self._decoding.runtime
+
+    def _step_kernels(self):
+        weight = self.embed_tokens.weight
+        return step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
+                            self._native_unsupported())
+
+    def decodes_natively(self) -> bool:
+        """Whether decoding_runtime() runs the native program (the CPU), known without building it."""
+        return self._step_kernels().native
 
     def has_decoding_runtime(self) -> bool:
         """Whether decoding_runtime() has its runtime built for the current weights and options (the static beam
@@ -423,6 +439,11 @@ class RFATransformerModel(TransformerModel):
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return RFATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+    def prepare_for_inference_(self, cfg):
+        """fairseq-generate, fairseq-interactive and the hub call this before they ask their task for batches."""
+        super().prepare_for_inference_(cfg)
+        PREPARED_FOR_INFERENCE.add(self)
 
     def set_beam_size(self, beam_size: int) -> None:
         """Called by fairseq's SequenceGenerator: RFA cross-attention keeps one state per sentence."""
