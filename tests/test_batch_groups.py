@@ -126,32 +126,35 @@ def test_joined_batches_pad_to_the_widest_and_record_each_user_batchs_rows_and_c
 
 
 def test_the_task_iterator_joins_n_batches_of_the_users_in_order(prepared, threads):
-    """The wrapped get_batch_iterator of a prepared model's task at 2 threads: every 2 of fairseq's batches joined (the
-    last alone), each user batch's sentences the rows user_batches names; at 1 thread fairseq's batches."""
+    """The wrapped get_batch_iterator of a prepared model's task at 2 threads: every 2 * BATCHES_PER_THREAD of fairseq's
+    batches joined (the rest after them), each user batch's sentences the rows user_batches names; at 1 thread
+    fairseq's batches."""
     model, d, task = prepared
     g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(2, 12, (23,), generator=g)
+    per_join = 2 * batch_groups.BATCHES_PER_THREAD
+    count = 4 * (per_join + 2) - 1  # batches of 4: one join of per_join batches, then one of 2 (the last of 3 sentences)
+    lengths = torch.randint(2, 12, (count,), generator=g)
     sources = [torch.cat([torch.randint(d.nspecial, len(d), (int(n) - 1,), generator=g), torch.tensor([d.eos()])])
                for n in lengths]
     dataset = LanguagePairDataset(sources, np.array(lengths), d, sources, np.array(lengths), d)
     unwrapped = fairseq_compat.APPLIED["batches-at-once"]
     options = dict(max_sentences=4, required_batch_size_multiple=1, disable_iterator_cache=True)
     users = list(unwrapped(task, dataset, **options).next_epoch_itr(shuffle=False))
-    assert len(users) == 6
+    assert len(users) == per_join + 2
     threads(1)
     assert [b["id"].tolist() for b in task.get_batch_iterator(dataset, **options).next_epoch_itr(shuffle=False)] == \
         [b["id"].tolist() for b in users]
     threads(2)
     iterator = task.get_batch_iterator(dataset, **options)
-    assert len(iterator) == 3
+    assert len(iterator) == 2
     epoch = iterator.next_epoch_itr(shuffle=False)
-    assert len(epoch) == 3
+    assert len(epoch) == 2
     joined = list(epoch)
-    assert len(joined) == 3
-    for pair, batch in zip([users[0:2], users[2:4], users[4:6]], joined):
+    assert len(joined) == 2
+    for group, batch in zip([users[:per_join], users[per_join:]], joined):
         parts = batch_groups.user_batches(batch["net_input"]["src_tokens"])
-        assert [batch["id"][rows].tolist() for rows, _ in parts] == [b["id"].tolist() for b in pair]
-        for b, (rows, columns) in zip(pair, parts):
+        assert [batch["id"][rows].tolist() for rows, _ in parts] == [b["id"].tolist() for b in group]
+        for b, (rows, columns) in zip(group, parts):
             assert torch.equal(batch["net_input"]["src_tokens"][rows][:, columns], b["net_input"]["src_tokens"])
 
 

@@ -203,17 +203,15 @@ def on_part_threads(searches):
 
 @pytest.mark.slow
 def test_fairseq_generate_at_two_threads_decodes_two_batches_at_once_with_one_threads_lines(trained, tmp_path):
-    """Auto (no --rfa-decode-parts) at 2 threads: fairseq-generate's batches of 64 come two at a time, each searched on
-    a thread of the generator's own (the last batch, alone, on the process's threads: too small to split); the
-    lines, scores included, are those of one thread. One batch of all 160 sentences is split into 2 parts of 80."""
+    """Auto (no --rfa-decode-parts) at 2 threads: fairseq-generate's batches of 64, 64 and 32 come joined, and are
+    searched two at a time on the generator's two threads; the lines, scores included, are those of one thread. One
+    batch of all 160 sentences is split into 2 parts of 80."""
     one_thread, unsplit, _ = spied_generate(trained, tmp_path, parts=None, threads=1)
     assert sorted(s["sentences"] for s in unsplit) == [32, 64, 64] and not on_part_threads(unsplit), unsplit
     auto, searches, log = spied_generate(trained, tmp_path, parts=None)
     assert "2 batches decoded at once" in log
-    parts = on_part_threads(searches)
-    assert sorted(s["sentences"] for s in parts) == [64, 64], searches  # two batches of 64, at once
-    assert len({s["thread"] for s in parts}) == 2, parts
-    assert [s["sentences"] for s in searches if s not in parts] == [32], searches
+    assert sorted(s["sentences"] for s in on_part_threads(searches)) == [32, 64, 64], searches
+    assert len({s["thread"] for s in searches}) == 2, searches  # the two part threads
     assert one_thread == auto
     assert len({hypothesis for _, hypothesis in auto.values()}) > TEST_SENTENCES // 4, auto
 

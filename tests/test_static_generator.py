@@ -140,7 +140,8 @@ def test_a_batch_split_into_parts_decoded_at_once_gives_the_hypotheses_of_one_pa
     assert_same_hypotheses(one, split)
     if kernel == "auto":  # the native step: parts on the generator's worker threads, one lane each
         assert len(threads) == parts and all(name.startswith("rfa-decode-part") for name, *_ in threads)
-        assert len({id(lane) for _, lane, *_ in threads}) == parts
+        assert {id(lane) for _, lane, *_ in threads} <= {id(lane) for lane in in_parts.part_lanes}  # the parts' own
+        assert len(in_parts.part_lanes) == parts  # one per thread
         assert all(teams == 1 and not grad for *_, teams, grad in threads), threads  # set up once per thread
         assert teams_after == 2  # the caller's teams stay
     else:

@@ -4,10 +4,11 @@ max_batch_size), in fairseq-generate, fairseq-interactive and hub.translate.
 The three hand their generator one batch at a time, from `task.get_batch_iterator`, and they all prepare their
 models for inference (`prepare_for_inference_`) before they ask for it. `wrap_get_batch_iterator` asks
 `batches_at_once` how many batches the task's model decodes at once (one: the iterator is fairseq's own); for N > 1
-its iterator joins every N consecutive batches into one, each collated as fairseq collates it alone and then padded
-to the longest on the side the dataset pads, and records which rows and columns of the joined source hold each
-batch (`user_batches`). The static beam search decodes each of them on its own thread, its encoder included, exactly
-as one thread decodes that batch alone: the same tokens and padding, so the same hypotheses and scores. The CLIs
+its iterator joins every N * BATCHES_PER_THREAD consecutive batches into one, each collated as fairseq collates it
+alone and then padded to the longest on the side the dataset pads, and records which rows and columns of the joined
+source hold each batch (`user_batches`). The static beam search decodes N of them at a time, each on a thread, its
+encoder included, exactly as one thread decodes that batch alone: the same tokens and padding, so the same
+hypotheses and scores. The CLIs
 read a joined batch as any other (ids, sources, targets, row by row), and every generator decodes it correctly.
 
 The record is keyed by the joined source tensor itself (weakly): fairseq-interactive rebuilds each batch's dict from
@@ -34,6 +35,12 @@ _USER_BATCHES = WeakIdKeyDictionary()
 TOKEN_KEYS = {"src_tokens": "source", "prev_output_tokens": "target", "target": "target"}  # -> whose padding side
 ROW_KEYS = ("id", "src_lengths", "src_lang_id", "tgt_lang_id")
 COUNT_KEYS = ("nsentences", "ntokens")
+
+
+# a joined batch holds this many of the user's batches per thread: the threads take them in turn, largest first, and
+# finish about together (joined one per thread, a thread waited for the other's longer batch: 9 % of the time at
+# batch 32 on Multi30k, docs/benchmarks.md)
+BATCHES_PER_THREAD = 4
 
 
 def user_batches(src_tokens: Tensor) -> Optional[List[Tuple[slice, slice]]]:
@@ -111,10 +118,11 @@ def joinable(dataset) -> bool:
 
 
 class JoinedBatches:
-    """An EpochBatchIterator whose epochs yield every `n` consecutive batches of `batches` joined (join_batches)."""
+    """An EpochBatchIterator whose epochs yield every BATCHES_PER_THREAD * `n` consecutive batches of `batches` joined
+    (join_batches), for n threads."""
 
     def __init__(self, batches, n: int, dataset):
-        self.batches, self.n = batches, n
+        self.batches, self.n = batches, n * BATCHES_PER_THREAD
         self.pad = dataset.src_dict.pad()
         self.left_pad = {"source": bool(dataset.left_pad_source), "target": bool(dataset.left_pad_target)}
 

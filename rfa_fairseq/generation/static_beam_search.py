@@ -31,6 +31,7 @@ batch), K beams, R = N * K rows, V the vocabulary, L the token buffer's length (
 """
 import logging
 import math
+import queue
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
@@ -226,24 +227,40 @@ class StaticBeamSearchGenerator(nn.Module):
         parts = self._parts(net_input["src_tokens"], runtime, max_steps)
         if parts is None:
             return self._decode(self.lanes[0], runtime, net_input, prefix_tokens, bos, max_steps)
-        while len(self.part_lanes) < len(parts):
+        threads = min(len(parts), self.parts or torch.get_num_threads())
+        while len(self.part_lanes) < threads:
             self.part_lanes.append(Lane())
-        if self._pool is None or self._pool.size < len(parts):
+        if self._pool is None or self._pool.size != threads:
             if self._pool is not None:
                 self._pool.close()
-            self._pool = PartThreads(len(parts), runtime.kernels.ext.limit_this_thread)
+            self._pool = PartThreads(threads, runtime.kernels.ext.limit_this_thread)
+        free_lanes: "queue.SimpleQueue[Lane]" = queue.SimpleQueue()  # a lane serves one part at a time
+        for lane in self.part_lanes[:threads]:
+            free_lanes.put(lane)
+        src_tokens = net_input["src_tokens"]
+        N, S = src_tokens.shape[:2]
+        sentences = list(range(N))
 
-        def decode_part(i: int):  # on the part's thread: its encoder pass too
+        def decode_part(i: int):  # on a part thread: its encoder pass too
             rows, columns = parts[i]
             part_input = {name: (value[rows][:, columns] if name == "src_tokens" else value[rows]).contiguous()
                           for name, value in net_input.items() if name != "prev_output_tokens" and value is not None}
             part_prefix = prefix_tokens[rows].contiguous() if prefix_tokens is not None else None
-            return self._decode(self.part_lanes[i], runtime, part_input, part_prefix, bos, None)
+            lane = free_lanes.get()
+            try:
+                return self._decode(lane, runtime, part_input, part_prefix, bos, None)
+            finally:
+                free_lanes.put(lane)
 
-        N = net_input["src_tokens"].size(0)
-        sentences = list(range(N))
+        def size(i: int) -> int:  # a part's work, about: its sentences times their width
+            rows, columns = parts[i]
+            return (len(sentences[rows]) if isinstance(rows, slice) else rows.numel()) * len(range(S)[columns])
+
+        # the threads take the parts in turn, largest first, so that they finish about together
+        order = sorted(range(len(parts)), key=size, reverse=True)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
-        for (rows, _), hypos in zip(parts, self._pool.map(decode_part, range(len(parts)))):
+        for i, hypos in zip(order, self._pool.map(decode_part, order)):
+            rows = parts[i][0]
             for n, sentence in zip(sentences[rows] if isinstance(rows, slice) else rows.tolist(), hypos):
                 finalized[n] = sentence
         return finalized
