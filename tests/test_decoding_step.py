@@ -68,6 +68,38 @@ def test_causal_layer_step_equals_the_recurrence(kernels, case, gated, activatio
     assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
 
 
+@pytest.mark.parametrize("shape", [(4, 64, 64), (3, 8, 21), (2, 6, 5)], ids=["recipe", "ragged", "narrow"])
+@pytest.mark.parametrize("case", ["first_step", "reorder_and_shrink"])
+@torch.no_grad()
+def test_an_fp16_state_is_the_fp32_steps_state_rounded(shape, case):
+    """int8 decoding keeps the causal state in fp16 (NativeKernels.state_dtype): a step reads it widened to fp32 and
+    stores its fp32 result rounded to fp16, reading out the unrounded result. Against the fp32 step on the widened
+    state: the same output and its state rounded, to an fp32 ulp (the compiler fuses the last column's multiply-adds
+    per state type) and so at most an fp16 ulp (the recipe's heads x features x head_dim, and widths that leave
+    vector remainders)."""
+    ext = cpp_extension()
+    H, F_, d = shape
+    g = torch.Generator().manual_seed(2)
+    R0, R = 6, (4 if case == "reorder_and_shrink" else 6)
+    q, k = 4 * torch.randn(R, H * F_ // 2, generator=g), 4 * torch.randn(R, H * F_ // 2, generator=g)  # hedgehog
+    v, gate = torch.randn(R, H * d, generator=g), torch.randn(R, H, generator=g)
+    state = None if case == "first_step" else torch.randn(R0, H, F_, d + 1, generator=g).abs().half()
+    order = torch.tensor([5, 0, 0, 3]) if case == "reorder_and_shrink" else None
+    cpp = CppKernels(ext)
+    state_out = torch.full((R0 + 2, H, F_, d + 1), float("nan"), dtype=torch.float16)
+    out = cpp.causal_layer_step(q, k, v, gate, None, state, order, state_out, 1e-6, "hedgehog")
+    want_state = torch.empty(R0 + 2, H, F_, d + 1)
+    want = cpp.causal_layer_step(q, k, v, gate, None, None if state is None else state.float(), order, want_state,
+                                 1e-6, "hedgehog")
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state_out[:R].float(), want_state[:R].half().float(), rtol=2 ** -10, atol=1e-7)
+    assert (state_out[:R] == want_state[:R].half()).float().mean() > 0.99  # rounded as the fp32 state rounds
+    assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
+    if state is not None:
+        with pytest.raises(RuntimeError, match="differ in layout or dtype"):
+            cpp.causal_layer_step(q, k, v, gate, None, state.float(), order, state_out, 1e-6, "hedgehog")
+
+
 def test_the_cpp_activation_table_names_every_feature_map():
     """The C++ module's feature-map names (its one table) cover every map (the native step computes each) and
     precomputed features, once each; the learned affine maps are among them."""

@@ -211,7 +211,8 @@ class DecoderLayerRecord:
         """A batch's cache for this layer (reusing the previous batch's buffers where they fit). key: (S, sentences,
         C) encoder output, or None; source_len: the cross-attention's K/V length (>= S: padded, masked; None: S).
         -> (the cache, whether a buffer is new)"""
-        self_attn, allocated = self.self_attn.start(previous.self_attn if previous else None, rows, runtime.device)
+        self_attn, allocated = self.self_attn.start(previous.self_attn if previous else None, rows, runtime.device,
+                                                        runtime.kernels.state_dtype)
         cross = None
         if self.cross is not None and key is not None:
             cross, new = self.cross.start(previous.cross if previous else None, key, key_padding_mask, source_len,

@@ -192,19 +192,18 @@ def reuse_or_allocate(buffer: Optional[Tensor], shape: Tuple[int, ...], dtype, d
 
 
 class CausalCache:
-    """A causal RFA layer's cache: two fp32 state buffers (>= rows, H, F, d + 1) used in turn (the decoding state's
-    parity names the one a step reads; it writes the other)."""
+    """A causal RFA layer's cache: two state buffers (>= rows, H, F, d + 1) used in turn (the decoding state's
+    parity names the one a step reads; it writes the other), fp32, or fp16 where the kernels keep it so (int8)."""
 
     def __init__(self):
         self.states: List[Tensor] = []
 
-    def allocate(self, rows: int, heads: int, features: int, head_dim: int, device) -> bool:
+    def allocate(self, rows: int, heads: int, features: int, head_dim: int, device, dtype=torch.float32) -> bool:
         """States for `rows` rows, reusing the buffers when large enough. -> whether any buffer is new."""
         shape, new = (rows, heads, features, head_dim + 1), False
         states = []
         for j in range(2):
-            state, allocated = reuse_or_allocate(self.states[j] if len(self.states) > j else None, shape,
-                                                 torch.float32, device)
+            state, allocated = reuse_or_allocate(self.states[j] if len(self.states) > j else None, shape, dtype, device)
             states.append(state)
             new |= allocated
         self.states = states

@@ -338,10 +338,11 @@ class CausalRecord:
     eps: float
     map: FeatureMapRecord
 
-    def start(self, previous: Optional[CausalCache], rows: int, device) -> Tuple[CausalCache, bool]:
-        """A batch's cache: two state buffers for `rows` rows (the previous batch's when large enough)."""
+    def start(self, previous: Optional[CausalCache], rows: int, device, dtype=torch.float32) -> Tuple[CausalCache, bool]:
+        """A batch's cache: two state buffers of `dtype` (the kernels' state_dtype) for `rows` rows (the previous
+        batch's when large enough)."""
         cache = previous if previous is not None else CausalCache()
-        return cache, cache.allocate(rows, self.heads, self.features, self.head_dim, device)
+        return cache, cache.allocate(rows, self.heads, self.features, self.head_dim, device, dtype)
 
     def step(self, kernels, h: Tensor, cache: CausalCache, state, order: Optional[Tensor], key_pad: Optional[Tensor],
              residual: Tensor) -> Tensor:

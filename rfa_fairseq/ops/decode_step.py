@@ -123,6 +123,7 @@ class TorchKernels:
     name = "torch"
     gemm = "torch addmm"
     native = False
+    state_dtype = torch.float32  # the causal layers' state
 
     @staticmethod
     def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
@@ -321,6 +322,9 @@ class NativeKernels:
     def __init__(self, ext, library):
         self.ext = ext
         self.gemm = library.label
+        # the causal layers' state: fp16 with int8 linear layers (half the bytes each step reads and writes, the
+        # largest memory traffic of a batch's step; reduced precision is what int8 decoding asks for), else fp32
+        self.state_dtype = torch.float16 if getattr(library, "INT8", False) else torch.float32
         self.pack_linear = library.pack_linear
         self.library = ext.LinearLibrary(library.code, torch_internals.onednn_operators())
 

@@ -419,8 +419,10 @@ void DecodeProgram::check_decode(const NativeBatch& batch, const at::Tensor& tok
     const DecoderLayerProgram& layer = layers[i];
     const std::string at = "state.layers[" + std::to_string(i) + "]";
     const int64_t H = layer.self_attn.heads, F = layer.self_attn.features, d = layer.self_attn.head_dim;
-    expect(batch.states0[i], at + ".self_attn.states[0]", at::kFloat, {R, H, F, d + 1}, true);
-    expect(batch.states1[i], at + ".self_attn.states[1]", at::kFloat, {R, H, F, d + 1}, true);
+    // the state's dtype is the runtime's (fp32; fp16 in int8 decoding): both buffers of a layer alike
+    const at::ScalarType state_type = batch.states0[i].scalar_type() == at::kHalf ? at::kHalf : at::kFloat;
+    expect(batch.states0[i], at + ".self_attn.states[0]", state_type, {R, H, F, d + 1}, true);
+    expect(batch.states1[i], at + ".self_attn.states[1]", state_type, {R, H, F, d + 1}, true);
     if (!first) {
       const at::Tensor& state_in = read == 0 ? batch.states0[i] : batch.states1[i];
       if (order.defined()) {

@@ -123,16 +123,34 @@ float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   return s;
 }
 
-// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S'. The portable loop:
-void update_and_read_out_portable(const float* __restrict__ s_in, float* __restrict__ s_out, const float* __restrict__ q,
+// The state's elements: fp32, or fp16 (int8 decoding's state: half the bytes a step reads and writes; each step's
+// arithmetic stays in fp32, the state rounded to fp16 as it is stored).
+inline float state_load(const float* p) { return *p; }
+inline float state_load(const at::Half* p) { return static_cast<float>(*p); }
+inline void state_store(float* p, float x) { *p = x; }
+inline void state_store(at::Half* p, float x) { *p = static_cast<at::Half>(x); }
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 state_load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 state_load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx2,fma,f16c"))) inline void state_store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+__attribute__((target("avx2,fma,f16c"))) inline void state_store8(at::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S' (S' before it is stored). The
+// portable loop:
+template <typename S>
+void update_and_read_out_portable(const S* __restrict__ s_in, S* __restrict__ s_out, const float* __restrict__ q,
                                   const float* __restrict__ k, const float* __restrict__ v_aug, float g, float k_scale,
                                   int64_t F, int64_t D1, float* __restrict__ acc) {
   for (int64_t j = 0; j < D1; ++j) acc[j] = 0.0f;
   for (int64_t f = 0; f < F; ++f) {
     const float kf = k[f] * k_scale, qf = q[f];
     for (int64_t j = 0; j < D1; ++j) {
-      const float s = (s_in != nullptr ? g * s_in[f * D1 + j] : 0.0f) + kf * v_aug[j];
-      s_out[f * D1 + j] = s;
+      const float s = (s_in != nullptr ? g * state_load(s_in + f * D1 + j) : 0.0f) + kf * v_aug[j];
+      state_store(s_out + f * D1 + j, s);
       acc[j] += qf * s;
     }
   }
@@ -140,11 +158,11 @@ void update_and_read_out_portable(const float* __restrict__ s_in, float* __restr
 
 // The same with AVX2: up to 64 columns at a time, their read-out sums held in registers across the F rows (they never
 // go to memory) and each state row read and written once, in order.
-template <int kBlocks>
-__attribute__((target("avx2,fma"))) inline void update_columns(const float* __restrict__ s_in, float* __restrict__ s_out,
-                                                               const float* __restrict__ q, const float* __restrict__ k,
-                                                               const float* __restrict__ v_aug, float g, float k_scale,
-                                                               int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
+template <int kBlocks, typename S>
+__attribute__((target("avx2,fma,f16c"))) inline void update_columns(const S* __restrict__ s_in, S* __restrict__ s_out,
+                                                                    const float* __restrict__ q, const float* __restrict__ k,
+                                                                    const float* __restrict__ v_aug, float g, float k_scale,
+                                                                    int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
   __m256 a[kBlocks];
   for (int b = 0; b < kBlocks; ++b) a[b] = _mm256_setzero_ps();
   const __m256 gv = _mm256_set1_ps(g);
@@ -152,18 +170,19 @@ __attribute__((target("avx2,fma"))) inline void update_columns(const float* __re
     const __m256 kf = _mm256_set1_ps(k[f] * k_scale), qf = _mm256_set1_ps(q[f]);
     for (int b = 0; b < kBlocks; ++b) {
       __m256 s = _mm256_mul_ps(kf, _mm256_loadu_ps(v_aug + j + 8 * b));
-      if (s_in != nullptr) s = _mm256_fmadd_ps(gv, _mm256_loadu_ps(s_in + f * D1 + j + 8 * b), s);
-      _mm256_storeu_ps(s_out + f * D1 + j + 8 * b, s);
+      if (s_in != nullptr) s = _mm256_fmadd_ps(gv, state_load8(s_in + f * D1 + j + 8 * b), s);
+      state_store8(s_out + f * D1 + j + 8 * b, s);
       a[b] = _mm256_fmadd_ps(qf, s, a[b]);
     }
   }
   for (int b = 0; b < kBlocks; ++b) _mm256_storeu_ps(acc + j + 8 * b, a[b]);
 }
 
-__attribute__((target("avx2,fma"))) void update_and_read_out_avx2(const float* __restrict__ s_in, float* __restrict__ s_out,
-                                                                  const float* __restrict__ q, const float* __restrict__ k,
-                                                                  const float* __restrict__ v_aug, float g, float k_scale,
-                                                                  int64_t F, int64_t D1, float* __restrict__ acc) {
+template <typename S>
+__attribute__((target("avx2,fma,f16c"))) void update_and_read_out_avx2(const S* __restrict__ s_in, S* __restrict__ s_out,
+                                                                       const float* __restrict__ q, const float* __restrict__ k,
+                                                                       const float* __restrict__ v_aug, float g, float k_scale,
+                                                                       int64_t F, int64_t D1, float* __restrict__ acc) {
   int64_t j = 0;
   for (; j + 64 <= D1; j += 64) update_columns<8>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
   for (; j + 32 <= D1; j += 32) update_columns<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
@@ -171,17 +190,75 @@ __attribute__((target("avx2,fma"))) void update_and_read_out_avx2(const float* _
   for (; j < D1; ++j) {  // the last columns (z's, the ones column of [v, 1], among them)
     float sum = 0.0f;
     for (int64_t f = 0; f < F; ++f) {
-      const float s = (s_in != nullptr ? g * s_in[f * D1 + j] : 0.0f) + k[f] * k_scale * v_aug[j];
-      s_out[f * D1 + j] = s;
+      const float s = (s_in != nullptr ? g * state_load(s_in + f * D1 + j) : 0.0f) + k[f] * k_scale * v_aug[j];
+      state_store(s_out + f * D1 + j, s);
       sum += q[f] * s;
     }
     acc[j] = sum;
   }
 }
 
-void update_and_read_out(const float* s_in, float* s_out, const float* q, const float* k, const float* v_aug, float g,
+// The same with AVX-512, 16 columns a vector: [v, 1]'s columns held in registers too (AVX2's 16 registers cannot
+// hold them beside the sums). Each element's arithmetic is AVX2's (k * v, then g * S + that in one fma; the sums in
+// the same order): the same results, bit for bit.
+__attribute__((target("avx512f"))) inline __m512 state_load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 state_load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx512f"))) inline void state_store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+__attribute__((target("avx512f"))) inline void state_store16(at::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <int kBlocks, typename S>
+__attribute__((target("avx512f"))) inline void update_columns16(const S* __restrict__ s_in, S* __restrict__ s_out,
+                                                                const float* __restrict__ q, const float* __restrict__ k,
+                                                                const float* __restrict__ v_aug, float g, float k_scale,
+                                                                int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
+  __m512 a[kBlocks], v[kBlocks];
+  for (int b = 0; b < kBlocks; ++b) {
+    a[b] = _mm512_setzero_ps();
+    v[b] = _mm512_loadu_ps(v_aug + j + 16 * b);
+  }
+  const __m512 gv = _mm512_set1_ps(g);
+  for (int64_t f = 0; f < F; ++f) {
+    const __m512 kf = _mm512_set1_ps(k[f] * k_scale), qf = _mm512_set1_ps(q[f]);
+    for (int b = 0; b < kBlocks; ++b) {
+      __m512 s = _mm512_mul_ps(kf, v[b]);
+      if (s_in != nullptr) s = _mm512_fmadd_ps(gv, state_load16(s_in + f * D1 + j + 16 * b), s);
+      state_store16(s_out + f * D1 + j + 16 * b, s);
+      a[b] = _mm512_fmadd_ps(qf, s, a[b]);
+    }
+  }
+  for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(acc + j + 16 * b, a[b]);
+}
+
+template <typename S>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void update_and_read_out_avx512(
+    const S* __restrict__ s_in, S* __restrict__ s_out, const float* __restrict__ q, const float* __restrict__ k,
+    const float* __restrict__ v_aug, float g, float k_scale, int64_t F, int64_t D1, float* __restrict__ acc) {
+  int64_t j = 0;
+  for (; j + 64 <= D1; j += 64) update_columns16<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 16 <= D1; j += 16) update_columns16<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j + 8 <= D1; j += 8) update_columns<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
+  for (; j < D1; ++j) {  // the last columns (z's, the ones column of [v, 1], among them)
+    float sum = 0.0f;
+    for (int64_t f = 0; f < F; ++f) {
+      const float s = (s_in != nullptr ? g * state_load(s_in + f * D1 + j) : 0.0f) + k[f] * k_scale * v_aug[j];
+      state_store(s_out + f * D1 + j, s);
+      sum += q[f] * s;
+    }
+    acc[j] = sum;
+  }
+}
+
+template <typename S>
+void update_and_read_out(const S* s_in, S* s_out, const float* q, const float* k, const float* v_aug, float g,
                          float k_scale, int64_t F, int64_t D1, float* acc) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  if (avx512) return update_and_read_out_avx512(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
   if (avx2) return update_and_read_out_avx2(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
   update_and_read_out_portable(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
 }
@@ -387,17 +464,18 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   check_rows(phi_k, R, H * P, "phi_k");
   check_rows(v, R, H * d, "v");
   check_rows(out, R, H * d, "out");
+  const auto state_type = state_out.scalar_type();
   TORCH_CHECK(state_out.device().is_cpu() && state_out.is_contiguous() && state_out.size(0) >= R &&
-                  state_out.scalar_type() == torch::kFloat32,
-              "rfa static step: state_out must be a contiguous fp32 CPU (rows, heads, F, head_dim + 1) buffer");
+                  (state_type == torch::kFloat32 || state_type == torch::kFloat16),
+              "rfa static step: state_out must be a contiguous fp32 or fp16 CPU (rows, heads, F, head_dim + 1) buffer");
   const bool first = !state_in.defined();
   const bool reorder = order.defined();
   TORCH_CHECK(!(first && reorder), "rfa static step: a reorder needs a state");
   if (!first) {
     TORCH_CHECK(state_in.device().is_cpu() && state_in.is_contiguous() &&
-                    state_in.sizes().slice(1) == state_out.sizes().slice(1) && state_in.scalar_type() == torch::kFloat32,
-                "rfa static step: state_in and state_out differ in layout");
-    TORCH_CHECK(state_in.data_ptr<float>() != state_out.data_ptr<float>(), "rfa static step: state_out must not be state_in");
+                    state_in.sizes().slice(1) == state_out.sizes().slice(1) && state_in.scalar_type() == state_type,
+                "rfa static step: state_in and state_out differ in layout or dtype");
+    TORCH_CHECK(state_in.data_ptr() != state_out.data_ptr(), "rfa static step: state_out must not be state_in");
     const int64_t R0 = state_in.size(0);
     if (reorder) {
       TORCH_CHECK(order.device().is_cpu() && order.is_contiguous() && order.numel() == R &&
@@ -425,14 +503,13 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const float* vp = v.data_ptr<float>();
   const float* gp = gated ? gate_logits.data_ptr<float>() : nullptr;
   const bool* padp = padded ? key_pad.data_ptr<bool>() : nullptr;
-  const float* s_in = first ? nullptr : state_in.data_ptr<float>();
   const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
-  float* s_out = state_out.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldq = phi_q.stride(0), ldk = phi_k.stride(0), ldv = v.stride(0), ldo = out.stride(0);
   const int64_t ldg = gated ? gate_logits.stride(0) : 0;
   const float eps_f = static_cast<float>(eps);
 
+  auto run = [&](auto* s_in, auto* s_out) {  // float or at::Half state
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F), scratch(std::max(F, d));
     for (int64_t rh = begin; rh < end; ++rh) {
@@ -457,6 +534,12 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
     }
   });
+  };
+  if (state_type == torch::kFloat16) {
+    run(first ? static_cast<const at::Half*>(nullptr) : state_in.data_ptr<at::Half>(), state_out.data_ptr<at::Half>());
+  } else {
+    run(first ? static_cast<const float*>(nullptr) : state_in.data_ptr<float>(), state_out.data_ptr<float>());
+  }
 }
 
 void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,

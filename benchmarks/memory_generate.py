@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Where a decoding process's memory goes: the default rfa_transformer (fp32 and int8) against CTranslate2 on its
+softmax twin, stage by stage, as a deployment loads and runs them.
+
+Each engine runs in a process of its own that decodes test_2016_flickr (beam 4, max length source + 50, batches of
+--batch-size sentences, one thread) and reads its resident memory (VmRSS) and its peak so far (VmHWM) from
+/proc/self/status after each stage:
+
+  rfa: python -> import torch -> import fairseq and the plugin -> load the checkpoint (fairseq's
+       load_model_ensemble_and_task) -> load the test set -> build the generator (weights packed, one warm-up step)
+       -> decode the test set
+  ct2: python -> import ctranslate2 and sentencepiece -> load the model (ctranslate2.Translator) -> read the test set
+       -> decode the test set
+
+and, for rfa, the tensors behind it after decoding: the model's parameters and buffers, and what the packed linear
+layers hold beside them (the library's packed weights, int8 codes, the few-rows kernels' blocks), by module.
+One CSV row per (engine, precision, stage or tensor group).
+
+    python benchmarks/memory_generate.py --prep outputs/multi30k --study-dir outputs/quality
+
+Files: benchmarks/results/memory_generate_multi30k_cpu.csv (rewritten whole; --redo is implied: a run is ~1 min).
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RFA_VARIANT = "hedgehog_gate_softmax_cross_d32"
+FIELDS = ["engine", "precision", "batch_size", "kind", "stage", "rss_mb", "peak_mb", "mb", "machine", "measured_utc"]
+
+
+def memory_mb():
+    """(VmRSS, VmHWM) of this process, in MB."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                values[name] = int(rest.split()[0]) / 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def machine_label() -> str:
+    cpu = "cpu"
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def stage(stages, name):
+    rss, peak = memory_mb()
+    stages.append({"stage": name, "rss_mb": round(rss, 1), "peak_mb": round(peak, 1)})
+
+
+def tensor_mb(tensor) -> float:
+    """The bytes behind a tensor, in MB: its storage's, or for oneDNN's opaque packed tensors its elements'."""
+    try:
+        return tensor.untyped_storage().nbytes() / 2**20
+    except NotImplementedError:  # OpaqueTensorImpl: no storage to ask
+        return tensor.numel() * tensor.element_size() / 2**20
+
+
+def tensor_key(tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return id(tensor)
+
+
+def rfa_child(args) -> dict:
+    """The rfa stages in this process (one thread); -> {"stages": [...], "tensors": {group: MB}}."""
+    stages = []
+    stage(stages, "python")
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
+    stage(stages, "import torch")
+    from fairseq import checkpoint_utils
+
+    sys.path.insert(0, REPO)
+    import rfa_fairseq  # noqa: F401  (registers the plugin)
+    from rfa_fairseq.ops.decode_step import PackedLinear
+
+    stage(stages, "import fairseq and the plugin")
+    checkpoint = os.path.join(args.study_dir, f"{RFA_VARIANT}_u{args.updates}_s1", "checkpoint_best.pt")
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [checkpoint], arg_overrides={"data": os.path.join(args.prep, "data-bin"), "rfa_decode_precision": args.precision})
+    model = models[0]
+    gc.collect()
+    stage(stages, "load the checkpoint")
+    task.load_dataset("test")
+    stage(stages, "load the test set")
+    generation = cfg.generation
+    generation.beam, generation.lenpen, generation.max_len_a, generation.max_len_b = 4, 1, 1, 50
+    model.prepare_for_inference_(cfg)
+    generator = task.build_generator(models, generation)
+    gc.collect()
+    stage(stages, "build the generator")
+    batches = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=args.batch_size,
+                                      required_batch_size_multiple=1).next_epoch_itr(shuffle=False)
+    with torch.no_grad():
+        for batch in batches:
+            task.inference_step(generator, models, batch)
+    gc.collect()
+    stage(stages, "decode the test set")
+
+    tensors = {"parameters and buffers": sum(tensor_mb(t) for t in list(model.parameters()) + list(model.buffers()))}
+    seen, parameters = set(), {tensor_key(p) for p in model.parameters()}
+    for obj in gc.get_objects():
+        if not isinstance(obj, PackedLinear):
+            continue
+        for field in ("weight", "rows_weight", "bias", "w_scales", "rows_sums"):
+            tensor = getattr(obj, field)
+            if tensor is None or tensor_key(tensor) in seen or tensor_key(tensor) in parameters:
+                continue  # counted, or a parameter itself (the torch library packs nothing)
+            seen.add(tensor_key(tensor))
+            group = {"weight": "packed weights (the library's layout or int8 codes)",
+                     "rows_weight": "few-rows blocks (a second layout of the weights)"}.get(field, "scales, sums, biases")
+            tensors[group] = tensors.get(group, 0.0) + tensor_mb(tensor)
+    return {"stages": stages, "tensors": {k: round(v, 1) for k, v in tensors.items()}}
+
+
+def ct2_child(args) -> dict:
+    stages = []
+    stage(stages, "python")
+    import ctranslate2
+    import sentencepiece  # noqa: F401  (what a CTranslate2 deployment loads to tokenize)
+
+    stage(stages, "import ctranslate2 and sentencepiece")
+    name = "ctranslate2_int8" if args.precision == "int8" else "ctranslate2_float32"
+    model_dir = os.path.join(args.study_dir, f"softmax_u{args.updates}_s1", name)
+    translator = ctranslate2.Translator(model_dir, device="cpu", compute_type=args.precision.replace("fp32", "float32"),
+                                        intra_threads=1, inter_threads=1)
+    stage(stages, "load the model")
+    with open(os.path.join(args.prep, "test.spm.en")) as f:
+        sources = [line.split() for line in f]
+    stage(stages, "load the test set")
+    translator.translate_batch(sources, max_batch_size=args.batch_size, beam_size=4, length_penalty=1.0,
+                               max_decoding_length=max(len(s) for s in sources) + 50)
+    stage(stages, "decode the test set")
+    return {"stages": stages, "tensors": {}}
+
+
+def measure(engine: str, precision: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--precision", precision,
+           "--prep", args.prep, "--study-dir", args.study_dir, "--batch-size", str(args.batch_size),
+           "--updates", str(args.updates)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"memory_generate: {engine} {precision} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prep", default="outputs/multi30k", help="output of data-prep/prepare-multi30k.sh")
+    p.add_argument("--study-dir", default="outputs/quality", help="the quality study's checkpoints and conversions")
+    p.add_argument("--updates", type=int, default=1000, help="the checkpoints' --max-update (their directory names)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--precision", choices=["fp32", "int8"], default="int8")
+    p.add_argument("--csv", default=os.path.join(REPO, "benchmarks", "results", "memory_generate_multi30k_cpu.csv"))
+    p.add_argument("--child", choices=["rfa", "ct2"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps((rfa_child if args.child == "rfa" else ct2_child)(args)))
+        return 0
+    for path in (os.path.join(args.prep, "test.spm.en"), os.path.join(args.study_dir, f"softmax_u{args.updates}_s1")):
+        if not os.path.exists(path):
+            raise SystemExit(f"memory_generate: {path} is missing: run data-prep/prepare-multi30k.sh and "
+                             f"benchmarks/benchmark_generate.py (which converts the CTranslate2 models) first")
+    now, machine = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), machine_label()
+    rows = []
+    for engine in ("rfa", "ct2"):
+        for precision in ("fp32", "int8"):
+            result = measure(engine, precision, args)
+            common = {"engine": engine, "precision": precision, "batch_size": args.batch_size, "machine": machine,
+                      "measured_utc": now}
+            before = 0.0
+            for s in result["stages"]:
+                rows.append({**common, "kind": "stage", **s, "mb": round(s["rss_mb"] - before, 1)})
+                before = s["rss_mb"]
+                print(f"{engine} {precision}: {s['stage']:<40} RSS {s['rss_mb']:7.1f} MB  peak {s['peak_mb']:7.1f} MB")
+            for group, mb in result["tensors"].items():
+                rows.append({**common, "kind": "tensors", "stage": group, "mb": mb})
+                print(f"{engine} {precision}:   tensors: {group:<50} {mb:7.1f} MB")
+    tmp = args.csv + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, args.csv)
+    print(f"memory_generate: wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
