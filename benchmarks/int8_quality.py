@@ -9,8 +9,9 @@ hypotheses are identical. Rows already in the CSV are kept (--redo measures them
     python benchmarks/int8_quality.py --pair en-fr --prep outputs/multi30k_en_fr --checkpoint CKPT
 
 The rule docs/benchmarks.md applies: int8 BLEU within 0.3 of fp32's on every (pair, split). The CSV's `precision`
-column names the int8 scheme: int8 (7-bit activation codes, per row), or int8_u8, CTranslate2's scheme (8-bit codes
-with a +128 shift), measured at commit 4586dcd and not kept (docs/benchmarks.md).
+column names the int8 scheme: int8_fp16_state, the current one (7-bit activation codes, per row, and the causal
+layers' state in fp16), int8 (the same codes with an fp32 state, to commit 3f65de5), or int8_u8, CTranslate2's
+scheme (8-bit codes with a +128 shift), measured at commit 4586dcd and not kept (docs/benchmarks.md).
 """
 import argparse
 import csv
@@ -24,6 +25,7 @@ from benchmark_common import PLUGIN_DIR, detokenized_hypotheses, write_csv  # no
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "int8_quality_multi30k.csv")
 SPLITS = {"test": "test", "valid": "valid"}  # fairseq's --gen-subset -> the prepared references' prefix
+SCHEME = "int8_fp16_state"  # what --rfa-decode-precision int8 is now (the CSV's precision column)
 
 
 def translate(args, split: str, precision: str):
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
         return row["pair"], row["split"], row["checkpoint"], row.get("precision") or "int8"
 
     for split, prefix in SPLITS.items():
-        key = (args.pair, split, os.path.normpath(args.checkpoint), "int8")
+        key = (args.pair, split, os.path.normpath(args.checkpoint), SCHEME)
         if not args.redo and any(key_of(r) == key for r in rows):
             continue
         refs = open(os.path.join(args.prep, f"{prefix}.raw.{args.target}"), encoding="utf-8").read().splitlines()
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
         score = {precision: sacrebleu.corpus_bleu([h[i] for i in range(len(refs))], [refs]).score
                  for precision, h in hyps.items()}
         same = sum(hyps["fp32"][i] == hyps["int8"][i] for i in range(len(refs))) / len(refs)
-        row = {"pair": args.pair, "split": split, "checkpoint": key[2], "precision": "int8",
+        row = {"pair": args.pair, "split": split, "checkpoint": key[2], "precision": SCHEME,
                "sentences": len(refs), "bleu_fp32": f"{score['fp32']:.2f}", "bleu_int8": f"{score['int8']:.2f}",
                "int8_minus_fp32": f"{score['int8'] - score['fp32']:.2f}", "identical": f"{same:.4f}",
                "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}

@@ -123,7 +123,7 @@ def rfa_child(args) -> dict:
             group = {"weight": "packed weights (the library's layout or int8 codes)",
                      "rows_weight": "few-rows blocks (a second layout of the weights)"}.get(field, "scales, sums, biases")
             tensors[group] = tensors.get(group, 0.0) + tensor_mb(tensor)
-    return {"stages": stages, "tensors": {k: round(v, 1) for k, v in tensors.items()}}
+    return {"stages": stages, "tensors": {k: round(v, 3) for k, v in tensors.items()}}
 
 
 def ct2_child(args) -> dict:
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
                 before = s["rss_mb"]
                 print(f"{engine} {precision}: {s['stage']:<40} RSS {s['rss_mb']:7.1f} MB  peak {s['peak_mb']:7.1f} MB")
             for group, mb in result["tensors"].items():
-                rows.append({**common, "kind": "tensors", "stage": group, "mb": mb})
+                rows.append({**common, "kind": "tensors", "stage": group, "mb": round(mb, 1)})
                 print(f"{engine} {precision}:   tensors: {group:<50} {mb:7.1f} MB")
     tmp = args.csv + ".tmp"
     with open(tmp, "w", newline="") as f:

@@ -60,3 +60,44 @@ def test_benchmark_train_small_run_writes_csv(tmp_path):
     rows = _rows(tmp_path / csvs[0])
     assert {(r["kind"], int(r["length"])) for r in rows} == {(k, n) for k in ("softmax", "rfa") for n in (64, 256)}
     assert all(float(r["ms_fwd_bwd"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_memory_generate_reports_each_stage_and_the_weights_copies(tmp_path_factory):
+    """benchmarks/memory_generate.py's rfa process on a tiny trained model: every stage in order with its resident
+    and peak memory, and the tensors behind the weights: the parameters, the packed weights and the few-rows blocks
+    (where the CPU has them) beside them, int8's codes smaller than fp32's packed weights."""
+    import json
+
+    from cli_support import synthetic_data, train_generate_model
+
+    data = synthetic_data(tmp_path_factory)
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("memory_model"), max_update=5)
+    root = tmp_path_factory.mktemp("memory_layout")  # the layout the script reads: the study's and data-prep's
+    (root / "prep").mkdir()
+    (root / "prep" / "data-bin").symlink_to(data / "bin")
+    (root / "study" / "hedgehog_gate_softmax_cross_d32_u1000_s1").mkdir(parents=True)
+    (root / "study" / "hedgehog_gate_softmax_cross_d32_u1000_s1" / "checkpoint_best.pt").symlink_to(checkpoint)
+    packed = {}
+    for precision in ("fp32", "int8"):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(SCRIPTS, "memory_generate.py"), "--child", "rfa", "--precision", precision,
+             "--prep", str(root / "prep"), "--study-dir", str(root / "study"), "--batch-size", "8"],
+            capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if precision == "int8" and proc.returncode != 0 and "int8" in proc.stderr and "use fp32" in proc.stderr:
+            print(f"int8 decoding is unavailable here: {proc.stderr.strip().splitlines()[-1]}")
+            continue
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        stages = result["stages"]
+        assert [s["stage"] for s in stages] == ["python", "import torch", "import fairseq and the plugin",
+                                                "load the checkpoint", "load the test set", "build the generator",
+                                                "decode the test set"]
+        assert all(s["peak_mb"] >= s["rss_mb"] > 0 for s in stages)
+        assert stages[1]["rss_mb"] > stages[0]["rss_mb"] + 50  # importing torch is not free
+        tensors = result["tensors"]
+        assert tensors["parameters and buffers"] > 0
+        packed[precision] = tensors["packed weights (the library's layout or int8 codes)"]
+        assert packed[precision] > 0
+    if "int8" in packed:
+        assert packed["int8"] < packed["fp32"]
