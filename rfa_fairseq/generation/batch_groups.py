@@ -8,8 +8,8 @@ its iterator joins every N * BATCHES_PER_THREAD consecutive batches into one, ea
 alone and then padded to the longest on the side the dataset pads, and records which rows and columns of the joined
 source hold each batch (`user_batches`). The static beam search decodes N of them at a time, each on a thread, its
 encoder included, exactly as one thread decodes that batch alone: the same tokens and padding, so the same
-hypotheses and scores. The CLIs
-read a joined batch as any other (ids, sources, targets, row by row), and every generator decodes it correctly.
+hypotheses and scores. The CLIs read a joined batch as any other (ids, sources, targets, row by row), and every
+generator decodes it correctly.
 
 The record is keyed by the joined source tensor itself (weakly): fairseq-interactive rebuilds each batch's dict from
 its tensors, so a key inside the dict would not reach the generator; the batches are joined in the process that
@@ -31,11 +31,11 @@ logger = logging.getLogger(__name__)
 # a joined batch's source tokens -> for each user batch in it, its (rows, columns) of them
 _USER_BATCHES = WeakIdKeyDictionary()
 
-# keys of a LanguagePairDataset batch joined along the sentences; a batch with another key is left alone
+# the keys of a LanguagePairDataset batch that join_batches joins along the sentences (it refuses others; `joinable`
+# leaves the datasets whose batches have others, alignments and constraints, to fairseq's iterator)
 TOKEN_KEYS = {"src_tokens": "source", "prev_output_tokens": "target", "target": "target"}  # -> whose padding side
 ROW_KEYS = ("id", "src_lengths", "src_lang_id", "tgt_lang_id")
 COUNT_KEYS = ("nsentences", "ntokens")
-
 
 # a joined batch holds this many of the user's batches per thread: the threads take them in turn, largest first, and
 # finish about together (joined one per thread, a thread waited for the other's longer batch: 9 % of the time at
