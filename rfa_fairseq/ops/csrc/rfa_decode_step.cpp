@@ -182,8 +182,8 @@ template <typename S>
 __attribute__((target("avx2,fma,f16c"))) void update_and_read_out_avx2(const S* __restrict__ s_in, S* __restrict__ s_out,
                                                                        const float* __restrict__ q, const float* __restrict__ k,
                                                                        const float* __restrict__ v_aug, float g, float k_scale,
-                                                                       int64_t F, int64_t D1, float* __restrict__ acc) {
-  int64_t j = 0;
+                                                                       int64_t F, int64_t D1, float* __restrict__ acc,
+                                                                       int64_t j = 0) {  // from column j
   for (; j + 64 <= D1; j += 64) update_columns<8>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
   for (; j + 32 <= D1; j += 32) update_columns<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
   for (; j + 8 <= D1; j += 8) update_columns<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
@@ -240,16 +240,7 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void update_and_read_out_avx512
   int64_t j = 0;
   for (; j + 64 <= D1; j += 64) update_columns16<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
   for (; j + 16 <= D1; j += 16) update_columns16<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j + 8 <= D1; j += 8) update_columns<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j < D1; ++j) {  // the last columns (z's, the ones column of [v, 1], among them)
-    float sum = 0.0f;
-    for (int64_t f = 0; f < F; ++f) {
-      const float s = (s_in != nullptr ? g * state_load(s_in + f * D1 + j) : 0.0f) + k[f] * k_scale * v_aug[j];
-      state_store(s_out + f * D1 + j, s);
-      sum += q[f] * s;
-    }
-    acc[j] = sum;
-  }
+  update_and_read_out_avx2(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc, j);  // the columns left
 }
 
 template <typename S>
