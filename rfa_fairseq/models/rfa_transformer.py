@@ -274,11 +274,6 @@ class RFATransformerDecoder(TransformerDecoderBase):
             self._decoding.clear()
         return super().train(mode)
 
-    def prepare_for_inference_(self, cfg):
-        """fairseq-generate, fairseq-interactive and the hub call this before they ask their task for batches."""
-        super().prepare_for_inference_(cfg)
-        PREPARED_FOR_INFERENCE.add(self)
-
     def set_beam_size(self, beam_size: int) -> None:
         super().set_beam_size(beam_size)
         self.beam_size = int(beam_size)
