@@ -43,6 +43,12 @@ COUNT_KEYS = ("nsentences", "ntokens")
 BATCHES_PER_THREAD = 4
 
 
+def parts_at_once(requested: int) -> int:
+    """How many parts (joined user batches, or parts of one batch) are decoded at once, one thread each:
+    --rfa-decode-parts when set (> 0), else torch's threads."""
+    return requested or torch.get_num_threads()
+
+
 def user_batches(src_tokens: Tensor) -> Optional[List[Tuple[slice, slice]]]:
     """For a joined batch's source tokens: each user batch's (rows, columns) of them; None for any other batch."""
     return _USER_BATCHES.get(src_tokens)
@@ -63,7 +69,7 @@ def batches_at_once(task) -> int:
     if len(models) != 1 or not models[0].rfa_config.rfa_static_beam_search:
         return 1
     model = models[0]
-    n = model.rfa_config.rfa_decode_parts or torch.get_num_threads()
+    n = parts_at_once(model.rfa_config.rfa_decode_parts)
     try:
         native = model.decoder.decodes_natively()
     except ValueError:  # options that cannot decode here: the generator names them

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from ..modules.decoding import CUDAGraphBackend, DecodingState, StepGraphs
-from .batch_groups import user_batches
+from .batch_groups import parts_at_once, user_batches
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class StaticBeamSearchGenerator(nn.Module):
         parts = self._parts(net_input["src_tokens"], runtime, max_steps)
         if parts is None:
             return self._decode(self.lanes[0], runtime, net_input, prefix_tokens, bos, max_steps)
-        threads = min(len(parts), self.parts or torch.get_num_threads())
+        threads = min(len(parts), parts_at_once(self.parts))
         while len(self.part_lanes) < threads:
             self.part_lanes.append(Lane())
         if self._pool is None or self._pool.size != threads:
@@ -237,9 +237,10 @@ class StaticBeamSearchGenerator(nn.Module):
         free_lanes: "queue.SimpleQueue[Lane]" = queue.SimpleQueue()  # a lane serves one part at a time
         for lane in self.part_lanes[:threads]:
             free_lanes.put(lane)
-        src_tokens = net_input["src_tokens"]
-        N, S = src_tokens.shape[:2]
+        N, S = net_input["src_tokens"].shape[:2]
         sentences = list(range(N))
+        # each part's sentences, by their place in the batch
+        members = [sentences[rows] if isinstance(rows, slice) else rows.tolist() for rows, _ in parts]
 
         def decode_part(i: int):  # on a part thread: its encoder pass too
             rows, columns = parts[i]
@@ -253,15 +254,13 @@ class StaticBeamSearchGenerator(nn.Module):
                 free_lanes.put(lane)
 
         def size(i: int) -> int:  # a part's work, about: its sentences times their width
-            rows, columns = parts[i]
-            return (len(sentences[rows]) if isinstance(rows, slice) else rows.numel()) * len(range(S)[columns])
+            return len(members[i]) * len(range(S)[parts[i][1]])
 
         # the threads take the parts in turn, largest first, so that they finish about together
         order = sorted(range(len(parts)), key=size, reverse=True)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
         for i, hypos in zip(order, self._pool.map(decode_part, order)):
-            rows = parts[i][0]
-            for n, sentence in zip(sentences[rows] if isinstance(rows, slice) else rows.tolist(), hypos):
+            for n, sentence in zip(members[i], hypos):
                 finalized[n] = sentence
         return finalized
 
