@@ -18,10 +18,11 @@ One CSV row per (engine, precision, stage or tensor group).
 
     python benchmarks/memory_generate.py --prep outputs/multi30k --study-dir outputs/quality
 
-Files: benchmarks/results/memory_generate_multi30k_cpu.csv (rewritten whole; --redo is implied: a run is ~1 min).
+The checkpoints and CTranslate2 conversions are benchmark_generate.py's (`checkpoint_of`, `ct2_model_of`: trained and
+converted there when missing). Files: benchmarks/results/memory_generate_multi30k_cpu.csv (rewritten whole; a run is
+about a minute).
 """
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -29,7 +30,6 @@ import sys
 from datetime import datetime, timezone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RFA_VARIANT = "hedgehog_gate_softmax_cross_d32"
 FIELDS = ["engine", "precision", "batch_size", "kind", "stage", "rss_mb", "peak_mb", "mb", "machine", "measured_utc"]
 
 
@@ -42,13 +42,6 @@ def memory_mb():
             if name in ("VmRSS", "VmHWM"):
                 values[name] = int(rest.split()[0]) / 1024
     return values["VmRSS"], values["VmHWM"]
-
-
-def machine_label() -> str:
-    cpu = "cpu"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def stage(stages, name):
@@ -88,9 +81,8 @@ def rfa_child(args) -> dict:
     from rfa_fairseq.ops.decode_step import PackedLinear
 
     stage(stages, "import fairseq and the plugin")
-    checkpoint = os.path.join(args.study_dir, f"{RFA_VARIANT}_u{args.updates}_s1", "checkpoint_best.pt")
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-        [checkpoint], arg_overrides={"data": os.path.join(args.prep, "data-bin"), "rfa_decode_precision": args.precision})
+        [args.model], arg_overrides={"data": os.path.join(args.prep, "data-bin"), "rfa_decode_precision": args.precision})
     model = models[0]
     gc.collect()
     stage(stages, "load the checkpoint")
@@ -133,9 +125,7 @@ def ct2_child(args) -> dict:
     import sentencepiece  # noqa: F401  (what a CTranslate2 deployment loads to tokenize)
 
     stage(stages, "import ctranslate2 and sentencepiece")
-    name = "ctranslate2_int8" if args.precision == "int8" else "ctranslate2_float32"
-    model_dir = os.path.join(args.study_dir, f"softmax_u{args.updates}_s1", name)
-    translator = ctranslate2.Translator(model_dir, device="cpu", compute_type=args.precision.replace("fp32", "float32"),
+    translator = ctranslate2.Translator(args.model, device="cpu", compute_type=args.precision.replace("fp32", "float32"),
                                         intra_threads=1, inter_threads=1)
     stage(stages, "load the model")
     with open(os.path.join(args.prep, "test.spm.en")) as f:
@@ -147,10 +137,10 @@ def ct2_child(args) -> dict:
     return {"stages": stages, "tensors": {}}
 
 
-def measure(engine: str, precision: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--precision", precision,
-           "--prep", args.prep, "--study-dir", args.study_dir, "--batch-size", str(args.batch_size),
-           "--updates", str(args.updates)]
+def measure(engine: str, precision: str, model: str, args) -> dict:
+    """One engine's stages, in a process of its own; model: the rfa checkpoint or the CTranslate2 directory."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--precision", precision, "--model", model,
+           "--prep", args.prep, "--batch-size", str(args.batch_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
@@ -161,25 +151,37 @@ def measure(engine: str, precision: str, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prep", default="outputs/multi30k", help="output of data-prep/prepare-multi30k.sh")
-    p.add_argument("--study-dir", default="outputs/quality", help="the quality study's checkpoints and conversions")
-    p.add_argument("--updates", type=int, default=1000, help="the checkpoints' --max-update (their directory names)")
+    p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"), help="the quality study's --work-dir")
+    p.add_argument("--max-update", type=int, default=1000, help="the checkpoints' training updates")
+    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--precision", choices=["fp32", "int8"], default="int8")
     p.add_argument("--csv", default=os.path.join(REPO, "benchmarks", "results", "memory_generate_multi30k_cpu.csv"))
     p.add_argument("--child", choices=["rfa", "ct2"], help=argparse.SUPPRESS)
+    p.add_argument("--precision", choices=["fp32", "int8"], help=argparse.SUPPRESS)  # the child's
+    p.add_argument("--model", help=argparse.SUPPRESS)  # the child's checkpoint or CTranslate2 directory
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps((rfa_child if args.child == "rfa" else ct2_child)(args)))
         return 0
-    for path in (os.path.join(args.prep, "test.spm.en"), os.path.join(args.study_dir, f"softmax_u{args.updates}_s1")):
-        if not os.path.exists(path):
-            raise SystemExit(f"memory_generate: {path} is missing: run data-prep/prepare-multi30k.sh and "
-                             f"benchmarks/benchmark_generate.py (which converts the CTranslate2 models) first")
-    now, machine = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), machine_label()
+    if not os.path.exists(os.path.join(args.prep, "test.spm.en")):
+        raise SystemExit(f"memory_generate: {args.prep}/test.spm.en is missing: run data-prep/prepare-multi30k.sh first")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import benchmark_generate
+    from benchmark_common import write_csv
+
+    # benchmark_generate's study arguments, for its checkpoint_of / ct2_model_of
+    study = argparse.Namespace(study_dir=args.study_dir, prep=args.prep, max_update=args.max_update, seed=args.seed,
+                               device="cpu", variant_override={}, train_timeout=6 * 3600,
+                               study_csv=os.path.join(REPO, "benchmarks", "results", "quality_multi30k_cpu.csv"))
+    study.checkpoints = {m: benchmark_generate.checkpoint_of(study, m) for m in ("rfa", *benchmark_generate.CT2_MODELS)}
+    models = {("rfa", "fp32"): study.checkpoints["rfa"], ("rfa", "int8"): study.checkpoints["rfa"],
+              ("ct2", "fp32"): benchmark_generate.ct2_model_of(study, "ct2_softmax"),
+              ("ct2", "int8"): benchmark_generate.ct2_model_of(study, "ct2_softmax_int8")}
+    now, machine = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), benchmark_generate.machine("cpu")
     rows = []
     for engine in ("rfa", "ct2"):
         for precision in ("fp32", "int8"):
-            result = measure(engine, precision, args)
+            result = measure(engine, precision, models[engine, precision], args)
             common = {"engine": engine, "precision": precision, "batch_size": args.batch_size, "machine": machine,
                       "measured_utc": now}
             before = 0.0
@@ -190,12 +192,7 @@ def main(argv=None) -> int:
             for group, mb in result["tensors"].items():
                 rows.append({**common, "kind": "tensors", "stage": group, "mb": round(mb, 1)})
                 print(f"{engine} {precision}:   tensors: {group:<50} {mb:7.1f} MB")
-    tmp = args.csv + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, args.csv)
+    write_csv(args.csv, [{field: row.get(field, "") for field in FIELDS} for row in rows])
     print(f"memory_generate: wrote {args.csv}")
     return 0
 

@@ -73,16 +73,13 @@ def test_memory_generate_reports_each_stage_and_the_weights_copies(tmp_path_fact
 
     data = synthetic_data(tmp_path_factory)
     checkpoint = train_generate_model(data, tmp_path_factory.mktemp("memory_model"), max_update=5)
-    root = tmp_path_factory.mktemp("memory_layout")  # the layout the script reads: the study's and data-prep's
-    (root / "prep").mkdir()
-    (root / "prep" / "data-bin").symlink_to(data / "bin")
-    (root / "study" / "hedgehog_gate_softmax_cross_d32_u1000_s1").mkdir(parents=True)
-    (root / "study" / "hedgehog_gate_softmax_cross_d32_u1000_s1" / "checkpoint_best.pt").symlink_to(checkpoint)
+    prep = tmp_path_factory.mktemp("memory_prep")  # data-prep's layout: the binarized data under data-bin
+    (prep / "data-bin").symlink_to(data / "bin")
     packed = {}
     for precision in ("fp32", "int8"):
         proc = subprocess.run(
             [sys.executable, os.path.join(SCRIPTS, "memory_generate.py"), "--child", "rfa", "--precision", precision,
-             "--prep", str(root / "prep"), "--study-dir", str(root / "study"), "--batch-size", "8"],
+             "--model", str(checkpoint), "--prep", str(prep), "--batch-size", "8"],
             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if precision == "int8" and proc.returncode != 0 and "int8" in proc.stderr and "use fp32" in proc.stderr:
             print(f"int8 decoding is unavailable here: {proc.stderr.strip().splitlines()[-1]}")
