@@ -105,6 +105,62 @@ def test_static_search_equals_sequence_generator_on_model_variants(flags, kernel
     assert_sentences_end_apart(got, ran)
 
 
+class OneStepAtATime:
+    """A runtime's program whose search_steps runs the same steps one native search_step each, checking around each
+    that it decoded only the places still translating: the causal states it wrote fill the first (live places x
+    beam) rows of their buffers and leave the finished places' rows as they were."""
+
+    def __init__(self, program):
+        self.program, self.steps_with_finished_places = program, 0
+
+    def __getattr__(self, name):
+        return getattr(self.program, name)
+
+    def search_steps(self, batch, native_search, t0, parity, read, last_step, max_len):
+        search = OneStepAtATime.search  # the _Search whose NativeSearch this is (recorded by _Search.native)
+        N, K = search.N, search.K
+        t = t0
+        while True:
+            live = int((~search.finished[:N]).sum())
+            written = [layer.self_attn.states[1 - read] for layer in search.state.layers]
+            before = [w[: N * K].clone() for w in written]
+            finished = self.program.search_step(batch, native_search, t, parity, read, t == 0, t >= max_len)
+            if 0 < live < N:
+                self.steps_with_finished_places += 1
+                for w, old in zip(written, before):
+                    assert torch.equal(w[live * K: N * K], old[live * K:]), f"step {t} wrote a finished place's rows"
+                    assert not torch.equal(w[: live * K], old[: live * K]), f"step {t} wrote no live row"
+            parity, read = 1 - parity, 1 - read
+            if t >= last_step or 2 * finished >= N:
+                return t, finished
+            t += 1
+
+
+def test_the_native_step_decodes_only_the_places_still_translating(monkeypatch):
+    """Sentences that finish before the batch halves cost no more rows: each native step decodes the places still
+    translating (their rows packed to the front, the finished places' states untouched), and the hypotheses and
+    scores stay SequenceGenerator's."""
+    cpp_extension()
+    model, d = eos_varying_model([])
+    sample = sample_of(d)
+    with torch.no_grad():
+        runtime = model.decoder.decoding_runtime()
+    stepper = OneStepAtATime(runtime.program)
+    native = static_beam_search._Search.native
+
+    def recorded_native(self):
+        OneStepAtATime.search = self
+        return native(self)
+
+    monkeypatch.setattr(static_beam_search._Search, "native", recorded_native)
+    monkeypatch.setattr(runtime, "program", stepper)
+    want, got, ran = search_both(model, d, sample, monkeypatch)
+    assert ran["runtime"] is runtime and ran["python_steps"] == 0, ran
+    assert stepper.steps_with_finished_places > 0, "no step ran with finished places: the test checks nothing"
+    assert_same_hypotheses(want, got)
+    assert_sentences_end_apart(got, ran)
+
+
 def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(monkeypatch):
     """--rfa-decode-precision int8: the native search step and SequenceGenerator (the decoder's DecodingState on the
     same int8 native kernels) give the same hypotheses and scores; the int8 linear layers really ran."""

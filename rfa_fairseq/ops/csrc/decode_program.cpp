@@ -446,7 +446,7 @@ void DecodeProgram::check_decode(const NativeBatch& batch, const at::Tensor& tok
 
 at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                                  const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
-                                 const at::Tensor& weights, int64_t beam) const {
+                                 const at::Tensor& weights, int64_t beam, const at::Tensor& sentences) const {
   const int64_t R = tokens.size(0);
   at::Tensor x;
   {
@@ -490,10 +490,10 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
         if (cross.kind == kCrossSoftmax) {
           const bool last = i + 1 == layers.size();
           softmax_cross_step(q, batch.keys[i], batch.values[i], batch.key_biases[i], beam, cross.scaling, out,
-                             last ? weights : at::Tensor());
+                             last ? weights : at::Tensor(), sentences);
         } else {
           rfa_cross_step(q, batch.cross_states[i], beam, cross.eps, cross.map.kind, cross.map.sigma, cross.map.matrix,
-                         out);
+                         out, sentences);
         }
       }
       y = lib.linear(cross.out_proj, out, false, x);
@@ -561,11 +561,35 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   at::Tensor& next_scores = parity == 0 ? s.scores1 : s.scores0;
   const int64_t L = tokens.size(1);
   at::Tensor position = s.positions.defined() ? s.positions.narrow(0, t, 1) : at::Tensor();
-  // the first step decodes one row per sentence: its beams are copies of one hypothesis (BOS, no state), and only
-  // the first beam's candidates count; those rows' states go to rows 0 .. N - 1, which the reorder below names
-  at::Tensor last_tokens = first ? tokens.select(1, t).slice(0, 0, R, K).contiguous() : tokens.select(1, t).contiguous();
-  at::Tensor logits = decode(batch, last_tokens, position, s.order.narrow(0, 0, R), read, first, false, at::Tensor(),
-                             first ? 1 : K);
+  bool* finished = s.finished.data_ptr<bool>();
+  // the places still translating, each decoded at its place among them (p): a finished place finalizes nothing
+  // more, its rows' logits and states would be dropped (a batch halves only when half its places have finished)
+  std::vector<int64_t> live;
+  for (int64_t n = 0; n < N; ++n) {
+    if (!finished[n]) live.push_back(n);
+  }
+  const int64_t live_places = static_cast<int64_t>(live.size());
+  if (live_places == 0) {
+    s.step.fill_(t + 1);
+    return N;
+  }
+  const bool all_live = live_places == N;
+  at::Tensor last_tokens, state_order, sentences;
+  if (first) {
+    // the first step decodes one row per sentence: its beams are copies of one hypothesis (BOS, no state), and only
+    // the first beam's candidates count; those rows' states go to rows 0 .. N - 1, which the reorder below names
+    last_tokens = tokens.select(1, t).slice(0, 0, R, K).contiguous();
+  } else if (all_live) {
+    last_tokens = tokens.select(1, t).contiguous();
+    state_order = s.order.narrow(0, 0, R);
+  } else {  // the live places' rows, packed: row p * K + b is place live[p]'s beam b
+    sentences = at::tensor(live, s.order.options());
+    const at::Tensor rows = (sentences.unsqueeze(1) * K + at::arange(K, s.order.options())).view(-1);
+    last_tokens = tokens.select(1, t).index_select(0, rows);
+    state_order = s.order.index_select(0, rows);
+  }
+  at::Tensor logits = decode(batch, last_tokens, position, state_order, read, first, false, at::Tensor(),
+                             first ? 1 : K, sentences);
   const int64_t V = logits.size(1);
   const int64_t k = std::min(2 * K, (first ? V : K * V) - 1);  // -1: never pad (SequenceGenerator)
   const int64_t beams = first ? 1 : K;  // the first step: a sentence's beams are one hypothesis
@@ -578,7 +602,6 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   float* cand_scores = s.cand_scores.data_ptr<float>();
   int64_t* cand_indices = s.cand_indices.data_ptr<int64_t>();
   bool* ignore = s.cands_to_ignore.data_ptr<bool>();
-  bool* finished = s.finished.data_ptr<bool>();
   int64_t* fin_count = s.fin_count.data_ptr<int64_t>();
   int64_t* fin_tok = s.fin_tokens.data_ptr<int64_t>();
   float* fin_sc = s.fin_scores.data_ptr<float>();
@@ -589,18 +612,19 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   const int64_t eos = s.eos, pad = s.pad, unk = s.unk, Ls = L - 1;
 
   RECORD_FUNCTION("rfa::search", std::vector<c10::IValue>());
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, live_places, 1, [&](int64_t begin, int64_t end) {
     std::vector<char> eos_mask(k), ended(k);
     std::vector<int64_t> active(K);
     std::vector<float> row_max(beams), row_log_sum(beams), row_add(beams);
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = live[p];
+      auto row = [&](int64_t b) { return lg + (first ? p : p * K + b) * ldl; };  // the logits of place p
       // candidates: per beam, log_softmax(logits) with the masks (pad never, unk penalized, EOS only from the
       // minimum length and alone at the last step) plus the beam's score so far; the k best over the beams
       for (int64_t b = 0; b < beams; ++b) {
-        row_log_sum_exp(lg + (first ? n : n * K + b) * ldl, V, &row_max[b], &row_log_sum[b]);
+        row_log_sum_exp(row(b), V, &row_max[b], &row_log_sum[b]);
         row_add[b] = first ? 0.0f : sc[(n * K + b) * Ls + t - 1];
       }
-      auto row = [&](int64_t b) { return lg + (first ? n : n * K + b) * ldl; };
       auto value = [&](int64_t b, int64_t v) {
         if (v == pad || (last && v != eos)) return kNegInf;
         float lp = (row(b)[v] - row_max[b]) - row_log_sum[b];
@@ -657,7 +681,8 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
         const int64_t c = active[j], row_j = n * K + j;
         ignore[row_j] = ended[c];
         const int64_t source = n * K + ci[c] / V;
-        order[row_j] = first ? n : source;  // the state row to continue (the first step wrote one per sentence)
+        // the state row to continue: the first step wrote one per sentence, later steps one per live row
+        order[row_j] = first ? p : p * K + ci[c] / V;
         std::copy(tok + source * L, tok + source * L + t + 1, next_tok + row_j * L);
         next_tok[row_j * L + t + 1] = ci[c] % V;
         std::copy(sc + source * Ls, sc + source * Ls + t, next_sc + row_j * Ls);

@@ -163,18 +163,21 @@ class DecodeProgram {
 
   // logits (R, V) of one step for tokens (R,) int64 at positions (R, C), (1, C) or undefined; the causal states read
   // parity `read` through `order` (undefined: row r reads row r; ignored when first) and write the other buffer; row
-  // r reads source sentence r / beam. weights: (R, S) the last layer's head-averaged softmax cross-attention weights,
-  // or undefined (not wanted). The caller has checked the tensors (check_decode).
+  // r reads source sentence r / beam (or sentences[r / beam]: rfa_kernels.h). weights: (R, S) the last layer's
+  // head-averaged softmax cross-attention weights, or undefined (not wanted). The caller has checked the tensors
+  // (check_decode).
   at::Tensor decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& order, int64_t read, bool first, bool padded_inputs, const at::Tensor& weights,
-                    int64_t beam) const;
+                    int64_t beam, const at::Tensor& sentences = at::Tensor()) const;
   void check_decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& order, int64_t read, bool first, const at::Tensor& weights, int64_t beam) const;
 
   // the static beam search's whole step t, reading its tokens/scores pair `parity` (the causal states: `read`):
   // decode, log-softmax with the masks and the 2K best candidates per place, finalization, and the reorder into
-  // the other pair (search.order: the beam order the next step's causal layers apply). -> how many places have
-  // finished (search.finished), so that the host reads no buffer at a step that halves nothing.
+  // the other pair (search.order: the beam order the next step's causal layers apply). Only the places still
+  // translating are decoded: their rows packed to the front (the causal states written there, search.order naming
+  // them), a finished place's rows left as they are. -> how many places have finished (search.finished), so that
+  // the host reads no buffer at a step that halves nothing.
   int64_t search_step(const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity, int64_t read,
                       bool first, bool last) const;
   // search_step at t = t0, t0 + 1, ... (the first step at t = 0; the last, EOS only, at t = max_len), the buffer

@@ -535,8 +535,36 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   }
 }
 
+namespace {
+
+// row r's sentence: r / beam, or sentences[r / beam] (rfa_kernels.h); checks that `sentences` names rows of N
+struct SentenceOfRow {
+  const int64_t* sentences = nullptr;
+  int64_t beam = 1;
+  SentenceOfRow(const torch::Tensor& given, int64_t R, int64_t N, int64_t beam_, const char* kernel) : beam(beam_) {
+    TORCH_CHECK(beam >= 1, kernel, ": beam must be positive, got ", beam);
+    if (!given.defined()) {
+      TORCH_CHECK(R <= N * beam, kernel, ": ", R, " rows for ", N, " sentences x beam ", beam);
+      return;
+    }
+    const int64_t groups = (R + beam - 1) / beam;
+    TORCH_CHECK(given.device().is_cpu() && given.scalar_type() == torch::kInt64 && given.dim() == 1 &&
+                    given.is_contiguous() && given.numel() >= groups,
+                kernel, ": sentences must be a contiguous int64 CPU vector of ", groups, " or more entries");
+    sentences = given.data_ptr<int64_t>();
+    for (int64_t g = 0; g < groups; ++g) {
+      TORCH_CHECK(sentences[g] >= 0 && sentences[g] < N, kernel, ": sentences[", g, "] = ", sentences[g],
+                  " is not one of ", N);
+    }
+  }
+  int64_t operator()(int64_t r) const { return sentences == nullptr ? r / beam : sentences[r / beam]; }
+};
+
+}  // namespace
+
 void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out) {
+                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out,
+                    const torch::Tensor& sentences) {
   const int64_t R = q.size(0), N = cross_state.size(0), H = cross_state.size(1), F = cross_state.size(2);
   const int64_t D1 = cross_state.size(3), d = D1 - 1;
   TORCH_CHECK(activation != kFeatures, "rfa cross step: the map is applied here (to raw queries or a learned affine "
@@ -547,7 +575,7 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
   check_rows(out, R, H * d, "out");
   TORCH_CHECK(cross_state.device().is_cpu() && cross_state.is_contiguous() && cross_state.scalar_type() == torch::kFloat32,
               "rfa cross step: the state must be a contiguous fp32 (sentences, heads, F, head_dim + 1) tensor");
-  TORCH_CHECK(beam >= 1 && R <= N * beam, "rfa cross step: ", R, " rows for ", N, " sentences x beam ", beam);
+  const SentenceOfRow sentence_of(sentences, R, N, beam, "rfa cross step");
   const float* qp = q.data_ptr<float>();
   const float* sp = cross_state.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -556,7 +584,7 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D1), q_buf(F), scratch(std::max(F, d));
     for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / H, h = rh % H, n = r / beam;
+      const int64_t r = rh / H, h = rh % H, n = sentence_of(r);
       const float* phi = head_features(qp + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
       const float* state = sp + (n * H + h) * F * D1;
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -570,7 +598,7 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
 
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                         const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
-                        const torch::Tensor& weights) {
+                        const torch::Tensor& weights, const torch::Tensor& sentences) {
   const int64_t R = q.size(0), N = key.size(0), H = key.size(1), S = key.size(2), d = key.size(3), C = H * d;
   check_rows(q, R, C, "q");
   check_rows(out, R, C, "out");
@@ -578,7 +606,7 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
                   value.scalar_type() == torch::kFloat32 && key.is_contiguous() && value.is_contiguous() &&
                   value.sizes() == key.sizes(),
               "rfa static step: key and value must be contiguous fp32 CPU (sentences, heads, source, head_dim)");
-  TORCH_CHECK(beam >= 1 && R <= N * beam, "rfa static step: ", R, " rows for ", N, " sentences x beam ", beam);
+  const SentenceOfRow sentence_of(sentences, R, N, beam, "rfa static step");
   const bool biased = key_bias.defined();
   if (biased) {
     TORCH_CHECK(key_bias.device().is_cpu() && key_bias.scalar_type() == torch::kFloat32 && key_bias.is_contiguous() &&
@@ -600,7 +628,7 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(d), p(S);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = r / beam;
+      const int64_t n = sentence_of(r);
       float* w_row = want_weights ? wp + r * ldw : nullptr;
       if (w_row != nullptr) std::fill(w_row, w_row + S, 0.0f);
       for (int64_t h = 0; h < H; ++h) {

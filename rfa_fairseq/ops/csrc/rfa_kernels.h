@@ -44,14 +44,16 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
                        int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix);
-// RFA cross-attention of one step: phi(q) . S over the per-sentence states (N, H, F, d + 1), row r reading
-// sentence r / beam; q (R, H * P): raw per-head queries (P = d) or a learned affine map's pre-activations (P = D),
-// the map applied here; out (R, H * d)
+// The cross-attention steps: row r reads sentence r / beam, or sentences[r / beam] where `sentences` (int64) is given
+// (the native search's rows of the places still translating).
+// RFA cross-attention of one step: phi(q) . S over the per-sentence states (N, H, F, d + 1); q (R, H * P): raw
+// per-head queries (P = d) or a learned affine map's pre-activations (P = D), the map applied here; out (R, H * d)
 void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out);
+                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out,
+                    const torch::Tensor& sentences = torch::Tensor());
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                         const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
-                        const torch::Tensor& weights);
+                        const torch::Tensor& weights, const torch::Tensor& sentences = torch::Tensor());
 void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
                     const torch::Tensor& beta, double eps, const torch::Tensor& out);
 void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
