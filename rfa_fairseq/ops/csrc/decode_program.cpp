@@ -280,11 +280,17 @@ namespace {
 at::Tensor rows_of(const at::Tensor& t) { return !t.defined() || t.stride(1) == 1 ? t : t.contiguous(); }
 }  // namespace
 
-// The few-rows kernel where it beats oneDNN on the step's shapes in both precisions (benchmarks/benchmark_few_rows.py,
-// benchmarks/results/few_rows_cpu.csv, AMD EPYC): up to 8 rows on every product (1.13-5x), up to 32 on the layers'
-// (1.17-1.8x at 32; not the vocabulary's, whose weights outgrow the caches: a tie from 16 rows)
-bool LinearLibrary::few_rows(const LinearLayer& layer, int64_t rows) {
-  return layer.rows_weight.defined() && (rows <= 8 || (rows <= 32 && layer.out_features <= 1024));
+// The few-rows kernel where it beats oneDNN on the step's shapes (benchmarks/benchmark_few_rows.py,
+// benchmarks/results/few_rows_cpu.csv, AMD EPYC): fp32 on every product up to 128 rows (1.02-1.16x at 128, 1.07-1.34x
+// at 64: oneDNN's cost per call); int8 up to 8 rows on every product (1.15-5x), up to 32 on the layers' (1.17-1.8x;
+// not the vocabulary's, whose weights outgrow the caches: a tie from 16 rows), up to 64 on those of <= 516 outputs
+// (1.12-1.37x) and up to 128 on the 256 x 256 ones (1.16x)
+bool LinearLibrary::few_rows(const LinearLayer& layer, int64_t rows, int64_t in_features) const {
+  if (!layer.rows_weight.defined()) return false;
+  if (gemm_ == kGemmOneDNN) return rows <= 128;
+  const int64_t out = layer.out_features;
+  return rows <= 8 || (rows <= 32 && out <= 1024) || (rows <= 64 && out <= 516) ||
+         (rows <= 128 && out <= 256 && in_features <= 256);
 }
 
 at::Tensor LinearLibrary::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
@@ -297,7 +303,7 @@ at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::
                                             const at::Tensor& residual) const {
   switch (gemm_) {
     case kGemmOneDNN: {
-      if (few_rows(layer, x.size(0))) {
+      if (few_rows(layer, x.size(0), x.size(1))) {
         const at::Tensor input = rows_of(x);
         at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
         few_rows_linear_fp32(input, layer.rows_weight, layer.bias, rows_of(residual), relu, y);
@@ -318,7 +324,7 @@ at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::
       at::Tensor codes = at::empty(input.sizes(), input.options().dtype(at::kByte));
       at::Tensor row_scales = at::empty({input.size(0)}, input.options());
       quantize_rows(input, codes, row_scales);
-      if (few_rows(layer, input.size(0))) {
+      if (few_rows(layer, input.size(0), input.size(1))) {
         at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
         few_rows_linear_int8(codes, row_scales, layer.rows_weight, layer.rows_sums, layer.w_scales, layer.bias,
                              rows_of(residual), relu, y);

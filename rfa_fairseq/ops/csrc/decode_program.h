@@ -72,7 +72,8 @@ class LinearLibrary {
   Gemm gemm() const { return gemm_; }
 
  private:
-  static bool few_rows(const LinearLayer& layer, int64_t rows);  // whether the few-rows kernel takes this product
+  // whether the few-rows kernel takes this product of rows x in_features
+  bool few_rows(const LinearLayer& layer, int64_t rows, int64_t in_features) const;
   Gemm gemm_;
   std::optional<c10::OperatorHandle> linear_op_, linear_add_op_, qlinear_op_;
 };
