@@ -38,9 +38,11 @@ ROW_KEYS = ("id", "src_lengths", "src_lang_id", "tgt_lang_id")
 COUNT_KEYS = ("nsentences", "ntokens")
 
 # a joined batch holds this many of the user's batches per thread: the threads take them in turn, largest first, and
-# finish about together (joined one per thread, a thread waited for the other's longer batch: 9 % of the time at
-# batch 32 on Multi30k, docs/benchmarks.md)
-BATCHES_PER_THREAD = 4
+# finish about together; each joined batch ends with one thread waiting for the other's last batch, so fewer, larger
+# joins lose less (int8 at 2 threads on Multi30k's test set, fairseq-generate: batch 32 658 -> 692 -> 704 sentences/s
+# at 4 / 8 / 16 per thread; docs/benchmarks.md). Only the printing waits for a joined batch: it is decoded a batch at
+# a time per thread.
+BATCHES_PER_THREAD = 16
 
 
 def parts_at_once(requested: int) -> int:
