@@ -569,10 +569,11 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   at::Tensor position = s.positions.defined() ? s.positions.narrow(0, t, 1) : at::Tensor();
   bool* finished = s.finished.data_ptr<bool>();
   // the places still translating, each decoded at its place among them (p): a finished place finalizes nothing
-  // more, its rows' logits and states would be dropped (a batch halves only when half its places have finished)
+  // more, its rows' logits and states would be dropped (a batch halves only when half its places have finished);
+  // the first step decodes every place (its rows are one per sentence)
   std::vector<int64_t> live;
   for (int64_t n = 0; n < N; ++n) {
-    if (!finished[n]) live.push_back(n);
+    if (first || !finished[n]) live.push_back(n);
   }
   const int64_t live_places = static_cast<int64_t>(live.size());
   if (live_places == 0) {
