@@ -112,12 +112,13 @@ class OneStepAtATime:
 
     def __init__(self, program):
         self.program, self.steps_with_finished_places = program, 0
+        self.search = None  # the _Search whose NativeSearch the calls get (recorded by _Search.native)
 
     def __getattr__(self, name):
         return getattr(self.program, name)
 
     def search_steps(self, batch, native_search, t0, parity, read, last_step, max_len):
-        search = OneStepAtATime.search  # the _Search whose NativeSearch this is (recorded by _Search.native)
+        search = self.search
         N, K = search.N, search.K
         t = t0
         while True:
@@ -148,9 +149,9 @@ def test_the_native_step_decodes_only_the_places_still_translating(monkeypatch):
     stepper = OneStepAtATime(runtime.program)
     native = static_beam_search._Search.native
 
-    def recorded_native(self):
-        OneStepAtATime.search = self
-        return native(self)
+    def recorded_native(search):
+        stepper.search = search
+        return native(search)
 
     monkeypatch.setattr(static_beam_search._Search, "native", recorded_native)
     monkeypatch.setattr(runtime, "program", stepper)

@@ -21,10 +21,11 @@ On the CPU the whole step is native (the decoding runtime's program, ops/csrc/de
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
 the steps until the batch halves or ends, without Python (or the GIL) between them; each of those steps decodes
 only the places still translating (their rows packed to the front, `order` naming the state rows it wrote), so a
-finished sentence costs nothing before the halving either (~7 % of the places' steps on Multi30k's test set). At N threads the CLIs' batches
-come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder and search, on its own
-thread, as one thread decodes it alone; a batch of its own is split into N parts where each part keeps enough
-sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer sentences.
+finished sentence costs nothing before the halving either (~7 % of the places' steps on Multi30k's test set). At N
+threads the CLIs' batches come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder
+and search, on its own thread, as one thread decodes it alone; a batch of its own is split into N parts where each
+part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer
+sentences.
 
 The arithmetic follows SequenceGenerator._generate and search.BeamSearch.step operation by operation
 (same masks, same fp32 additions, same top-k over 2 * beam candidates, same finalization and length
