@@ -31,7 +31,7 @@ from fairseq.models.transformer import (
     transformer_wmt_en_de,
     transformer_wmt_en_de_big,
 )
-from fairseq.modules import MultiheadAttention
+from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, SinusoidalPositionalEmbedding
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
@@ -46,10 +46,12 @@ from ..modules.decoding import (
     LayerCache,
     NormRecord,
     PackedLinears,
+    RuntimeCache,
     beam_layout,
     feed_forward,
     step_graphs_for,
 )
+from ..modules.encoding import EncoderLayerRecord, EncodingRuntime
 from ..modules.rfa_attention import CausalRecord
 from ..ops import step_kernels
 
@@ -95,7 +97,7 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
 
     def forward(self, x, encoder_padding_mask, attn_mask=None):
         kernels = None
-        if not (self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc) and self._plain():
+        if not (self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc) and self.plain():
             kernels = self._step_kernels(x)
         if kernels is None:
             return super().forward(x, encoder_padding_mask, attn_mask)
@@ -113,7 +115,8 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
             self._packed.kernels = (where, kernels)
         return self._packed.kernels[1]
 
-    def _plain(self) -> bool:
+    def plain(self) -> bool:
+        """Whether the self-attention is fairseq's plain one (no bias_kv, zero attention, xformers): inference's."""
         attn = self.self_attn
         return (type(attn) is MultiheadAttention and attn.bias_k is None and not attn.add_zero_attn
                 and not attn.use_xformers)
@@ -121,6 +124,16 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
     def _linear(self, name: str, kernels, *modules):
         """The linear layers `modules` (one, or q, k, v as one) packed for the kernels."""
         return self._packed.get(name, kernels, modules)
+
+    def encoding_record(self, kernels) -> EncoderLayerRecord:
+        """What the encoder's native pass reads of this layer (modules/encoding.py), packed as `_infer` packs it."""
+        attn = self.self_attn
+        return EncoderLayerRecord(
+            self._linear("qkv", kernels, attn.q_proj, attn.k_proj, attn.v_proj),
+            self._linear("out_proj", kernels, attn.out_proj), NormRecord.of(self.self_attn_layer_norm),
+            self._linear("fc1", kernels, self.fc1), self._linear("fc2", kernels, self.fc2),
+            FFN_ACTIVATIONS[self.activation_fn], NormRecord.of(self.final_layer_norm), self.normalize_before,
+            attn.num_heads, attn.head_dim)
 
     def _infer(self, x, key_padding_mask, kernels):
         """x (T, B, C), key_padding_mask (B, T) bool or None -> the layer's output (T, B, C)."""
@@ -247,10 +260,66 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
+    """fairseq's encoder with softmax (default) or RFA self-attention layers. Inference where the decoding step is
+    native (the CPU in fp32 weights) runs as one native call (modules/encoding.py's EncodingRuntime, built once per
+    weights): the same output as fairseq's forward, which runs everything else."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
+        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
+        self._encoding = RuntimeCache()  # the native pass's runtime (None where it cannot run), per weights
+
     def build_encoder_layer(self, cfg):
         if not getattr(cfg, RFA_CONFIG).rfa_encoder_self_attn:
             return _wrap_layer(SoftmaxEncoderLayer(cfg, return_fc=self.return_fc), cfg)
         return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+
+    def train(self, mode: bool = True):
+        if mode:  # a training step changes the weights through .data, which the runtime's key cannot see
+            self._encoding.clear()
+        return super().train(mode)
+
+    def forward_scriptable(self, src_tokens, src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False,
+                           token_embeddings: Optional[Tensor] = None):
+        if not (self.training or torch.is_grad_enabled() or return_all_hiddens or token_embeddings is not None):
+            runtime = self.encoding_runtime()
+            if runtime is not None:
+                return runtime.encode(self, src_tokens)
+        return super().forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
+
+    def encoding_runtime(self) -> Optional[EncodingRuntime]:
+        """The native pass's runtime for the current weights and options, or None where fairseq's forward runs."""
+        weight = self.embed_tokens.weight
+        options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
+        return self._encoding.get(self, options, self._build_runtime)
+
+    def _build_runtime(self) -> Optional[EncodingRuntime]:
+        if self._native_unsupported() is not None:
+            return None
+        weight = self.embed_tokens.weight
+        try:
+            kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype,
+                                   self.rfa.rfa_decode_precision)
+        except ValueError:  # options that cannot run here: fairseq's forward (the decoder names them)
+            return None
+        return EncodingRuntime(self, kernels) if kernels.native else None
+
+    def _native_unsupported(self) -> Optional[str]:
+        """What of this encoder the native pass does not run (fairseq's forward does), or None."""
+        positions = self.embed_positions
+        if self.quant_noise is not None or self.return_fc:
+            return "quant noise on the embeddings or return_fc"
+        if positions is not None and (type(positions) not in (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
+                                      or positions.padding_idx is None):
+            return f"position embeddings {type(positions).__name__}"
+        for i, layer in enumerate(self.layers):
+            if type(layer) is not SoftmaxEncoderLayer:
+                return f"layer {i} is a {type(layer).__name__} (RFA self-attention, activation checkpointing, FSDP)"
+            if not layer.plain() or layer.return_fc:
+                return f"layer {i}: self-attention with bias_kv, zero attention or xformers"
+            if layer.activation_fn not in FFN_ACTIVATIONS:
+                return f"layer {i}: the FFN activation {getattr(layer.activation_fn, '__name__', layer.activation_fn)}"
+        return None
 
 
 class RFATransformerDecoder(TransformerDecoderBase):
@@ -347,15 +416,15 @@ class RFATransformerDecoder(TransformerDecoderBase):
         weights' device and dtype, the layers' records, the native program. Built once and again only when a
         parameter or buffer changes (or after training, which updates them through .data)."""
         self._check_can_decode()
-        key = self._runtime_key()
-        if self._decoding.runtime is None or self._decoding.key != key:
-            kernels = self._step_kernels()
-            if self._logged_kernels != (kernels.name, kernels.gemm):  # once per decoder (and when the choice changes)
-                self._logged_kernels = (kernels.name, kernels.gemm)
-                logger.info(f"rfa_fairseq: decoding step: {'native' if kernels.native else 'torch'} "
-                            f"({kernels.name}); linear layers: {kernels.gemm}")
-            self._decoding.set_runtime(key, DecodingRuntime(self, kernels))
-        return self._decoding.runtime
+        return self._decoding.get(self, self._runtime_options(), self._build_runtime)
+
+    def _build_runtime(self) -> DecodingRuntime:
+        kernels = self._step_kernels()
+        if self._logged_kernels != (kernels.name, kernels.gemm):  # once per decoder (and when the choice changes)
+            self._logged_kernels = (kernels.name, kernels.gemm)
+            logger.info(f"rfa_fairseq: decoding step: {'native' if kernels.native else 'torch'} "
+                        f"({kernels.name}); linear layers: {kernels.gemm}")
+        return DecodingRuntime(self, kernels)
 
     def _step_kernels(self):
         weight = self.embed_tokens.weight
@@ -369,12 +438,11 @@ class RFATransformerDecoder(TransformerDecoderBase):
     def has_decoding_runtime(self) -> bool:
         """Whether decoding_runtime() has its runtime built for the current weights and options (the static beam
         search then skips its warm-up: hub.translate builds a generator per call)."""
-        return self._decoding.runtime is not None and self._decoding.key == self._runtime_key()
+        return self._decoding.has_runtime(self, self._runtime_options())
 
-    def _runtime_key(self) -> tuple:
+    def _runtime_options(self) -> tuple:
         weight = self.embed_tokens.weight
-        options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
-        return options, self._decoding.weights.key(self)
+        return self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype
 
     def _native_unsupported(self) -> Optional[str]:
         """What of this decoder the native program cannot run (then the kernel choice takes the torch step), or None."""

@@ -301,29 +301,59 @@ class StateBuffers:
         self.inputs: Dict[str, Tensor] = {}
 
 
-class DecodingCache:
-    """What a decoder keeps between batches: its runtime (with the key it was built for) and the buffers of the last
-    batch it started, which the next batch decodes on once that batch's state is gone (one set at most: a batch that
-    starts while the last one is still decoding gets buffers of its own). A cache: copies and pickles of a model start
-    with an empty one (oneDNN's packed tensors and the native program cannot be copied)."""
+class RuntimeCache:
+    """A runtime a module builds from its weights (the decoder's DecodingRuntime, the encoder's EncodingRuntime), with
+    the key it was built for: `get(module, options, build)` returns it while the options and the module's tensors
+    (WeightsWatch) stay the same, and builds it again otherwise. A cache: copies and pickles of a model start with an
+    empty one (oneDNN's packed tensors and the native programs cannot be copied)."""
 
     def __init__(self):
         self.key, self.runtime = None, None
-        self.weights = WeightsWatch()  # what the runtime's key reads of the decoder's tensors
+        self.weights = WeightsWatch()  # what the runtime's key reads of the module's tensors
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def clear(self) -> None:
+        self.key, self.runtime = None, None
+
+    def current_key(self, module: torch.nn.Module, options: tuple) -> tuple:
+        return options, self.weights.key(module)
+
+    def has_runtime(self, module: torch.nn.Module, options: tuple) -> bool:
+        """Whether the runtime is built for the module's current tensors and these options."""
+        return self.runtime is not None and self.key == self.current_key(module, options)
+
+    def get(self, module: torch.nn.Module, options: tuple, build: Callable[[], object]):
+        key = self.current_key(module, options)
+        if self.runtime is None or self.key != key:
+            self.set_runtime(key, build())
+        return self.runtime
+
+    def set_runtime(self, key, runtime) -> None:
+        self.key, self.runtime = key, runtime
+
+
+class DecodingCache(RuntimeCache):
+    """What a decoder keeps between batches: its runtime (RuntimeCache) and the buffers of the last batch it started,
+    which the next batch decodes on once that batch's state is gone (one set at most: a batch that starts while the
+    last one is still decoding gets buffers of its own)."""
+
+    def __init__(self):
+        super().__init__()
         self._buffers: Optional[StateBuffers] = None
         self._owner: Optional[weakref.ref] = None  # the DecodingState decoding on _buffers
 
-    def __deepcopy__(self, memo):
-        return DecodingCache()
-
-    def __reduce__(self):
-        return (DecodingCache, ())
-
     def clear(self) -> None:
-        self.key, self.runtime, self._buffers, self._owner = None, None, None, None
+        super().clear()
+        self._buffers, self._owner = None, None
 
     def set_runtime(self, key, runtime: "DecodingRuntime") -> None:
-        self.key, self.runtime, self._buffers, self._owner = key, runtime, None, None
+        super().set_runtime(key, runtime)
+        self._buffers, self._owner = None, None
 
     def buffers_for(self, state: "DecodingState") -> StateBuffers:
         """Buffers for `state`'s batch: the last batch's when its state is gone, else new ones (kept for the next)."""

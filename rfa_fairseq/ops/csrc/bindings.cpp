@@ -88,5 +88,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int8_row_zero_point") = kInt8RowZeroPoint;
   m.attr("activations") = activation_names();  // the names causal_layer_step and rfa_cross_step take
   bind_decode_program(m);
+  bind_encoder_program(m);
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);
 }
