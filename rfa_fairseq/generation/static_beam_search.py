@@ -49,6 +49,7 @@ from .batch_groups import parts_at_once, user_batches
 logger = logging.getLogger(__name__)
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
+MAX_VIEW_SETS = 256  # a lane keeps its search's views for this many (places, length) shapes at most
 MIN_PART_SENTENCES = 32  # auto: parts of at least this many sentences (smaller ones lose to intra-op threads: docs/benchmarks.md)
 
 
@@ -109,6 +110,7 @@ class Lane:
         self.state = DecodingState()
         self.buffers = SearchBuffers()
         self.host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
+        self.views: Dict[tuple, Dict[str, Tensor]] = {}  # _Search's views of the buffers, per (N, L, generation)
 
 
 class StaticBeamSearchGenerator(nn.Module):
@@ -453,36 +455,47 @@ class _Search:
         self.eos_bias = take("eos_bias", (max_len + 1,), torch.float32, device).zero_()
         self.eos_bias[: gen.min_len] = -math.inf
         positions = gen.step_positions(state.runtime, max_len + 1)  # (max_len + 1, C)
-        self.positions = None
-        if positions is not None:
+        self.positions = positions
+        if positions is not None and device.type in gen.GRAPHS_ON:  # a buffer of the workspace: graphs replay it
             self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)
         state.use_order_buffer(self.order)  # the causal layers read the pending beam order here
         self._native = None
 
     def _views(self, N: int) -> None:
-        """The buffers for N places (prefixes of the workspace's: halving keeps their addresses)."""
-        K, L, device, take = self.K, self.L, self.device, self.ws.take
-        R = N * K
+        """The buffers for N places (prefixes of the workspace's: halving keeps their addresses), made once per (N, L)
+        and kept while the workspace's buffers stay (a batch of one sentence sets up its search in microseconds)."""
+        views = self.lane.views.get((N, self.L, self.ws.generation))
+        if views is None:
+            views = self._make_views(N)
+            if len(self.lane.views) >= MAX_VIEW_SETS or any(key[2] != self.ws.generation for key in self.lane.views):
+                self.lane.views.clear()  # views of buffers since replaced, or too many shapes to keep
+            self.lane.views[(N, self.L, self.ws.generation)] = views
+        self.__dict__.update(views)
         self.N = N
-        self.trash = R  # the finalized slot after the places', which takes what is not kept
-        self.token_pair = [take(f"tokens{i}", (R, L), torch.long, device) for i in range(2)]
-        self.score_pair = [take(f"scores{i}", (R, L - 1), torch.float32, device) for i in range(2)]
-        self.lprobs = take("lprobs", (R, self.V), torch.float32, device)
-        self.cand_scores = take("cand_scores", (N * self.cand_size,), torch.float32, device)
-        self.cand_indices = take("cand_indices", (N * self.cand_size,), torch.long, device)
-        self.row_offsets = torch.arange(N, out=take("row_offsets", (N,), torch.long, device)).mul_(K).unsqueeze(1)
-        self.cands_to_ignore = take("cands_to_ignore", (N, K), torch.bool, device)
-        self.finished = take("finished", (N,), torch.bool, device)
-        self.fin_count = take("fin_count", (N,), torch.long, device)
-        slots = self.trash + 1
-        self.fin_tokens = take("fin_tokens", (slots, L), torch.long, device)
-        self.fin_scores = take("fin_scores", (slots, L - 1), torch.float32, device)  # cumulative, EOS's at its step
-        self.fin_steps = take("fin_steps", (slots,), torch.long, device)
-        self.step = take("step", (1,), torch.long, device)
-        self.order = take("order", (R,), torch.long, device)
+        self.trash = N * self.K  # the finalized slot after the places', which takes what is not kept
         if self.lagged:
             self.finished_host = self.gen.host_flags(self.lane, N)
         self._native = None
+
+    def _make_views(self, N: int) -> Dict[str, object]:
+        K, L, device, take = self.K, self.L, self.device, self.ws.take
+        R, slots = N * K, N * K + 1
+        return {
+            "token_pair": [take(f"tokens{i}", (R, L), torch.long, device) for i in range(2)],
+            "score_pair": [take(f"scores{i}", (R, L - 1), torch.float32, device) for i in range(2)],
+            "lprobs": take("lprobs", (R, self.V), torch.float32, device),
+            "cand_scores": take("cand_scores", (N * self.cand_size,), torch.float32, device),
+            "cand_indices": take("cand_indices", (N * self.cand_size,), torch.long, device),
+            "row_offsets": torch.arange(N, out=take("row_offsets", (N,), torch.long, device)).mul_(K).unsqueeze(1),
+            "cands_to_ignore": take("cands_to_ignore", (N, K), torch.bool, device),
+            "finished": take("finished", (N,), torch.bool, device),
+            "fin_count": take("fin_count", (N,), torch.long, device),
+            "fin_tokens": take("fin_tokens", (slots, L), torch.long, device),
+            "fin_scores": take("fin_scores", (slots, L - 1), torch.float32, device),  # cumulative, EOS's at its step
+            "fin_steps": take("fin_steps", (slots,), torch.long, device),
+            "step": take("step", (1,), torch.long, device),
+            "order": take("order", (R,), torch.long, device),
+        }
 
     def native(self):
         """These buffers as the native program's NativeSearch (it reads them by name; made again after a halving's

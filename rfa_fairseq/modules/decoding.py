@@ -185,6 +185,8 @@ def reuse_or_allocate(buffer: Optional[Tensor], shape: Tuple[int, ...], dtype, d
     -> (the tensor, whether a new one was allocated)."""
     numel = math.prod(shape)
     if buffer is not None and buffer.dtype == dtype and buffer.device == device:
+        if buffer.shape == shape and buffer.storage_offset() == 0 and buffer.is_contiguous():
+            return buffer, False  # the last batch's shape (one sentence a batch: every layer's states)
         storage = buffer.untyped_storage()
         if storage.nbytes() >= max(numel, 1) * buffer.element_size():
             return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape), False
