@@ -91,11 +91,14 @@ def test_static_generator_equals_sequence_generator_with_prefix_tokens(model_and
             assert hypos[0]["tokens"][:prefix_size].tolist() == prefix[sentence].tolist()
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
 @pytest.mark.parametrize("beam", [4, 5])  # (at beam 1 too few sentences of this batch end early)
-def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch, beam, monkeypatch):
-    """The batch halves (and the decoder's rows follow) when half its sentences have finished; the
-    hypotheses stay SequenceGenerator's."""
+def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch, beam, kernel, monkeypatch):
+    """The batch halves (and the decoder's rows follow: the next step reads each kept row's state through the
+    pending order) when half its sentences have finished; the hypotheses stay SequenceGenerator's, with the native
+    step and with the torch step."""
     model, d, sample, _ = model_and_batch
+    monkeypatch.setattr(model.decoder.rfa, "rfa_decode_kernel", kernel)
     sizes = []
     keep_sentences = static_beam_search._Search.keep_sentences
 

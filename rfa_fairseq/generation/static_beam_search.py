@@ -590,10 +590,11 @@ class _Search:
 
     def keep_sentences(self, state: DecodingState, kept: Tensor) -> None:
         """Halve in place: the places `kept` (N',) become the first N' of every buffer; the decoder's state follows
-        (its pending order applied there)."""
+        (its causal rows through the pending order, which keeps naming their sources)."""
         K = self.K
         kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
-        state.keep_sentences(kept, self.order.index_select(0, kept_rows))
+        row_sources = self.order.index_select(0, kept_rows)  # each kept row's source in the state read next
+        state.keep_sentences(kept, row_sources.numel())
         compacted = {"tokens": self.tokens, "scores": self.scores, "cands_to_ignore": self.cands_to_ignore,
                      "finished": self.finished, "fin_count": self.fin_count}
         moved = {name: value.index_select(0, kept_rows if value.size(0) == self.N * K else kept)
@@ -609,7 +610,7 @@ class _Search:
         self.fin_count[:] = moved["fin_count"]
         for value, new in zip((self.fin_tokens, self.fin_scores, self.fin_steps), fin_moved):
             value[: new.size(0)] = new
-        torch.arange(self.N * K, out=self.order)  # the pending order was applied to the state
+        self.order.copy_(row_sources)
         state.use_order_buffer(self.order)
 
     def collect(self, finalized: List[List[Dict[str, Tensor]]], sentence_ids: List[int], places) -> None:

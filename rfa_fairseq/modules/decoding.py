@@ -211,11 +211,6 @@ class CausalCache:
         self.states = states
         return new
 
-    def keep_rows(self, row_sources: Tensor, read: int) -> None:
-        """Row i' of the state read next becomes its row row_sources[i'] (in place, from the first row)."""
-        state = self.states[read]
-        state[: row_sources.numel()].copy_(state.index_select(0, row_sources))
-
     def tensors(self, rows: int) -> List[Tensor]:
         return [t[:rows] for t in self.states]
 
@@ -547,17 +542,16 @@ class DecodingState:
         self.sentences = kept.numel()
         self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
 
-    def keep_sentences(self, kept: Tensor, row_sources: Tensor) -> None:
+    def keep_sentences(self, kept: Tensor, rows: int) -> None:
         """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
-        sentences of every buffer (same addresses: the CUDA graphs of the smaller shape read them there). Causal
-        row i' takes the state that the pending beam order gives it, row_sources[i'] of the state buffer read
-        next (the order is applied here: it is the identity afterwards); per-sentence tensors keep their kept
-        sentences."""
+        sentences of every per-sentence tensor (same addresses: the CUDA graphs of the smaller shape read them
+        there), in `rows` rows. The causal states stay where they are: the caller's pending order (the order buffer)
+        names each new row's source row in the state buffer read next, and the next step writes the new rows from
+        the first on (no state is copied here)."""
         for layer in self.layers:
-            layer.self_attn.keep_rows(row_sources, self.parity)
             if layer.cross is not None:
                 layer.cross.keep_sentences(kept)
-        self.rows, self.sentences = row_sources.numel(), kept.numel()
+        self.rows, self.sentences = rows, kept.numel()
         self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
         self._native = None
 
