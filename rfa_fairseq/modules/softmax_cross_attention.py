@@ -59,8 +59,11 @@ class SoftmaxCrossRecord:
         cache.key, new_key = reuse_or_allocate(cache.key, (n, H, length, d), kv.dtype, kv.device)
         cache.value, new_value = reuse_or_allocate(cache.value, (n, H, length, d), kv.dtype, kv.device)
         for i, buffer in enumerate((cache.key, cache.value)):
-            buffer[:, :, :S].copy_(kv[i])
-            buffer[:, :, S:].zero_()
+            if length == S:  # (the CPU: K/V keep the source's length)
+                buffer.copy_(kv[i])
+            else:
+                buffer[:, :, :S].copy_(kv[i])
+                buffer[:, :, S:].zero_()
         allocated = new_key or new_value
         cache.key_bias = None
         if source_len is not None or (key_padding_mask is not None and bool(key_padding_mask.any())):
