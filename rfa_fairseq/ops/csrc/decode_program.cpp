@@ -193,6 +193,11 @@ CrossAttention CrossAttention::from(const std::optional<Record>& r) {
   return a;
 }
 
+int64_t ffn_activation_of(const Record& layer) {
+  return code_of(std::map<std::string, int64_t>{{"relu", kFFNReLU}, {"gelu", kFFNGELU}}, layer.text("activation"),
+                 layer.path() + " activation");
+}
+
 DecoderLayerProgram DecoderLayerProgram::from(const Record& r) {
   DecoderLayerProgram layer;
   layer.self_attn = CausalAttention::from(r.sub("self_attn"));
@@ -201,8 +206,7 @@ DecoderLayerProgram DecoderLayerProgram::from(const Record& r) {
   layer.cross_norm = Norm::from(r.optional_sub("cross_norm"));
   layer.fc1 = LinearLayer::from(r.sub("fc1"));
   layer.fc2 = LinearLayer::from(r.sub("fc2"));
-  layer.ffn_activation = code_of(std::map<std::string, int64_t>{{"relu", kFFNReLU}, {"gelu", kFFNGELU}},
-                                 r.text("activation"), r.path() + " activation");
+  layer.ffn_activation = ffn_activation_of(r);
   layer.final_norm = Norm::from(r.optional_sub("final_norm"));
   layer.normalize_before = r.flag("normalize_before");
   return layer;

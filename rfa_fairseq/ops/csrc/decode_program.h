@@ -80,6 +80,8 @@ class LinearLibrary {
 
 enum CrossKind : int64_t { kCrossNone = 0, kCrossSoftmax = 1, kCrossRFA = 2 };
 enum FFNActivation : int64_t { kFFNReLU = 0, kFFNGELU = 1 };
+// a layer record's FFN activation ("relu", "gelu") as its FFNActivation, or an error naming the record
+int64_t ffn_activation_of(const Record& layer);
 
 struct Norm {  // NormRecord, or none
   at::Tensor weight, bias;  // undefined: no norm

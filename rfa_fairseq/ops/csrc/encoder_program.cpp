@@ -6,8 +6,6 @@
 #include <ATen/record_function.h>
 #include <pybind11/stl.h>
 
-#include <map>
-
 #include "decode_program.h"
 
 namespace py = pybind11;
@@ -24,12 +22,7 @@ EncoderLayerProgram EncoderLayerProgram::from(const Record& r) {
               " needs both of its norms");
   layer.heads = r.integer("heads");
   layer.head_dim = r.integer("head_dim");
-  const std::string activation = r.text("activation");
-  const std::map<std::string, int64_t> codes{{"relu", kFFNReLU}, {"gelu", kFFNGELU}};
-  auto found = codes.find(activation);
-  TORCH_CHECK(found != codes.end(), "rfa encoder program: ", r.path(), " activation '", activation,
-              "' has no native pass");
-  layer.ffn_activation = found->second;
+  layer.ffn_activation = ffn_activation_of(r);
   layer.normalize_before = r.flag("normalize_before");
   TORCH_CHECK(layer.qkv.out_features == 3 * layer.heads * layer.head_dim, "rfa encoder program: ", r.path(),
               ".qkv has ", layer.qkv.out_features, " outputs for ", layer.heads, " heads of ", layer.head_dim);
