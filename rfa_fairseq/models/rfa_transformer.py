@@ -307,16 +307,20 @@ class RFATransformerEncoder(TransformerEncoderBase):
     def _native_unsupported(self) -> Optional[str]:
         """What of this encoder the native pass does not run (fairseq's forward does), or None."""
         positions = self.embed_positions
-        if self.quant_noise is not None or self.return_fc:
-            return "quant noise on the embeddings or return_fc"
+        if self.quant_noise is not None:
+            return "quant noise on the embeddings"
+        if self.return_fc:
+            return "return_fc"
         if positions is not None and (type(positions) not in (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
                                       or positions.padding_idx is None):
             return f"position embeddings {type(positions).__name__}"
         for i, layer in enumerate(self.layers):
             if type(layer) is not SoftmaxEncoderLayer:
                 return f"layer {i} is a {type(layer).__name__} (RFA self-attention, activation checkpointing, FSDP)"
-            if not layer.plain() or layer.return_fc:
+            if not layer.plain():
                 return f"layer {i}: self-attention with bias_kv, zero attention or xformers"
+            if layer.return_fc:
+                return f"layer {i}: return_fc"
             if layer.activation_fn not in FFN_ACTIVATIONS:
                 return f"layer {i}: the FFN activation {getattr(layer.activation_fn, '__name__', layer.activation_fn)}"
         return None

@@ -41,7 +41,6 @@ class EncodingRuntime:
     records, the final norm, and the native program built from them."""
 
     def __init__(self, encoder, kernels):
-        self.kernels = kernels
         self.embed = encoder.embed_tokens.weight.detach()
         self.embed_scale = float(encoder.embed_scale)
         self.padding_idx = encoder.padding_idx

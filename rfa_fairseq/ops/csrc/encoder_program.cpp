@@ -70,7 +70,9 @@ void EncoderProgram::check_encode(const at::Tensor& tokens, const at::Tensor& po
 
 namespace {
 
-at::Tensor layer_norm(const Norm& norm, const at::Tensor& x) {
+// torch's LayerNorm, as fairseq's modules apply it (not the decoding step's add_layer_norm kernel: the encoder's
+// output stays bit for bit fairseq's)
+at::Tensor torch_layer_norm(const Norm& norm, const at::Tensor& x) {
   return at::layer_norm(x, {x.size(-1)}, norm.weight, norm.bias, norm.eps);
 }
 
@@ -80,7 +82,7 @@ at::Tensor encoder_layer(const EncoderLayerProgram& layer, const LinearLibrary& 
   const int64_t T = input.size(0), B = input.size(1), C = input.size(2), H = layer.heads, d = layer.head_dim;
   const bool pre = layer.normalize_before;
   at::Tensor x = input.reshape({T * B, C});
-  at::Tensor h = pre ? layer_norm(layer.self_attn_norm, x) : x;
+  at::Tensor h = pre ? torch_layer_norm(layer.self_attn_norm, x) : x;
   at::Tensor qkv = lib.unrecorded_linear(layer.qkv, h, false, at::Tensor());
   std::vector<at::Tensor> heads = qkv.view({T, B, 3, H, d}).permute({2, 1, 3, 0, 4}).unbind(0);  // (B, H, T, d) each
   std::optional<at::Tensor> mask;
@@ -88,13 +90,13 @@ at::Tensor encoder_layer(const EncoderLayerProgram& layer, const LinearLibrary& 
   at::Tensor o = at::scaled_dot_product_attention(heads[0], heads[1], heads[2], mask);  // scale d^-0.5: fairseq's
   o = o.permute({2, 0, 1, 3}).reshape({T * B, C});
   x = lib.unrecorded_linear(layer.out_proj, o, false, x);
-  if (!pre) x = layer_norm(layer.self_attn_norm, x);
-  h = pre ? layer_norm(layer.final_norm, x) : x;
+  if (!pre) x = torch_layer_norm(layer.self_attn_norm, x);
+  h = pre ? torch_layer_norm(layer.final_norm, x) : x;
   const bool relu = layer.ffn_activation == kFFNReLU;
   at::Tensor hidden = lib.unrecorded_linear(layer.fc1, h, relu, at::Tensor());
   if (!relu) hidden = at::gelu(hidden);
   x = lib.unrecorded_linear(layer.fc2, hidden, false, x);
-  if (!pre) x = layer_norm(layer.final_norm, x);
+  if (!pre) x = torch_layer_norm(layer.final_norm, x);
   return x.view({T, B, C});
 }
 
@@ -112,13 +114,13 @@ std::vector<at::Tensor> EncoderProgram::encode(const at::Tensor& tokens, const a
     at::Tensor index = (at::cumsum(mask, 1).to(at::kInt) * mask).to(at::kLong) + positions_padding_idx;
     x = embedding + at::embedding(positions, index);
   }
-  if (embed_norm.defined()) x = layer_norm(embed_norm, x);
+  if (embed_norm.defined()) x = torch_layer_norm(embed_norm, x);
   if (has_pads) x = x * (1 - padding_mask.unsqueeze(-1).to(x.scalar_type()));
   x = x.transpose(0, 1);  // (T, B, C)
   const at::Tensor key_padding_mask = has_pads ? padding_mask : at::Tensor();
   for (const EncoderLayerProgram& layer : layers) x = encoder_layer(layer, *library_, x, key_padding_mask);
-  if (final_norm.defined()) x = layer_norm(final_norm, x);
-  at::Tensor src_lengths = tokens.ne(padding_idx).sum(1, false, at::kInt).reshape({-1, 1}).contiguous();
+  if (final_norm.defined()) x = torch_layer_norm(final_norm, x);
+  at::Tensor src_lengths = padding_mask.logical_not().sum(1, false, at::kInt).reshape({-1, 1}).contiguous();
   return {x, padding_mask, embedding, src_lengths};
 }
 
