@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import DECODE_KERNELS, DECODE_PRECISIONS, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .ops import DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 
@@ -80,15 +80,23 @@ class RFAConfig(FairseqDataclass):
         metadata=_meta("decoding", "the incremental decoding step: auto = the native step on CPU in fp32 (the whole step one "
             "C++ call; built once, cached), on CUDA the torch step with each causal layer's update one Triton kernel, "
             "the torch step otherwise (bf16/fp16 on the CPU); torch = always the torch step (no C++ build, no Triton); cpp = the native step, an error where it cannot run (not CPU fp32) or cannot be built. "
-            "Same results, other speeds (default: auto)", speed_only=True),
+            "Same results with --rfa-decode-state fp32 (the native step's default fp16 state moves a few last bits), "
+            "other speeds (default: auto)", speed_only=True),
     )
     rfa_decode_precision: ChoiceEnum(DECODE_PRECISIONS) = field(
         default="fp32",
         metadata=_meta("decoding", "the linear layers of the CPU decoding step (and the encoder's inference): fp32, or "
             "int8 = oneDNN's int8 product on weights quantized per output channel and activations quantized at "
-            "each step (7-bit, one scale per row), and the causal layers' state kept in fp16: faster on x86 CPUs, its "
-            "BLEU within docs/benchmarks.md's measured margin of fp32's; the CPU in fp32 weights with the native step "
-            "only (default: fp32)", speed_only=True),
+            "each step (7-bit, one scale per row): faster on x86 CPUs, its BLEU within docs/benchmarks.md's measured "
+            "margin of fp32's; the CPU in fp32 weights with the native step only (default: fp32)", speed_only=True),
+    )
+    rfa_decode_state: ChoiceEnum(DECODE_STATES) = field(
+        default="auto",
+        metadata=_meta("decoding", "the causal layers' state between decoding steps: fp16 = stored rounded to fp16, "
+            "each step's arithmetic in fp32 (half the bytes a step reads and writes; on the recipe model 999 of "
+            "1,000 test hypotheses fp32's), the native step only; fp32 = kept in fp32 (the native step's results "
+            "then the torch step's to the bit); auto = fp16 where the native step runs, fp32 elsewhere "
+            "(default: auto)", speed_only=True),
     )
     rfa_cuda_graphs: bool = field(
         default=True,
@@ -228,6 +236,10 @@ def validate_rfa_args(args) -> None:
     if getattr(args, "rfa_decode_precision", "fp32") not in DECODE_PRECISIONS:
         raise ValueError(
             f"{flag('rfa_decode_precision')}={args.rfa_decode_precision!r} is not one of {', '.join(DECODE_PRECISIONS)}"
+        )
+    if getattr(args, "rfa_decode_state", "auto") not in DECODE_STATES:
+        raise ValueError(
+            f"{flag('rfa_decode_state')}={args.rfa_decode_state!r} is not one of {', '.join(DECODE_STATES)}"
         )
     parts = getattr(args, "rfa_decode_parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:

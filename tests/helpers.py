@@ -16,6 +16,10 @@ TINY_ARGS = [
 ]
 
 
+# the causal state kept in fp32 between steps (the native step keeps it in fp16 by default): the step's results equal
+# the full forward's to fp32 rounding, and the torch step's
+FP32_STATE = ["--rfa-decode-state", "fp32"]
+
 # the paper's setup (the default before docs/quality.md): sincos random features, ungated, RFA cross-attention
 PAPER_RFA = ["--rfa-feature-map", "sincos", "--no-rfa-gate", "--no-rfa-softmax-cross-attn"]
 

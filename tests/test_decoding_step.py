@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
 from fairseq.sequence_generator import SequenceGenerator
-from helpers import CppKernels, build_model, cpp_extension, random_batch
+from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 
 from rfa_fairseq.modules.decoding import DecodingState
@@ -201,7 +201,7 @@ MODEL_VARIANTS = [
 
 
 def _flags(feature_map, gate, cross, norm, *more):
-    flags = ["--rfa-feature-map", feature_map, "--rfa-num-features", "6", "--rfa-gate" if gate else "--no-rfa-gate",
+    flags = [*FP32_STATE, "--rfa-feature-map", feature_map, "--rfa-num-features", "6", "--rfa-gate" if gate else "--no-rfa-gate",
              "--rfa-softmax-cross-attn" if cross == "softmax" else "--no-rfa-softmax-cross-attn"]
     return flags + (["--decoder-normalize-before", "--encoder-normalize-before"] if norm == "pre" else []) + list(more)
 

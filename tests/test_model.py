@@ -3,7 +3,7 @@ import io
 
 import pytest
 import torch
-from helpers import PAPER_RFA, build_model, build_model_from_args, cpp_extension, parse_args, random_batch, use_decoding_step
+from helpers import FP32_STATE, PAPER_RFA, build_model, build_model_from_args, cpp_extension, parse_args, random_batch, use_decoding_step
 
 from rfa_fairseq.conversion import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.config import RFAConfig
@@ -69,7 +69,7 @@ def _state_tensors(incremental_state):
 @pytest.mark.parametrize("cross", [[], ["--no-rfa-softmax-cross-attn"]], ids=["default", "rfa_cross"])
 def test_a_decoder_without_cross_attention_decodes_incrementally_as_a_whole(cross):
     """--no-cross-attention: --rfa-softmax-cross-attn (on by default) has nothing to choose, and is no error."""
-    model, d = build_model(["--no-cross-attention", *cross])
+    model, d = build_model(["--no-cross-attention", *cross, *FP32_STATE])
     model.eval()
     assert all(layer.encoder_attn is None for layer in model.decoder.layers)
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
@@ -97,7 +97,7 @@ def test_modules_are_where_the_options_say():
 
 @pytest.mark.parametrize("feature_map,gate,rfa_encoder,cross", VARIANTS)
 def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder, cross):
-    model, d = build_model(_flags(feature_map, gate, rfa_encoder, cross))
+    model, d = build_model(_flags(feature_map, gate, rfa_encoder, cross) + FP32_STATE)
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
     with torch.no_grad():
@@ -107,6 +107,45 @@ def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder
     diff = (full - incremental).abs().max().item()
     print(f"max |full - incremental| = {diff:.2e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("feature_map,gate", [("hedgehog", True), ("sincos", False)])
+def test_the_native_steps_fp16_state_decodes_within_fp16_rounding_of_the_full_forward(feature_map, gate):
+    """--rfa-decode-state auto (the default) keeps the native step's causal state in fp16, each step's arithmetic in
+    fp32: incremental decoding stays within a few fp16 roundings (2^-11 relative) of the full forward, where the fp32
+    state stays within fp32's; and the rounding happens (the fp16 state is what the step reads)."""
+    cpp_extension()
+    errors = {}
+    for state_flags in ([], FP32_STATE):
+        model, d = build_model(_flags(feature_map, gate, False) + state_flags)
+        model.eval()
+        src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
+        with torch.no_grad():
+            full, _ = model(src, src_lengths, prev)
+            state = {}
+            incremental = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+        dtypes = {t.dtype for layer in state[DecodingState.KEY].layers for t in layer.self_attn.states}
+        errors["fp32" if state_flags else "fp16"] = (incremental - full).abs().max().item() / full.abs().max().item()
+        assert dtypes == {torch.float32 if state_flags else torch.float16}
+    print(f"max |full - incremental| / max |full|: {errors}")
+    assert errors["fp32"] <= 1e-6 and 1e-5 < errors["fp16"] <= 8 * 2 ** -11, errors
+
+
+def test_an_fp16_state_where_the_native_step_does_not_run_is_an_error_naming_the_flag():
+    model, d = build_model(["--rfa-decode-kernel", "torch"])  # auto: the torch step keeps its state in fp32
+    model.eval()
+    src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=3)
+    with torch.no_grad():
+        state = {}
+        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+    assert {t.dtype for layer in state[DecodingState.KEY].layers for t in layer.self_attn.states} == {torch.float32}
+    model, d = build_model(["--rfa-decode-kernel", "torch", "--rfa-decode-state", "fp16"])
+    model.eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="--rfa-decode-state fp16 keeps the state in fp16 in the "
+                                                           "native step, which does not run here \\(torch step"):
+        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+    with pytest.raises(SystemExit):
+        parse_args(["--rfa-decode-state", "bf16"])
 
 
 @pytest.mark.parametrize("step", ["fused", "torch"])
@@ -379,7 +418,7 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
     outputs = {}
     cpp_extension()  # the cpp case needs the C++ module (skipped, with the reason, where it cannot be built)
     for kernel in ("auto", "torch", "cpp"):
-        model, d = build_model(_flags("sincos", True, False) + ["--rfa-decode-kernel", kernel])
+        model, d = build_model(_flags("sincos", True, False) + ["--rfa-decode-kernel", kernel] + FP32_STATE)
         assert model.decoder.rfa.rfa_decode_kernel == kernel
         model.eval()
         src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=6, seed=5)

@@ -67,7 +67,7 @@ def test_wrong_arguments_raise_errors_naming_them(native, change, named):
 
 @pytest.mark.parametrize("field,wrong,named", [
     ("states", lambda t: t.double(), r"state.layers\[0\].self_attn.states\[0\] is Double"),
-    ("states", lambda t: t.half(), r"state.layers\[0\].self_attn.states\[1\] is Float, not Half"),  # both alike
+    ("states", lambda t: t.float(), r"state.layers\[0\].self_attn.states\[1\] is Half, not Float"),  # both alike
     ("states", lambda t: t[:1], r"state.layers\[0\].self_attn.states\[0\] has shape"),
     ("states", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3), r"states\[0\] is not contiguous"),
     ("key", lambda t: t[..., :-1], r"state.layers\[0\].cross.key has shape"),

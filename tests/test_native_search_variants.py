@@ -182,17 +182,17 @@ def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(
     assert runtime.program is not None and ran["python_steps"] == 0, ran
     assert_same_hypotheses(want, got)
     assert_sentences_end_apart(got, ran)
-    # the causal layers' state in fp16 (half the bytes a step reads and writes), fp32 at fp32
+    # the causal layers' state in fp16 (half the bytes a step reads and writes), fp32 where asked for
     assert runtime.kernels.state_dtype == torch.float16
     with torch.no_grad():
         key, pad = model.decoder.encoder_keys(model.encoder(sample["net_input"]["src_tokens"],
                                                             src_lengths=sample["net_input"]["src_lengths"]))
         state = DecodingState().start(runtime, N_SENTENCES * 4, 4, key, pad)
     assert {t.dtype for layer in state.layers for t in layer.self_attn.states} == {torch.float16}
-    model.decoder.rfa.rfa_decode_precision = "fp32"
+    model.decoder.rfa.rfa_decode_state = "fp32"
     with torch.no_grad():
         assert model.decoder.decoding_runtime().kernels.state_dtype == torch.float32
-    model.decoder.rfa.rfa_decode_precision = "int8"
+    model.decoder.rfa.rfa_decode_state = "auto"
     # int8 is not fp32 in disguise: some score moves by more than fp32 rounding
     moved = max(abs(float(a[0]["score"]) - float(b[0]["score"])) for a, b in zip(fp32, got))
     assert moved > 1e-4, f"int8 scores equal fp32's to {moved}: the int8 layers did not run"

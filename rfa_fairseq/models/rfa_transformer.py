@@ -433,7 +433,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
     def _step_kernels(self):
         weight = self.embed_tokens.weight
         return step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
-                            self._native_unsupported())
+                            self._native_unsupported(), self.rfa.rfa_decode_state)
 
     def decodes_natively(self) -> bool:
         """Whether decoding_runtime() runs the native program (the CPU), known without building it."""
@@ -446,7 +446,8 @@ class RFATransformerDecoder(TransformerDecoderBase):
 
     def _runtime_options(self) -> tuple:
         weight = self.embed_tokens.weight
-        return self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype
+        return (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, self.rfa.rfa_decode_state, weight.device,
+                weight.dtype)
 
     def _native_unsupported(self) -> Optional[str]:
         """What of this decoder the native program cannot run (then the kernel choice takes the torch step), or None."""

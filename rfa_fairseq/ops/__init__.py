@@ -1,5 +1,5 @@
 """Pure tensor functions of RFA: no fairseq imports here."""
-from .decode_step import DECODE_KERNELS, DECODE_PRECISIONS, cpp_can_run, step_kernels  # noqa: F401
+from .decode_step import DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, cpp_can_run, step_kernels  # noqa: F401
 from .dispatch import SEQUENCE_KERNELS, causal_rfa  # noqa: F401
 from .extension import load_fused_extension, require_fused_extension  # noqa: F401
 from .feature_maps import (  # noqa: F401

@@ -1,4 +1,5 @@
-"""The kernels of one decoding step, chosen once per batch: `step_kernels(decode_kernel, device, dtype, precision)`.
+"""The kernels of one decoding step, chosen once per batch: `step_kernels(decode_kernel, device, dtype, precision,
+state=...)`.
 
 Two kinds of kernel set, one choice:
 
@@ -59,6 +60,7 @@ from .triton_support import triton_import_error
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
+DECODE_STATES = ("auto", "fp16", "fp32")  # --rfa-decode-state: the causal layers' state between steps
 
 
 def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
@@ -67,19 +69,29 @@ def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, precision: str = "fp32",
-                 native_unsupported: Optional[str] = None):
+                 native_unsupported: Optional[str] = None, state: str = "auto"):
     """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
     --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the native step on
     the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), on CUDA the torch step
     with the causal layers' step in Triton (where Triton imports), torch otherwise;
     cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
     int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
-    native program cannot run (RFATransformerDecoder._native_unsupported), which makes auto take torch."""
+    native program cannot run (RFATransformerDecoder._native_unsupported), which makes auto take torch.
+    state (--rfa-decode-state): the causal layers' state kept in fp16 (auto: where the native step runs) or fp32."""
+    kernels = _step_kernels(decode_kernel, device, dtype, precision, native_unsupported,
+                            torch.float32 if state == "fp32" else torch.float16)
+    if state == "fp16" and not kernels.native:
+        raise ValueError(f"--rfa-decode-state fp16 keeps the state in fp16 in the native step, which does not run here "
+                         f"({kernels.name} step on {torch.device(device).type} in {dtype}); use auto or fp32")
+    return kernels
+
+
+def _step_kernels(decode_kernel, device, dtype, precision, native_unsupported, state_dtype):
     if precision == "int8":
         if native_unsupported is not None:
             raise ValueError(f"--rfa-decode-precision int8 runs the native step, which does not support "
                              f"{native_unsupported}; use fp32")
-        return _int8_kernels(decode_kernel, device, dtype)
+        return _int8_kernels(decode_kernel, device, dtype, state_dtype)
     if decode_kernel == "torch":
         return TORCH_KERNELS
     if decode_kernel == "auto" and torch.device(device).type == "cuda" and dtype != torch.float64:
@@ -99,10 +111,12 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
         ext = load_fused_extension() if native else None
         if ext is None:
             return TORCH_KERNELS
-    return NativeKernels(ext, OneDNNLinear(ext) if torch_internals.onednn_linear_available() else TorchLinear())
+    return NativeKernels(ext, OneDNNLinear(ext) if torch_internals.onednn_linear_available() else TorchLinear(),
+                         state_dtype)
 
 
-def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) -> "NativeKernels":
+def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype,
+                  state_dtype: torch.dtype) -> "NativeKernels":
     where = f"{torch.device(device).type} in {dtype}"
     if not cpp_can_run(device, dtype):
         raise ValueError(f"--rfa-decode-precision int8: the int8 decoding step runs on the CPU in fp32 weights, not on "
@@ -114,7 +128,7 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype) 
         raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
                          f"(torch.ops.onednn.qlinear_*); use fp32")
     ext = require_fused_extension()
-    return NativeKernels(ext, OneDNNInt8Linear(ext))
+    return NativeKernels(ext, OneDNNInt8Linear(ext), state_dtype)
 
 
 class TorchKernels:
@@ -319,12 +333,12 @@ class NativeKernels:
     name = "cpp"
     native = True
 
-    def __init__(self, ext, library):
+    def __init__(self, ext, library, state_dtype: torch.dtype):
         self.ext = ext
         self.gemm = library.label
-        # the causal layers' state: fp16 with int8 linear layers (half the bytes each step reads and writes, the
-        # largest memory traffic of a batch's step; reduced precision is what int8 decoding asks for), else fp32
-        self.state_dtype = torch.float16 if getattr(library, "INT8", False) else torch.float32
+        # the causal layers' state between steps: fp16 (read widened, each step's arithmetic in fp32, stored rounded:
+        # half the bytes of a batch's largest memory traffic), or fp32 (the torch step's results to the bit)
+        self.state_dtype = state_dtype
         self.pack_linear = library.pack_linear
         self.library = ext.LinearLibrary(library.code, torch_internals.onednn_operators())
 
