@@ -98,3 +98,34 @@ def test_memory_generate_reports_each_stage_and_the_weights_copies(tmp_path_fact
         assert packed[precision] > 0
     if "int8" in packed:
         assert packed["int8"] < packed["fp32"]
+
+
+@pytest.mark.slow
+def test_scaling_generate_times_one_thread_two_threads_and_two_processes(tmp_path_factory):
+    """benchmarks/scaling_generate.py on a tiny trained model: a row per run (one thread, two threads in one process,
+    two processes), the two threads' work timed on both threads, the processes' work summed; a --prep without
+    data-bin is an error naming it."""
+    from cli_support import synthetic_data, train_generate_model
+
+    data = synthetic_data(tmp_path_factory)
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("scaling_model"), max_update=5)
+    prep = tmp_path_factory.mktemp("scaling_prep")
+    (prep / "data-bin").symlink_to(data / "bin")
+    csv_path = prep / "scaling.csv"
+    script = os.path.join(SCRIPTS, "scaling_generate.py")
+    proc = subprocess.run([sys.executable, script, "--prep", str(prep), "--path", str(checkpoint), "--threads", "2",
+                           "--batch-sizes", "8", "--precisions", "fp32", "--csv", str(csv_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["run"]: r for r in _rows(csv_path)}
+    assert set(rows) == {"one thread", "2 threads", "2 processes"}
+    assert float(rows["one thread"]["scaling"]) == 1.0 and float(rows["one thread"]["tail_s"]) == 0.0
+    for row in rows.values():
+        assert float(row["span_s"]) > 0 and float(row["work_s"]) > 0 and float(row["sentences_per_s"]) > 0
+    # each process decodes the test set: their work is two test sets'
+    assert float(rows["2 processes"]["work_s"]) > 1.2 * float(rows["one thread"]["work_s"]), rows
+    # two threads decode parts on both: their work, summed, is the test set's, about one thread's
+    assert 0.5 < float(rows["2 threads"]["work_vs_one_thread"]) < 3, rows["2 threads"]
+    bad = subprocess.run([sys.executable, script, "--prep", str(tmp_path_factory.mktemp("empty")), "--path",
+                          str(checkpoint)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "has no data-bin" in bad.stderr
