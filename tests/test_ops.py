@@ -339,6 +339,23 @@ def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_
             torch.testing.assert_close(buffers[0][:rows], ref_state, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [7, 16, 8000, 8003])
+def test_cpp_row_log_sum_exp_equals_float64_log_softmax(n):
+    """The native search's log-softmax of a row (its vectorized exponentials, 16 or 8 lanes at a time where the CPU
+    has them, and their partial sums) against float64's: the max exactly, log(sum(exp(x - max))) within a few fp32
+    roundings; with -inf entries (pad, masked tokens) and widths that leave vector remainders."""
+    ext = cpp_extension()
+    g = torch.Generator().manual_seed(n)
+    x = 6 * torch.randn(5, n, generator=g)
+    x[1, ::3] = -math.inf
+    x[2] = -30 + x[2] / 100  # a flat row: the sum of many like terms
+    row_max, log_sum = ext.row_log_sum_exp(x.contiguous())
+    want = x.double()
+    torch.testing.assert_close(row_max, want.max(dim=1).values.float(), rtol=0, atol=0)
+    want_log_sum = torch.logsumexp(want - want.max(dim=1, keepdim=True).values, dim=1)
+    torch.testing.assert_close(log_sum.double(), want_log_sum, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("first_step", [True, False], ids=["step0", "later"])
 def test_cpp_beam_candidates_equal_torch_topk_of_the_sums(first_step):
     """The C++ candidates kernel (one pass, no (N, K * V) sums) against the torch kernel, whose reference is

@@ -61,6 +61,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         rfa_cross_step(q, cross_state, beam, eps, activation_code(activation), given(sigma), given(matrix), out);
       },
       "RFA cross-attention step: phi(q) . S over per-sentence states");
+  m.def(
+      "row_log_sum_exp",
+      [](const torch::Tensor& x) {
+        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                    "row_log_sum_exp: x must be a contiguous (rows, n) fp32 CPU tensor");
+        const int64_t rows = x.size(0), n = x.size(1);
+        torch::Tensor max = torch::empty({rows}, x.options()), log_sum = torch::empty({rows}, x.options());
+        for (int64_t r = 0; r < rows; ++r) {
+          row_log_sum_exp(x.data_ptr<float>() + r * n, n, max.data_ptr<float>() + r, log_sum.data_ptr<float>() + r);
+        }
+        return std::make_tuple(max, log_sum);
+      },
+      "the search step's log-softmax of each row: (max, log(sum(exp(x - max))))");
   m.def("quantize_rows", &quantize_rows, "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
   m.def(
       "scale_rows",
