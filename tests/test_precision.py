@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import build_model, random_batch
+from helpers import FP32_STATE, build_model, random_batch
 
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
@@ -125,8 +125,9 @@ def _decoding_state_tensors(model, state):
 @pytest.mark.slow
 @pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
 def test_bf16_decoding_for_4096_steps_keeps_an_fp32_state(gate):
-    model, d = build_model(["--rfa-num-features", "8", "--decoder-layers", "1", "--rfa-gate" if gate else "--no-rfa-gate"],
-                           seed=2)
+    # the fp32 reference keeps its state in fp32 too (the native step's default is fp16)
+    model, d = build_model(["--rfa-num-features", "8", "--decoder-layers", "1", "--rfa-gate" if gate else "--no-rfa-gate",
+                            *FP32_STATE], seed=2)
     model.eval()
     reference, model = bf16_twin(model)
     src, lengths, _ = random_batch(d, bsz=2, src_len=9)
