@@ -37,18 +37,22 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp of 8 floats (Cephes' single-precision polynomial, about 1 ulp on the range used here: x <= 0)
+// exp(x) = 2^n * p(r), n = floor(x log2(e) + 1/2), r = x - n ln(2) (ln(2) in two parts): Cephes' single-precision
+// polynomial, about 1 ulp on the range used here (x <= 0); exp8 and exp16 compute it lane for lane alike
+struct ExpPoly {
+  static constexpr float kHi = 88.3762626647949f, kLo = -87.3365447505531f, kLog2e = 1.44269504088896341f;
+  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  static constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(ExpPoly::kHi)), _mm256_set1_ps(ExpPoly::kLo));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(ExpPoly::kLog2e), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ExpPoly::kLn2Hi), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ExpPoly::kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(ExpPoly::kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(ExpPoly::kP[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
@@ -83,19 +87,15 @@ __attribute__((target("avx2,fma"))) void row_log_sum_exp_avx2(const float* x, in
   *log_sum_out = std::log(sum);
 }
 
-// exp8's polynomial on 16 floats (the same roundings, lane for lane)
+// exp8 on 16 floats
 __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447505531f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(ExpPoly::kHi)), _mm512_set1_ps(ExpPoly::kLo));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(ExpPoly::kLog2e), _mm512_set1_ps(0.5f)),
                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ExpPoly::kLn2Hi), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ExpPoly::kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(ExpPoly::kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(ExpPoly::kP[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
