@@ -594,7 +594,7 @@ class _Search:
         K = self.K
         kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
         row_sources = self.order.index_select(0, kept_rows)  # each kept row's source in the state read next
-        state.keep_sentences(kept, row_sources.numel())
+        state.keep_sentences(kept)
         compacted = {"tokens": self.tokens, "scores": self.scores, "cands_to_ignore": self.cands_to_ignore,
                      "finished": self.finished, "fin_count": self.fin_count}
         moved = {name: value.index_select(0, kept_rows if value.size(0) == self.N * K else kept)

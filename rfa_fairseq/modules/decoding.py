@@ -542,16 +542,16 @@ class DecodingState:
         self.sentences = kept.numel()
         self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
 
-    def keep_sentences(self, kept: Tensor, rows: int) -> None:
+    def keep_sentences(self, kept: Tensor) -> None:
         """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
         sentences of every per-sentence tensor (same addresses: the CUDA graphs of the smaller shape read them
-        there), in `rows` rows. The causal states stay where they are: the caller's pending order (the order buffer)
+        there), in N' x beam rows. The causal states stay where they are: the caller's pending order (the order buffer)
         names each new row's source row in the state buffer read next, and the next step writes the new rows from
         the first on (no state is copied here)."""
         for layer in self.layers:
             if layer.cross is not None:
                 layer.cross.keep_sentences(kept)
-        self.rows, self.sentences = rows, kept.numel()
+        self.rows, self.sentences = kept.numel() * self.beam, kept.numel()
         self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
         self._native = None
 
