@@ -71,10 +71,10 @@ def child(prep: str, path: str, batch: int, precision: str) -> None:
     cli_main()
     tail = work = 0.0
     for start, end in calls:
-        inside = [(thread, e) for thread, s, e in parts if start <= s and e <= end]
-        work += sum(e - s for _, s, e in parts if start <= s and e <= end)
+        inside = [(thread, s, e) for thread, s, e in parts if start <= s and e <= end]  # the call's parts
+        work += sum(e - s for _, s, e in inside)
         last = {}  # each thread's last end in the call
-        for thread, e in inside:
+        for thread, _, e in inside:
             last[thread] = max(last.get(thread, e), e)
         tail += sum(max(last.values()) - e for e in last.values())
     print(MARK + json.dumps({"span_s": sum(e - s for s, e in calls), "work_s": work, "tail_s": tail,
