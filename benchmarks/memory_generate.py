@@ -3,7 +3,7 @@
 softmax twin, stage by stage, as a deployment loads and runs them.
 
 Each engine runs in a process of its own that decodes test_2016_flickr (beam 4, max length source + 50, batches of
---batch-size sentences, one thread) and reads its resident memory (VmRSS) and its peak so far (VmHWM) from
+each of --batch-sizes sentences in turn, one thread) and reads its resident memory (VmRSS) and its peak so far (VmHWM) from
 /proc/self/status after each stage:
 
   rfa: python -> import torch -> import fairseq and the plugin -> load the checkpoint (fairseq's
@@ -20,7 +20,7 @@ One CSV row per (engine, precision, stage or tensor group).
 
 The checkpoints and CTranslate2 conversions are benchmark_generate.py's (`checkpoint_of`, `ct2_model_of`: trained and
 converted there when missing). Files: benchmarks/results/memory_generate_multi30k_cpu.csv (rewritten whole; a run is
-about a minute).
+about a minute per batch size).
 """
 import argparse
 import json
@@ -154,7 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"), help="the quality study's --work-dir")
     p.add_argument("--max-update", type=int, default=1000, help="the checkpoints' training updates")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32],
+                   help="one process per engine, precision and batch size (1: a service's one sentence at a time)")
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)  # the child's
     p.add_argument("--csv", default=os.path.join(REPO, "benchmarks", "results", "memory_generate_multi30k_cpu.csv"))
     p.add_argument("--child", choices=["rfa", "ct2"], help=argparse.SUPPRESS)
     p.add_argument("--precision", choices=["fp32", "int8"], help=argparse.SUPPRESS)  # the child's
@@ -179,19 +181,21 @@ def main(argv=None) -> int:
               ("ct2", "int8"): benchmark_generate.ct2_model_of(study, "ct2_softmax_int8")}
     now, machine = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), benchmark_generate.machine("cpu")
     rows = []
-    for engine in ("rfa", "ct2"):
-        for precision in ("fp32", "int8"):
-            result = measure(engine, precision, models[engine, precision], args)
-            common = {"engine": engine, "precision": precision, "batch_size": args.batch_size, "machine": machine,
-                      "measured_utc": now}
-            before = 0.0
-            for s in result["stages"]:
-                rows.append({**common, "kind": "stage", **s, "mb": round(s["rss_mb"] - before, 1)})
-                before = s["rss_mb"]
-                print(f"{engine} {precision}: {s['stage']:<40} RSS {s['rss_mb']:7.1f} MB  peak {s['peak_mb']:7.1f} MB")
-            for group, mb in result["tensors"].items():
-                rows.append({**common, "kind": "tensors", "stage": group, "mb": round(mb, 1)})
-                print(f"{engine} {precision}:   tensors: {group:<50} {mb:7.1f} MB")
+    for batch_size in args.batch_sizes:
+        args.batch_size = batch_size
+        for engine in ("rfa", "ct2"):
+            for precision in ("fp32", "int8"):
+                result = measure(engine, precision, models[engine, precision], args)
+                common = {"engine": engine, "precision": precision, "batch_size": batch_size, "machine": machine,
+                          "measured_utc": now}
+                before, name = 0.0, f"{engine} {precision} b{batch_size}"
+                for s in result["stages"]:
+                    rows.append({**common, "kind": "stage", **s, "mb": round(s["rss_mb"] - before, 1)})
+                    before = s["rss_mb"]
+                    print(f"{name}: {s['stage']:<40} RSS {s['rss_mb']:7.1f} MB  peak {s['peak_mb']:7.1f} MB")
+                for group, mb in result["tensors"].items():
+                    rows.append({**common, "kind": "tensors", "stage": group, "mb": round(mb, 1)})
+                    print(f"{name}:   tensors: {group:<50} {mb:7.1f} MB")
     write_csv(args.csv, [{field: row.get(field, "") for field in FIELDS} for row in rows])
     print(f"memory_generate: wrote {args.csv}")
     return 0

@@ -234,6 +234,13 @@ def explain_load_failure(path, exc):
     return None
 
 
+def mappable(path) -> bool:
+    """Whether torch.load can map the file `path` (mmap=True) rather than read it: torch >= 1.6's zip format; torch <
+    1.6's is read whole."""
+    with open(path, "rb") as f:
+        return f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+
+
 def safe_load(path, mmap=False, verify=None):
     """torch.load(path) to the CPU with weights_only=True; failures raise CheckpointLoadError naming the file.
     `verify` (default: unless mmap, which is for cheap reads of the options) checks the file's checksums first."""
@@ -241,9 +248,7 @@ def safe_load(path, mmap=False, verify=None):
         verify_checkpoint_file(path)
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if mmap:
-        with open(path, "rb") as f:
-            mmap = f.read(4) == _ZIP_MAGIC  # torch < 1.6's (non-zip) format cannot be mapped: read it whole
+    mmap = mmap and mappable(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises many kinds on a damaged file (KeyError, RuntimeError, ...)

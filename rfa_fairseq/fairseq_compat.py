@@ -24,7 +24,8 @@ or another package replaced the attribute) fairseq's attribute is left as it is 
    overwritten one, a refused class or an RFA option changed by --model-overrides gives one clear
    error naming the file (`checkpoints.CheckpointLoadError`, `config.RFAOptionMismatchError`) instead of
    torch's generic text (or `KeyError: 101`); an rfa* --model-overrides key that is no RFA option gets a
-   warning naming the closest one.
+   warning naming the closest one. fairseq's code then loads the file mapped (`_TorchLoadingMapped`), not read
+   whole: generation reads the model's tensors once and never the optimizer's state.
 3. [atomic-checkpoint-save, atomic-checkpoint-copy, resume-from-newest-intact,
    no-training-past-max-update] Checkpoint writing, so that every name fairseq-train writes appears
    atomically (a process killed at any instant leaves each name as the old complete file or the new one):
@@ -194,7 +195,35 @@ def _install_stoppable_consumer(original):
 # ---------------------------------------------------------------- checkpoint loading and saving, text input (2-5)
 
 
+class _TorchLoadingMapped(types.ModuleType):
+    """torch, as fairseq's load_checkpoint_to_cpu calls it: every name is torch's, except that `load` of an open
+    local checkpoint maps the file (mmap) instead of reading all of it. What the caller never touches is then never
+    read: generation's load reads the model's tensors once, into the parameters load_state_dict copies them to, and
+    not the optimizer's state (twice the model with Adam; the load's peak memory was model + checkpoint). The
+    mapping is private (copy-on-write: nothing is written back to the file); fairseq-train's optimizer state stays
+    file-backed until its first update rewrites it, and the plugin replaces checkpoints by rename only, so the file
+    under the mapping does not change."""
+
+    def __init__(self):
+        super().__init__("torch", "torch for fairseq's load_checkpoint_to_cpu (rfa_fairseq.fairseq_compat)")
+
+    def __getattr__(self, name):  # only for names not defined here: torch's own
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, *args, **kwargs):
+        path = getattr(f, "name", None)
+        if isinstance(path, str) and "mmap" not in kwargs and os.path.isfile(path) and checkpoints.mappable(path):
+            return torch.load(path, *args, mmap=True, **kwargs)
+        return torch.load(f, *args, **kwargs)
+
+
+TORCH_LOADING_MAPPED = _TorchLoadingMapped()
+
+
 def _wrap_load_checkpoint_to_cpu(original):
+    mapped = _with_globals(original, torch=TORCH_LOADING_MAPPED)
+
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         checkpoints.warn_unknown_rfa_overrides(arg_overrides)
@@ -202,7 +231,7 @@ def _wrap_load_checkpoint_to_cpu(original):
             checkpoints.verify_checkpoint_file(path)
         checkpoints.check_checkpoint_against_overrides(path, arg_overrides)
         try:
-            return original(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
+            return mapped(path, arg_overrides=arg_overrides, load_on_all_ranks=load_on_all_ranks)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
             explained = checkpoints.explain_load_failure(path, exc)
             if explained is None:
@@ -338,16 +367,21 @@ class _NumpyAsFairseqCallsIt(types.ModuleType):
 NUMPY_AS_FAIRSEQ_CALLS_IT = _NumpyAsFairseqCallsIt()
 
 
-def _with_numpy_as_fairseq_calls_it(original):
-    """`original`'s own code and defaults, with the global `np` bound to NUMPY_AS_FAIRSEQ_CALLS_IT (its other
-    globals as its module holds them now, the module itself untouched)."""
-    globals_ = dict(original.__globals__, np=NUMPY_AS_FAIRSEQ_CALLS_IT)
+def _with_globals(original, **names):
+    """`original`'s own code and defaults, with its globals `names` bound to the values given (its other globals as
+    its module holds them now, the module itself untouched)."""
+    globals_ = dict(original.__globals__, **names)
     function = types.FunctionType(original.__code__, globals_, original.__name__, original.__defaults__,
                                   original.__closure__)  # the closure keeps super()'s __class__ cell
     function.__kwdefaults__ = original.__kwdefaults__
     functools.update_wrapper(function, original)
     function.rfa_fairseq_wrapper = True
     return function
+
+
+def _with_numpy_as_fairseq_calls_it(original):
+    """`original` with the global `np` bound to NUMPY_AS_FAIRSEQ_CALLS_IT."""
+    return _with_globals(original, np=NUMPY_AS_FAIRSEQ_CALLS_IT)
 
 
 def _static_with_numpy_as_fairseq_calls_it(original):
@@ -388,8 +422,9 @@ PATCHES = (
         _wrap_load_checkpoint_to_cpu,
         "Verifies a checkpoint's checksums and its RFA options against --model-overrides before unpickling; a "
         "file that is not a checkpoint, a torn one or a class weights_only refuses gives one error naming the file "
-        "and the cause; an rfa* --model-overrides key that is no RFA option gets a warning.",
-        "checkpoint files are loaded unchecked and a bad one fails with torch's generic error",
+        "and the cause; an rfa* --model-overrides key that is no RFA option gets a warning. The file is mapped, not "
+        "read whole: generation never reads the optimizer's state.",
+        "checkpoint files are loaded unchecked, whole, and a bad one fails with torch's generic error",
         "ebbb067afbc898f0", "fairseq v0.12.2, v0.12.3 (git tags); main differs (it loads with weights_only=False)"),
     FairseqPatch(
         "atomic-checkpoint-save", "fairseq.checkpoint_utils", "torch_persistent_save", _wrap_torch_persistent_save,

@@ -145,6 +145,41 @@ def test_checkpoints_in_torchs_legacy_format_are_read_where_options_are_read_che
         checkpoints.check_checkpoint_against_overrides(path, {"rfa_num_features": 16})
 
 
+def mapped_files():
+    """The files this process maps (/proc/self/maps), or None where there is no /proc."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+    except OSError:
+        return None
+
+
+def test_fairseq_loads_checkpoints_mapped_and_legacy_ones_whole(tmp_path):
+    """load_checkpoint_to_cpu (fairseq's code under the plugin) maps a zip checkpoint instead of reading it whole (what
+    generation never touches, the optimizer's state, is never read), with the same contents as torch.load's; torch <
+    1.6's format, which cannot be mapped, is read whole."""
+    if mapped_files() is None:
+        pytest.skip("no /proc/self/maps here: the mapping cannot be observed")
+    state = {"args": None, "cfg": None, "model": {"weight": torch.randn(256, 64)},
+             "last_optimizer_state": {"state": {0: {"exp_avg": torch.randn(256, 64)}}},
+             "optimizer_history": [{"num_updates": 3, "optimizer_name": "Adam", "lr_scheduler_state": {}}],
+             "extra_state": {"train_iterator": {"epoch": 1}}}
+    zipped, legacy = str(tmp_path / "zipped.pt"), str(tmp_path / "legacy.pt")
+    save_atomic(state, zipped)
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    for path, mapped in ((zipped, True), (legacy, False)):
+        loaded = checkpoint_utils.load_checkpoint_to_cpu(path)
+        assert (os.path.realpath(path) in mapped_files()) == mapped, path
+        assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+        exp_avg = loaded["last_optimizer_state"]["state"][0]["exp_avg"]
+        assert torch.equal(exp_avg, state["last_optimizer_state"]["state"][0]["exp_avg"])
+        exp_avg.add_(1.0)  # a private mapping: written in memory (training's optimizer), never into the file
+        del loaded, exp_avg
+    assert torch.equal(torch.load(zipped, weights_only=True)["last_optimizer_state"]["state"][0]["exp_avg"],
+                       state["last_optimizer_state"]["state"][0]["exp_avg"])
+    assert os.path.realpath(zipped) not in mapped_files()  # unmapped with the last tensor of the state
+
+
 # ---------------------------------------------------------------- which checkpoint training resumes from
 
 

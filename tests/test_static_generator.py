@@ -168,15 +168,38 @@ def test_a_generator_warms_up_only_weights_no_generator_prepared(monkeypatch):
         return generate(self, models, sample, *args, max_steps=max_steps, **kwargs)
 
     monkeypatch.setattr(StaticBeamSearchGenerator, "generate", counted)
+    trims = []  # the freed heap is given back after each warm-up, and only then
+    monkeypatch.setattr(static_beam_search, "return_freed_memory", lambda: trims.append(len(warm_ups)))
     with torch.no_grad():
         first = StaticBeamSearchGenerator(model, d, beam_size=2, max_len_b=8)
-        assert warm_ups == [1]
+        assert warm_ups == [1] and trims == [1]
         second = StaticBeamSearchGenerator(model, d, beam_size=2, max_len_b=8)
-        assert warm_ups == [1]
+        assert warm_ups == [1] and trims == [1]
         assert_same_hypotheses(first.generate([model], sample), second.generate([model], sample))
         model.decoder.layers[0].fc1.weight.mul_(1.0)  # in place: the runtime is built again, and warmed up
         StaticBeamSearchGenerator(model, d, beam_size=2, max_len_b=8)
-        assert warm_ups == [1, 1]
+        assert warm_ups == [1, 1] and trims == [1, 2]
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_return_freed_memory_gives_the_freed_heap_back():
+    """Memory freed in the middle of the heap (the C library keeps it for later allocations) leaves the process's
+    resident memory when return_freed_memory runs (glibc's malloc_trim)."""
+    import ctypes
+
+    if not os.path.exists("/proc/self/status") or getattr(ctypes.CDLL(None), "malloc_trim", None) is None:
+        pytest.skip("no glibc malloc_trim or no /proc here: return_freed_memory does nothing")
+    blocks = [torch.ones(8192) for _ in range(3000)]  # 32 KB each, below glibc's mmap threshold: on the heap
+    kept = torch.ones(8192)  # allocated after them: the freed blocks are not the heap's top, which glibc trims itself
+    held = resident_mb()
+    del blocks
+    static_beam_search.return_freed_memory()
+    assert resident_mb() < held - 60, (held, resident_mb())
+    del kept
 
 def test_parts_per_batch():
     """Auto: one part per thread while each part keeps MIN_PART_SENTENCES sentences; --rfa-decode-parts overrides

@@ -32,6 +32,7 @@ The arithmetic follows SequenceGenerator._generate and search.BeamSearch.step op
 normalization), so hypotheses and scores agree with fairseq's. Shapes: N places (sentences still in the
 batch), K beams, R = N * K rows, V the vocabulary, L the token buffer's length (max_len + 2).
 """
+import ctypes
 import logging
 import math
 import queue
@@ -59,6 +60,17 @@ def parts_for(sentences: int, threads: int, requested: int) -> int:
     if requested > 0:
         return max(1, min(requested, sentences))
     return max(1, min(threads, sentences // MIN_PART_SENTENCES))
+
+
+def return_freed_memory() -> None:
+    """Give the C library's freed heap back to the system (glibc's malloc_trim; nothing where the library has none).
+    After a model is loaded and its weights packed, the heap holds tens of MB freed on the way (the checkpoint's
+    state dict, the model's initial weights, packing's temporaries) that glibc keeps for later allocations and
+    decoding never reuses whole: resident memory stays that much higher for the process's life (docs/benchmarks.md).
+    Once, not per batch: the pages decoding frees and takes again would fault back in at every batch."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class PartThreads:
@@ -173,6 +185,7 @@ class StaticBeamSearchGenerator(nn.Module):
             sample = {"net_input": {"src_tokens": src_tokens,
                                     "src_lengths": torch.ones(1, dtype=torch.long, device=device)}}
             self.generate([self.model], sample, max_steps=1)
+            return_freed_memory()
         if self.parts > 0 and self.model.decoder.decoding_runtime().program is None:
             logger.info(f"rfa_fairseq: --rfa-decode-parts {self.parts} has no effect here: batches are split into "
                         f"parts by the native step only (the CPU in fp32), not by the torch step that runs here")
