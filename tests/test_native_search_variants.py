@@ -44,10 +44,11 @@ def sample_of(d):
 
 def search_both(model, d, sample, monkeypatch):
     """fairseq's SequenceGenerator and the static search on the same model and batch -> (want, got, what ran):
-    the static search's runtime, how many of its steps ran in Python (`_step`: the torch step) and the batch sizes
-    it halved from and to."""
-    ran = {"python_steps": 0, "halvings": []}
+    the static search's runtime, how many of its steps ran in Python (`_step`: the torch step), the batch sizes
+    it halved from and to, and how many native calls ran steps (search_steps)."""
+    ran = {"python_steps": 0, "halvings": [], "native_calls": 0}
     python_step, keep_sentences = StaticBeamSearchGenerator._step, static_beam_search._Search.keep_sentences
+    native = static_beam_search._Search.native
 
     def counted_step(self, *args, **kwargs):
         ran["python_steps"] += 1
@@ -57,20 +58,31 @@ def search_both(model, d, sample, monkeypatch):
         ran["halvings"].append((self.N, kept.numel()))
         return keep_sentences(self, state, kept)
 
+    def counted_native(self):  # the search's buffers handed to a native call (search_steps)
+        ran["native_calls"] += 1
+        return native(self)
+
     with torch.no_grad():
         want = SequenceGenerator([model], d, **GENERATION).generate([model], sample)
         generator = StaticBeamSearchGenerator(model, d, parts=1, **GENERATION)
         monkeypatch.setattr(StaticBeamSearchGenerator, "_step", counted_step)  # after the warm-up step at build
         monkeypatch.setattr(static_beam_search._Search, "keep_sentences", recorded_halving)
+        monkeypatch.setattr(static_beam_search._Search, "native", counted_native)
         got = generator.generate([model], sample)
     ran["runtime"] = generator.lanes[0].state.runtime
     return want, got, ran
 
 
 def assert_sentences_end_apart(hypotheses, ran):
+    """The batch's sentences end at different steps, and the search took the path of its step: the native step's
+    whole search one native call, never halving (its steps decode only the places still translating); the torch
+    step's halving when half the places have finished."""
     lengths = {len(sentence[0]["tokens"]) for sentence in hypotheses}
     assert len(lengths) >= 3, f"the test needs sentences that end at different steps: best lengths {lengths}"
-    assert ran["halvings"] and ran["halvings"][0][0] == N_SENTENCES, f"the batch never halved: {ran['halvings']}"
+    if ran["runtime"].program is not None:
+        assert ran["native_calls"] == 1 and not ran["halvings"], ran
+    else:
+        assert ran["halvings"] and ran["halvings"][0][0] == N_SENTENCES, f"the batch never halved: {ran['halvings']}"
 
 
 VARIANTS = [  # (flags, the step's kernels, the EOS row's size)
@@ -132,13 +144,13 @@ class OneStepAtATime:
                     assert torch.equal(w[live * K: N * K], old[live * K:]), f"step {t} wrote a finished place's rows"
                     assert not torch.equal(w[: live * K], old[: live * K]), f"step {t} wrote no live row"
             parity, read = 1 - parity, 1 - read
-            if t >= last_step or 2 * finished >= N:
+            if t >= last_step or finished == N:
                 return t, finished
             t += 1
 
 
 def test_the_native_step_decodes_only_the_places_still_translating(monkeypatch):
-    """Sentences that finish before the batch halves cost no more rows: each native step decodes the places still
+    """Sentences that finish before the others cost no more rows: each native step decodes the places still
     translating (their rows packed to the front, the finished places' states untouched), and the hypotheses and
     scores stay SequenceGenerator's."""
     cpp_extension()

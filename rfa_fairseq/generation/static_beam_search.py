@@ -5,9 +5,9 @@ step (decoder layers, log-softmax, masks, candidates, finalization, beam reorder
 An RFA decoder's state has a fixed size, so nothing in a step needs to change shape when sentences
 finish: finished sentences stay in the batch, masked (they finalize nothing more), and every buffer of
 the search (tokens, cumulative scores, candidates, the finalized hypotheses) keeps its shape from step to
-step. Only when half the sentences in the batch have finished does the batch halve (their rows would
-otherwise cost every later step: one long sentence keeps a batch going), in place: the kept sentences move
-to the front of the same buffers. On CUDA the batch halves to the sizes ceil(N / 2^j) of the largest
+step. With the torch and CUDA steps, which decode every row of the batch, the batch halves when half its sentences
+have finished (their rows would otherwise cost every later step: one long sentence keeps a batch going), in place:
+the kept sentences move to the front of the same buffers. On CUDA the batch halves to the sizes ceil(N / 2^j) of the largest
 batch's N, finished sentences filling the places the unfinished ones leave, so that every batch runs the same few
 shapes and replays the graphs the first batches captured (uncaptured steps run the same shapes: the same
 arithmetic). A step reads the step number from a device tensor and writes the
@@ -19,9 +19,9 @@ it needs to stop or halve; on the CPU it reads them at once.
 
 On the CPU the whole step is native (the decoding runtime's program, ops/csrc/decode_program.cpp: the decoder's
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
-the steps until the batch halves or ends, without Python (or the GIL) between them; each of those steps decodes
-only the places still translating (their rows packed to the front, `order` naming the state rows it wrote), so a
-finished sentence costs nothing before the halving either (~7 % of the places' steps on Multi30k's test set). At N
+a batch's every step, without Python (or the GIL) between them; each step decodes only the places still
+translating (their rows packed to the front, `order` naming the state rows it wrote), so a finished sentence costs
+nothing more and the batch never halves (halving in Python cost 2-4 % of an int8 batch's time). At N
 threads the CLIs' batches come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder
 and search, on its own thread, as one thread decodes it alone; a batch of its own is split into N parts where each
 part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer
@@ -345,13 +345,14 @@ class StaticBeamSearchGenerator(nn.Module):
                            lambda: self._step(search, state, step, False, False, None))
                 search.after_step(state, step)
             elif native and not prefix and self.repeat_ngram_blocker is None:
-                # the steps until half the places (or more) have finished, or the last: one native call
+                # every step left, until all the places have finished or the last: one native call (each step
+                # decodes only the places still translating: the batch needs no halving)
                 start = step
                 step, finished_count = runtime.program.search_steps(
                     state.native_batch(), search.native(), start, search.parity, state.parity, last_step, max_len)
                 for t in range(start, step + 1):
                     search.after_step(state, t)
-                if step < last_step and 2 * finished_count < search.N:
+                if step < last_step and finished_count < search.N:
                     raise RuntimeError(f"the native search stopped at step {step} of {last_step} with "
                                        f"{finished_count} of {search.N} places finished")
             else:

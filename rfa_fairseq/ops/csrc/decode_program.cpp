@@ -593,8 +593,8 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   at::Tensor position = s.positions.defined() ? s.positions.narrow(0, t, 1) : at::Tensor();
   bool* finished = s.finished.data_ptr<bool>();
   // the places still translating, each decoded at its place among them (p): a finished place finalizes nothing
-  // more, its rows' logits and states would be dropped (a batch halves only when half its places have finished);
-  // the first step decodes every place (its rows are one per sentence)
+  // more, and its rows cost nothing (the batch keeps its places to its end: no halving needed); the first step
+  // decodes every place (its rows are one per sentence)
   std::vector<int64_t> live;
   for (int64_t n = 0; n < N; ++n) {
     if (first || !finished[n]) live.push_back(n);
@@ -733,7 +733,7 @@ std::pair<int64_t, int64_t> DecodeProgram::search_steps(const NativeBatch& batch
     const int64_t finished = search_step(batch, s, t, parity, read, t == 0, t >= max_len);
     parity ^= 1;
     read ^= 1;
-    if (t >= last_step || 2 * finished >= N) return {t, finished};
+    if (t >= last_step || finished == N) return {t, finished};
   }
 }
 
@@ -818,5 +818,6 @@ void bind_decode_program(py::module_& m) {
           },
           py::arg("batch"), py::arg("search"), py::arg("t0"), py::arg("parity"), py::arg("read"), py::arg("last_step"),
           py::arg("max_len"),
-          "the static beam search's steps until it halves or ends, in one call (decode_program.h)");
+          "the static beam search's steps until every place has finished or the last step, in one call "
+          "(decode_program.h)");
 }

@@ -179,14 +179,13 @@ class DecodeProgram {
   // decode, log-softmax with the masks and the 2K best candidates per place, finalization, and the reorder into
   // the other pair (search.order: the beam order the next step's causal layers apply). Only the places still
   // translating are decoded: their rows packed to the front (the causal states written there, search.order naming
-  // them), a finished place's rows left as they are. -> how many places have finished (search.finished), so that
-  // the host reads no buffer at a step that halves nothing.
+  // them), a finished place's rows left as they are. -> how many places have finished (search.finished).
   int64_t search_step(const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity, int64_t read,
                       bool first, bool last) const;
   // search_step at t = t0, t0 + 1, ... (the first step at t = 0; the last, EOS only, at t = max_len), the buffer
-  // pairs and the causal states turning after each, until half the places or more have finished (the host halves
-  // the batch then) or step `last_step` ran: a whole stretch of the search in one call, without Python (or the GIL)
-  // between its steps. -> (the last step run, the places finished after it)
+  // pairs and the causal states turning after each, until every place has finished or step `last_step` ran: a
+  // batch's whole search in one call, without Python (or the GIL) between its steps (each step decodes only the
+  // places still translating, so the batch never halves). -> (the last step run, the places finished after it)
   std::pair<int64_t, int64_t> search_steps(const NativeBatch& batch, NativeSearch& search, int64_t t0, int64_t parity,
                                            int64_t read, int64_t last_step, int64_t max_len) const;
   // the search's buffers are fit for its steps t0 .. t_last (the tokens read at t0 from pair `parity`)
