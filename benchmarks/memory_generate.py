@@ -137,10 +137,11 @@ def ct2_child(args) -> dict:
     return {"stages": stages, "tensors": {}}
 
 
-def measure(engine: str, precision: str, model: str, args) -> dict:
-    """One engine's stages, in a process of its own; model: the rfa checkpoint or the CTranslate2 directory."""
+def measure(engine: str, precision: str, model: str, batch_size: int, args) -> dict:
+    """One engine's stages at batches of `batch_size`, in a process of its own; model: the rfa checkpoint or the
+    CTranslate2 directory."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--precision", precision, "--model", model,
-           "--prep", args.prep, "--batch-size", str(args.batch_size)]
+           "--prep", args.prep, "--batch-size", str(batch_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
@@ -182,10 +183,9 @@ def main(argv=None) -> int:
     now, machine = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), benchmark_generate.machine("cpu")
     rows = []
     for batch_size in args.batch_sizes:
-        args.batch_size = batch_size
         for engine in ("rfa", "ct2"):
             for precision in ("fp32", "int8"):
-                result = measure(engine, precision, models[engine, precision], args)
+                result = measure(engine, precision, models[engine, precision], batch_size, args)
                 common = {"engine": engine, "precision": precision, "batch_size": batch_size, "machine": machine,
                           "measured_utc": now}
                 before, name = 0.0, f"{engine} {precision} b{batch_size}"

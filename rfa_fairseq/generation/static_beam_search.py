@@ -21,7 +21,7 @@ On the CPU the whole step is native (the decoding runtime's program, ops/csrc/de
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
 a batch's every step, without Python (or the GIL) between them; each step decodes only the places still
 translating (their rows packed to the front, `order` naming the state rows it wrote), so a finished sentence costs
-nothing more and the batch never halves (halving in Python cost 2-4 % of an int8 batch's time). At N
+nothing more and the batch never halves (halving in Python cost about 3 % of a batch's time). At N
 threads the CLIs' batches come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder
 and search, on its own thread, as one thread decodes it alone; a batch of its own is split into N parts where each
 part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer
