@@ -28,6 +28,7 @@ Finished rows are kept (the CSV is rewritten whole after each point); --redo mea
 Files: benchmarks/results/generate_multi30k_<device>.csv and .png.
 """
 import argparse
+import ast
 import csv
 import datetime
 import importlib.util
@@ -73,6 +74,19 @@ TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in (
 KEY = ("device", "threads", "batch_size", "model")
 # the rfa models whose hypotheses are compared with rfa's (the same checkpoint, another decoding path)
 SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8", "rfa_intra", "rfa_int8_intra")
+
+
+def generate_flags(model: str, no_triton_self_check: bool = False) -> list:
+    """fairseq-generate's flags of a model: MODELS' own, and for an RFA model with no_triton_self_check,
+    rfa_triton_self_check False in its --model-overrides."""
+    flags = list(MODELS[model][1])
+    if not no_triton_self_check or MODELS[model][0] == "softmax":
+        return flags
+    if "--model-overrides" not in flags:
+        return flags + ["--model-overrides", repr({"rfa_triton_self_check": False})]
+    at = flags.index("--model-overrides") + 1
+    flags[at] = repr({**ast.literal_eval(flags[at]), "rfa_triton_self_check": False})
+    return flags
 
 
 def log(message):
@@ -147,7 +161,7 @@ def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1)):
                "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
                "--max-len-a", "1", "--max-len-b", "50", "--batch-size", str(batch_size),
                "--required-batch-size-multiple", "1", "--post-process", "sentencepiece", "--num-workers", "0",
-               *MODELS[model][1]]
+               *generate_flags(model, args.no_triton_self_check)]
         if args.device == "cpu":
             cmd.append("--cpu")
         if args.fp16:
@@ -262,6 +276,9 @@ def main(argv=None):
     p.add_argument("--train-timeout", type=float, default=6 * 3600, help="seconds a missing checkpoint may train")
     p.add_argument("--csv", default=None)
     p.add_argument("--redo", action="store_true", help="measure finished rows again")
+    p.add_argument("--no-triton-self-check", action="store_true",
+                   help="CUDA: the RFA models decode with --no-rfa-triton-self-check (fairseq-generate's timer would "
+                        "count the check; for a GPU checked before: benchmarks/gpu/self_check.py)")
     args = p.parse_args(argv)
     if args.models is None:
         args.models = list(DEFAULT_MODELS)

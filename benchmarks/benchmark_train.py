@@ -84,7 +84,7 @@ def attention_module(kind: str, dims: str, chunk_size: int, gate: bool):
                         rfa=RFAConfig(rfa_chunk_size=chunk_size, rfa_gate=gate, rfa_sequence_kernel=sequence_kernel))
 
 
-def fla_causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size, sequence_kernel, eps):
+def fla_causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size, sequence_kernel, eps, self_check):
     """Causal RFA through flash-linear-attention's scalar-gated linear attention: S_t = exp(g_t) S_t-1 + k_t (x) [v_t, 1],
     o_t = q_t S_t (fla's (B, T, H, .) layout, fp32 inputs), normalized as the plugin's kernels normalize."""
     from fla.ops.simple_gla import chunk_simple_gla

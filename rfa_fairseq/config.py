@@ -126,6 +126,14 @@ class RFAConfig(FairseqDataclass):
             "ships with torch's CUDA builds), the chunked torch path otherwise; torch = always the torch path. Same results, other speeds "
             "(default: auto)", speed_only=True),
     )
+    rfa_triton_self_check: bool = field(
+        default=True,
+        metadata=_meta("training", "before a Triton kernel of the CUDA path (causal RFA over sequences, forward and "
+            "backward; the decoding step's causal layer) first runs on a device and variant in a process, check it once "
+            "against the torch path on a small input (milliseconds; logged); a kernel that disagrees is not used: one "
+            "warning, and the torch path runs that variant for the rest of the process. --no-rfa-triton-self-check "
+            "trusts the kernels unchecked (benchmarks on a GPU checked before) (default: on)", speed_only=True),
+    )
     rfa_encoder_self_attn: bool = field(
         default=False,
         metadata=_meta("weights", "use RFA in the encoder self-attention too (softmax by default, as in the paper's MT setup)"),

@@ -33,3 +33,26 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def plugin_dir():
     return PLUGIN_DIR
+
+
+TRITON_INTERPRETER_FROM = (3, 7)  # Triton 3.6's interpreter cannot loop over a runtime bound under numpy >= 2.3
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter():
+    """Skips, with the reason, where Triton's interpreter cannot run the plugin's kernels on CPU tensors: the tests
+    using it call the kernel modules (and triton_self_check's entry points) with CPU tensors directly."""
+    import importlib.util
+
+    from rfa_fairseq.ops import triton_import_error
+
+    if not importlib.util.find_spec("triton"):
+        pytest.skip("triton is not installed (the test extra installs it on Linux)")
+    if triton_import_error() is not None:
+        pytest.skip(f"Triton is not usable here: {triton_import_error()}")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is off (a GPU is present: tests/test_cuda.py runs the compiled kernels)")
+    import triton
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < TRITON_INTERPRETER_FROM:
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run these kernels (needs >= 3.7)")

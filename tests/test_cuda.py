@@ -28,8 +28,11 @@ from rfa_fairseq.ops import (
     gate_keys,
     step_kernels,
     triton_import_error,
+    triton_self_check,
 )
-from rfa_fairseq.ops.decode_step import TORCH_KERNELS, TRITON_KERNELS
+from rfa_fairseq.modules.decoding import CountingBackend
+from rfa_fairseq.ops.decode_step import TORCH_KERNELS
+from rfa_fairseq.ops.triton_self_check import SEQUENCE_TOLERANCES, STEP_TOLERANCES, relative_error
 
 
 def _skip_reason():
@@ -47,7 +50,7 @@ GPU_MODEL = [  # override helpers.TINY_ARGS: the base models' head shape, 2 laye
     "--encoder-embed-dim", str(H * D), "--decoder-embed-dim", str(H * D),
     "--encoder-attention-heads", str(H), "--decoder-attention-heads", str(H),
 ]
-TOLERANCE = 1e-2  # of each tensor's range; TF32 gives ~1e-3
+TOLERANCE = SEQUENCE_TOLERANCES[torch.float32]  # of each tensor's range (relative_error): the chunked kernels' TF32
 
 
 def flags(feature_map="sincos", gate=True, rfa_encoder=False, rfa_cross=True):
@@ -58,11 +61,6 @@ def flags(feature_map="sincos", gate=True, rfa_encoder=False, rfa_cross=True):
            "--no-rfa-softmax-cross-attn" if rfa_cross else "--rfa-softmax-cross-attn"]
     out += ["--rfa-num-features", str(F_ // 2 if feature_map in ("sincos", "hedgehog") else F_)]
     return out + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
-
-
-def relative_error(got, want) -> float:
-    want = want.double()
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def features(*shape, dtype=torch.float32):
@@ -107,7 +105,7 @@ def test_triton_kernels_match_reference_outputs_states_gradients(gated, dtype, w
     names = ["out", "state", "d_phi_q", "d_phi_k", "d_v"] + (["d_gate"] if gated else []) + (["d_state"] if with_state else [])
     errors = {name: relative_error(a, b) for name, a, b in zip(names, got, want)}
     print(" ".join(f"{name} {error:.1e}" for name, error in errors.items()))
-    assert all(math.isfinite(e) and e < TOLERANCE for e in errors.values()), errors
+    assert all(math.isfinite(e) and e < SEQUENCE_TOLERANCES[dtype] for e in errors.values()), errors
 
 
 def test_dispatch_takes_triton_for_cuda_and_torch_when_disabled_or_fp64():
@@ -131,6 +129,8 @@ def test_dispatch_takes_triton_for_cuda_and_torch_when_disabled_or_fp64():
 def test_triton_step_kernel_matches_the_torch_step_on_cuda(activation, gated, first, dtype):
     """The decoding step's causal update in one Triton launch == TorchKernels' operations (fp32 state; fp16
     projections as fairseq-generate --fp16 gives them), through a beam order over more rows."""
+    from rfa_fairseq.ops.triton_step import launch_causal_layer_step
+
     torch.manual_seed(2)
     R, W = 24, (F_ // 2 if activation == "hedgehog" else F_)
     proj = torch.randn(R, H * (2 * W + D + 1), device="cuda").to(dtype)
@@ -141,21 +141,23 @@ def test_triton_step_kernel_matches_the_torch_step_on_cuda(activation, gated, fi
     state_in = None if first else torch.rand(R + 8, H, F_, D + 1, device="cuda")
     order = None if first else torch.randperm(R + 8, device="cuda")[:R]
     outs, states = [], []
-    for kernels in (TRITON_KERNELS, TORCH_KERNELS):
+    for step in (launch_causal_layer_step, TORCH_KERNELS.causal_layer_step):  # the kernel itself, unchecked
         state_out = torch.full((R, H, F_, D + 1), float("nan"), device="cuda")
-        outs.append(kernels.causal_layer_step(q, k, v, gate, None, state_in, order, state_out, 1e-3, activation))
+        outs.append(step(q, k, v, gate, None, state_in, order, state_out, 1e-3, activation))
         states.append(state_out)
     errors = (relative_error(outs[0], outs[1]), relative_error(states[0], states[1]))
     print(f"out {errors[0]:.1e} state {errors[1]:.1e}")
-    assert outs[0].dtype == outs[1].dtype and max(errors) < (1e-2 if dtype == torch.float16 else 1e-5)
+    assert outs[0].dtype == outs[1].dtype and max(errors) < STEP_TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("decode_kernel,name", [("torch", "torch"), ("auto", "triton")])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
-def test_decoding_step_kernels_on_cuda_with_beam_order(gated):
-    """The decoding step's kernels on CUDA (the torch kernels) == the recurrence on state[order], in fp32."""
+def test_decoding_step_kernels_on_cuda_with_beam_order(gated, decode_kernel, name):
+    """The decoding step's kernels on CUDA (the torch kernels; auto's: the causal update in Triton) == the
+    recurrence on state[order], in fp32."""
     torch.manual_seed(2)
-    kernels = step_kernels("auto", torch.device("cuda"), torch.float32)
-    assert kernels.name == "torch"
+    kernels = step_kernels(decode_kernel, torch.device("cuda"), torch.float32)
+    assert kernels.name == name
     state = torch.rand(4, H, F_, D + 1, device="cuda")
     for order in (torch.tensor([3, 0, 3], device="cuda"), None):
         rows = 3 if order is not None else 4
@@ -171,6 +173,30 @@ def test_decoding_step_kernels_on_cuda_with_beam_order(gated):
                                                     log_gate.double() if gated else None, entering.double())
         assert relative_error(out.view(rows, H, 1, D), want_out) < 1e-5
         assert relative_error(new_state[:rows], want_state) < 1e-5
+
+
+def test_self_check_trusts_every_kernel_a_model_runs_on_this_gpu():
+    """Training (fp32 and bf16, a padded batch, short and long targets: both chunk sizes), scoring and decoding
+    with the default map: each Triton variant met is self-checked once, passes, and its check's cost is printed."""
+    with triton_self_check.installed(triton_self_check.TritonTrust()):  # no verdicts yet, as in a fresh process
+        model, d = gpu_model(flags("hedgehog", gate=True, rfa_cross=False))
+        for dtype in (torch.float32, torch.bfloat16):
+            model.to(dtype)
+            for tgt_len in (10, 40):
+                src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=9, tgt_len=tgt_len))
+                model.train()
+                model(src, src_lengths, prev)[0].float().sum().backward()
+                model.eval()
+                with torch.no_grad():
+                    model(src, src_lengths, prev)
+                    _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :4], {})
+        records = triton_self_check.checks()
+    for record in records:
+        print(f"{record.kernel} ({record.variant}) {record.dtypes}: {record.outcome}, {record.largest_error:.1e} "
+              f"({record.worst}), {record.milliseconds:.0f} ms")
+    assert {r.kernel for r in records} == {"causal_rfa", "causal_layer_step"}
+    assert all(r.outcome == "passed" for r in records)
+    assert len({(r.kernel, r.dtypes, r.variant) for r in records}) == len(records)  # once each
 
 
 # ------------------------------------------------------------------ model
@@ -250,33 +276,6 @@ GRAPH_VARIANTS = [(fm, gate, fm != "hedgehog") for fm in ("sincos", "positive", 
                   for gate in (False, True)]  # every map, gated and ungated; hedgehog with softmax cross-attention
 
 
-class CountingBackend:
-    """A graph backend that counts the captures and replays of the one it wraps (CUDAGraphBackend)."""
-
-    def __init__(self, backend):
-        self.backend, self.captures, self.replays = backend, 0, 0
-
-    def reset(self):
-        self.backend.reset()
-
-    def capture(self, step):
-        self.captures += 1
-        return self.backend.capture(step)
-
-    def replay(self, graph, outputs):
-        self.replays += 1
-        self.backend.replay(graph, outputs)
-
-
-def counted(graphs):
-    """`graphs` (StepGraphs or None) with its backend counting; -> its CountingBackend, or None."""
-    if graphs is None:
-        return None
-    if not isinstance(graphs.backend, CountingBackend):
-        graphs.backend = CountingBackend(graphs.backend)
-    return graphs.backend
-
-
 @pytest.fixture
 def graph_counts(monkeypatch):
     """The graph backends of every batch decoded in the test (their captures and replays)."""
@@ -286,7 +285,7 @@ def graph_counts(monkeypatch):
 
     def spy(device, enabled):
         graphs = original(device, enabled)
-        made.append(counted(graphs))
+        made.append(CountingBackend.of(graphs))
         return graphs
 
     monkeypatch.setattr(rfa_transformer, "step_graphs_for", spy)
@@ -328,7 +327,7 @@ def test_cuda_graph_replays_give_the_eager_steps_hypotheses(feature_map, gate, r
         if name == "static":
             eager = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12, cuda_graphs=False)
             graphed = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_b=12)
-            counted(graphed.graphs)  # made as the generator prepared its weights: counted from here
+            CountingBackend.of(graphed.graphs)  # made as the generator prepared its weights: counted from here
         else:
             eager = graphed = SequenceGenerator([model], d, beam_size=4, max_len_b=12)
         model.decoder.rfa.rfa_cuda_graphs = False  # --no-rfa-cuda-graphs (the SequenceGenerator path's switch)

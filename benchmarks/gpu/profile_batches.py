@@ -25,24 +25,6 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 DEVICE_SORT = "self_device_time_total"  # the profiler table sorted by device time
 
 
-class CountingBackend:
-    """The graph backend of a generator, counting its captures and replays."""
-
-    def __init__(self, backend):
-        self.backend, self.captures, self.replays = backend, 0, 0
-
-    def reset(self):
-        self.backend.reset()
-
-    def capture(self, step):
-        self.captures += 1
-        return self.backend.capture(step)
-
-    def replay(self, graph, outputs):
-        self.replays += 1
-        self.backend.replay(graph, outputs)
-
-
 def setup(args, batch_size, graphs):
     import torch
     from fairseq import checkpoint_utils, options, tasks
@@ -50,15 +32,17 @@ def setup(args, batch_size, graphs):
 
     import rfa_fairseq  # noqa: F401  (registers the plugin)
 
-    overrides = "{'rfa_cuda_graphs': %s}" % graphs
+    overrides = {"rfa_cuda_graphs": graphs}
+    if args.no_triton_self_check:  # this GPU's kernels were checked before (run_all.sh's self_check stage)
+        overrides["rfa_triton_self_check"] = False
     argv = [os.path.join(args.prep, "data-bin"), "--user-dir", os.path.join(REPO, "rfa_fairseq"), "--path", args.checkpoint,
             "--gen-subset", "test", "--beam", "4", "--lenpen", "1", "--max-len-a", "1", "--max-len-b", "50",
             "--batch-size", str(batch_size), "--required-batch-size-multiple", "1", "--fp16", "--num-workers", "0",
-            "--model-overrides", overrides]
+            "--model-overrides", repr(overrides)]
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_generation_parser(), argv))
     task = tasks.setup_task(cfg.task)
     task.load_dataset("test")
-    models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides=eval(overrides), task=task)
+    models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides=overrides, task=task)
     model = models[0].half().cuda().eval()
     generator = task.build_generator([model], cfg.generation)
     batches = list(task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=batch_size,
@@ -68,10 +52,10 @@ def setup(args, batch_size, graphs):
 
 
 def counting(generator):
-    graphs = getattr(generator, "graphs", None)
-    if graphs is not None and not isinstance(graphs.backend, CountingBackend):
-        graphs.backend = CountingBackend(graphs.backend)
-    return graphs.backend if graphs is not None else None
+    """The generator's graph backend counting its captures and replays, or None (no graphs)."""
+    from rfa_fairseq.modules.decoding import CountingBackend
+
+    return CountingBackend.of(getattr(generator, "graphs", None))
 
 
 def run_batch(task, model, generator, sample):
@@ -93,6 +77,9 @@ def main():
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 128])
     p.add_argument("--out-dir", required=True)
     p.add_argument("--profile-rows", type=int, default=30)
+    p.add_argument("--no-triton-self-check", action="store_true",
+                   help="--no-rfa-triton-self-check: the first batch's time without the Triton kernels' self-check "
+                        "(for a GPU checked before: benchmarks/gpu/self_check.py)")
     args = p.parse_args()
 
     import torch

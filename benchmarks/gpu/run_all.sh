@@ -4,7 +4,10 @@
 #   1. wheels from .whl/ (fairseq, hydra, omegaconf, antlr4, bitarray, sacremoses; fla-core, the peer of the
 #      attention benchmark) into /tmp/site
 #   2. kernel_tests: tests/test_cuda.py's Triton kernels (training's causal RFA forward and backward, the decoding
-#      step's causal update) against the references, and the static beam search's graph replays of the default
+#      step's causal update) against the references, and the static beam search's graph replays of the default;
+#      self_check: the kernels' self-check as the default model (base dims, fp16) trains, scores and decodes, each
+#      variant's outcome and milliseconds in gpu_self_check_<gpu>.csv (benchmarks/gpu/self_check.py); where every
+#      check passed, profile and generate_real (timed from their first batch) skip theirs (--no-triton-self-check)
 #   3. attention: causal attention forward + backward at translation lengths (benchmark_train.py: the Triton kernels,
 #      the chunked torch path, fla's chunk_simple_gla, softmax SDPA)
 #   4. train: fairseq-train --fp16 of the Multi30k recipe to RFA_GPU_TRAIN_UPDATES (default 1,000), the softmax twin
@@ -27,7 +30,7 @@
 # folder (checkpoints aside) is also packed there after every stage (a run cut short keeps what it finished). The
 # whole run stops by RFA_GPU_BUDGET_S seconds (default 560): each stage gets at most its cap and what is left after
 # the reserve of the stages after it; a benchmark cut short keeps the points it measured. RFA_GPU_STAGES picks stages
-# (default "kernel_tests attention train profile generate_real decode_forced test_cuda").
+# (default "kernel_tests self_check attention train profile generate_real decode_forced test_cuda").
 #
 #   python benchmarks/gpu/pack_carry.py --prep outputs/multi30k     # here: .gpu/multi30k (the data)
 #   OUT=/path bash benchmarks/gpu/run_all.sh                          # there, with .whl and .gpu carried
@@ -38,7 +41,7 @@ cd "$REPO"
 OUT="${OUT:-$REPO/outputs/gpu}"
 mkdir -p "$OUT"
 BUDGET_S="${RFA_GPU_BUDGET_S:-560}"
-STAGES=" ${RFA_GPU_STAGES:-kernel_tests attention train profile generate_real decode_forced test_cuda} "
+STAGES=" ${RFA_GPU_STAGES:-kernel_tests self_check attention train profile generate_real decode_forced test_cuda} "
 START=$(date +%s)
 : > "$OUT/status.txt"  # a line per stage (stages in the background write here too)
 
@@ -111,6 +114,15 @@ GRACE=20
 stage kernel_tests "$(budget 480 60)" python3 -m pytest -q -s -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml" \
     tests/test_cuda.py -k "triton or dispatch or (graph_replays and hedgehog-gated)"
 
+# the kernels' self-check on this GPU (what is left of kernel_tests' slot); the timed stages below skip their own
+# check only where this one ran whole and every check passed
+stage self_check "$(budget 455 45)" python3 benchmarks/gpu/self_check.py --models rfa --dims base --dtypes fp16 \
+    --out-dir "$OUT"
+CHECKED=()
+if grep -qx "self_check: exit code 0" "$OUT/status.txt"; then
+    CHECKED=(--no-triton-self-check)
+fi
+
 # ---------------------------------------------------------------- 3. causal attention, forward + backward
 secs=$(budget 420 35)
 stage attention "$secs" python3 benchmarks/benchmark_train.py --device cuda --dims base --batch 64 --dtype fp16 \
@@ -140,11 +152,11 @@ done
 # ---------------------------------------------------------------- 5-7. decoding: the batches' profile, real data, forced lengths
 RFA_CHECKPOINT="$TRAIN_WORK/fp16/${DEFAULT}_u${UPDATES}_s1/checkpoint_best.pt"
 stage profile "$(budget 170 60)" python3 benchmarks/gpu/profile_batches.py --prep .gpu/multi30k --checkpoint "$RFA_CHECKPOINT" \
-    --batch-sizes 32 128 --out-dir "$OUT"
+    --batch-sizes 32 128 --out-dir "$OUT" ${CHECKED[@]+"${CHECKED[@]}"}
 
 GENERATE=(python3 benchmarks/benchmark_generate.py --device cuda --fp16 --prep .gpu/multi30k --study-dir "$TRAIN_WORK/fp16"
           --max-update "$UPDATES" --seed 1 --threads 1 --repeats 1 --train-timeout 0.001
-          --csv "$OUT/generate_multi30k_cuda.csv")
+          --csv "$OUT/generate_multi30k_cuda.csv" ${CHECKED[@]+"${CHECKED[@]}"})
 stage generate_real "$(budget 75 120)" bash -c "$(printf '%q ' "${GENERATE[@]}") --models softmax rfa rfa_eager --batch-sizes 128 &&
     $(printf '%q ' "${GENERATE[@]}") --models softmax rfa --batch-sizes 32 512"
 

@@ -54,6 +54,7 @@ from ..modules.decoding import (
 from ..modules.encoding import EncoderLayerRecord, EncodingRuntime
 from ..modules.rfa_attention import CausalRecord
 from ..ops import step_kernels
+from ..ops.triton_self_check import set_step_self_check
 
 logger = logging.getLogger(__name__)
 
@@ -418,8 +419,10 @@ class RFATransformerDecoder(TransformerDecoderBase):
     def decoding_runtime(self) -> DecodingRuntime:
         """The runtime every batch decodes on: the kernels of --rfa-decode-kernel / --rfa-decode-precision for the
         weights' device and dtype, the layers' records, the native program. Built once and again only when a
-        parameter or buffer changes (or after training, which updates them through .data)."""
+        parameter or buffer changes (or after training, which updates them through .data). Sets whether the step's
+        Triton kernel is self-checked on the weights' device (--rfa-triton-self-check): its calls take no options."""
         self._check_can_decode()
+        set_step_self_check(self.embed_tokens.weight.device, self.rfa.rfa_triton_self_check)
         return self._decoding.get(self, self._runtime_options(), self._build_runtime)
 
     def _build_runtime(self) -> DecodingRuntime:

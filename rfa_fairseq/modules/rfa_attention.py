@@ -114,6 +114,7 @@ class RFAAttention(nn.Module):
 
     # the model's options, as RFAConfig holds them (fairseq-generate's --model-overrides included)
     sequence_kernel = property(lambda self: str(self.rfa.rfa_sequence_kernel))
+    triton_self_check = property(lambda self: bool(self.rfa.rfa_triton_self_check))
     feature_map = property(lambda self: str(self.rfa.rfa_feature_map))
     num_features = property(lambda self: int(self.rfa.rfa_num_features))
     random_matrix_kind = property(lambda self: str(self.rfa.rfa_random_matrix))
@@ -246,7 +247,7 @@ class RFAAttention(nn.Module):
         gate_logits = self.gate_proj(query).permute(1, 2, 0) if self.gate_proj is not None else None  # (B, H, T)
         phi_k, log_gate = gate_keys(phi_k, gate_logits, key_padding_mask)
         out, _ = causal_rfa(phi_q, phi_k, v, log_gate, chunk_size=self.chunk_size, eps=self.eps,
-                            sequence_kernel=self.sequence_kernel)
+                            sequence_kernel=self.sequence_kernel, self_check=self.triton_self_check)
         return out
 
     # ------------------------------------------------------------ the decoding step

@@ -195,9 +195,14 @@ def _strides(x: Optional[Tensor]) -> Tuple[int, int, int]:
     return (x.stride(0), x.stride(1), x.stride(2)) if x is not None else (0, 0, 0)
 
 
+def chunk_positions(T: int) -> int:
+    """The positions per chunk (BT) for sequences of T positions: 16 up to 16 positions, else MAX_CHUNK."""
+    return min(MAX_CHUNK, max(16, next_power_of_2(T)))
+
+
 def _meta(q: Tensor, v: Tensor, gated: bool, num_warps: int = 8) -> dict:
     T, F, D = q.size(2), q.size(3), v.size(3)
-    return dict(F=F, D=D, BT=min(MAX_CHUNK, max(16, next_power_of_2(T))), BF=max(16, next_power_of_2(F)),
+    return dict(F=F, D=D, BT=chunk_positions(T), BF=max(16, next_power_of_2(F)),
                 BD=max(16, next_power_of_2(D)), GATED=gated, num_warps=num_warps)
 
 

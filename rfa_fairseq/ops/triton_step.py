@@ -9,8 +9,9 @@ decoding's row counts. Here one program per (row, head) does all of it:
     the features themselves; g = sigmoid(gate logit), phi(k) scaled by 1 - g (g = 1 and phi(k) = 0 at a padded key);
     S' = g * state_in[order[r]] + phi(k) (x) [v, 1] into state_out[r];  out = (phi(q) S')[:d] / max((phi(q) S')[d], eps)
 
-with the interface of decode_step.py's docstring. A hedgehog map's state rows are its two halves (features of
-softmax(p), then of softmax(-p)), each a (D, d + 1) block. Arithmetic in fp32; the output in v's dtype.
+with the interface of decode_step.py's docstring (`launch_causal_layer_step`; `causal_layer_step`, which
+TritonKernels calls, runs it where triton_self_check trusts it). A hedgehog map's state rows are its two halves
+(features of softmax(p), then of softmax(-p)), each a (D, d + 1) block. Arithmetic in fp32; the output in v's dtype.
 """
 from typing import Optional
 
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import triton_self_check
 from .triton_support import next_power_of_2
 
 ACTIVATIONS = {None: 0, "hedgehog": 1, "relu": 2}  # what turns phi_q / phi_k's columns into features
@@ -97,7 +99,16 @@ def causal_step_kernel(PQ, PK, V, GATE, PAD, S_IN, ORDER, S_OUT, OUT, H, stride_
 def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor], key_pad: Optional[Tensor],
                       state_in: Optional[Tensor], order: Optional[Tensor], state_out: Tensor, eps: float,
                       activation: Optional[str] = None) -> Tensor:
-    """TorchKernels.causal_layer_step's contract (decode_step.py) in one launch."""
+    """The CUDA kernel set's step (TritonKernels): `launch_causal_layer_step` where the self-check trusts it for
+    this call's variant on its device, else TorchKernels' (triton_self_check.causal_layer_step)."""
+    return triton_self_check.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps,
+                                               activation)
+
+
+def launch_causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
+                             key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
+                             state_out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
+    """TorchKernels.causal_layer_step's contract (decode_step.py) in one launch, unchecked."""
     _, H, F_, D1 = state_out.shape
     R, D = v.size(0), D1 - 1
     W = phi_q.size(1) // H

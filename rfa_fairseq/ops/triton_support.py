@@ -1,13 +1,14 @@
 """Whether the Triton kernels (triton_chunk.py, triton_step.py) can run, and their modules, imported on first use.
 
 Triton ships with torch's CUDA builds; the kernel modules import it at their top, so they are imported only where a
-kernel is about to run (`kernels(name)`). Under TRITON_INTERPRET=1 (set before Triton is imported) the same kernels
-run in Triton's interpreter on CPU tensors, the way they are checked without a GPU (tests/test_triton_kernels.py).
+kernel is about to run (`kernels(name)`). The plugin gives them CUDA tensors only, and reads no environment variable
+to choose them. Tests run the same kernels on CPU tensors in Triton's interpreter by calling the kernel modules (and
+triton_self_check's entry points) directly: TRITON_INTERPRET=1, which Triton itself reads as it is imported
+(tests/conftest.py sets it where there is no GPU; tests/test_triton_kernels.py, tests/test_triton_self_check.py).
 """
 import functools
 import importlib
 import importlib.util
-import os
 from types import ModuleType
 from typing import Optional
 
@@ -30,20 +31,13 @@ def triton_import_error() -> Optional[str]:
     return None
 
 
-def interpreting() -> bool:
-    """TRITON_INTERPRET=1: kernels run in Triton's interpreter, on CPU tensors (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def triton_usable(*tensors: Optional[Tensor]) -> bool:
-    """True when the Triton kernels can take these tensors: CUDA (or the CPU under TRITON_INTERPRET=1), a dtype
-    Triton computes in, and Triton importable."""
+    """True when the Triton kernels can take these tensors: CUDA, a dtype Triton computes in, and Triton importable.
+    (Whether a kernel is then trusted on that device is triton_self_check's decision.)"""
     present = [t for t in tensors if t is not None]
     if not present or any(t.dtype not in TRITON_DTYPES and t.is_floating_point() for t in present):
         return False
-    if not all(t.is_cuda for t in present) and not (interpreting() and not any(t.is_cuda for t in present)):
-        return False
-    return triton_import_error() is None
+    return all(t.is_cuda for t in present) and triton_import_error() is None
 
 
 def kernels(name: str) -> ModuleType:
