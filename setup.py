@@ -1,7 +1,8 @@
 """Build step of rfa-fairseq (the metadata is in setup.cfg): the fused C++ kernels.
 
-Every .cpp in rfa_fairseq/ops/csrc is compiled ahead of time into one module,
-`rfa_fairseq.ops._cpp_kernels`, when torch is importable in the build environment
+Every .cpp in rfa_fairseq/ops/csrc, and the CPU kernels once per instruction-set level of the machine's architecture
+(ops/extension.py's LEVELS), is compiled ahead of time into one module, `rfa_fairseq.ops._cpp_kernels`, when torch is
+importable in the build environment
 (scripts/setup_env.sh installs with --no-build-isolation into a venv that has the pinned torch).
 Editable installs place it in the source tree, where `import rfa_fairseq` finds it (git-ignored).
 
@@ -14,6 +15,7 @@ decoding step builds it just in time when it can, else decodes on the torch path
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
@@ -45,7 +47,15 @@ def cpp_kernels() -> dict:
     spec = extension_spec()
 
     class OptionalBuildExtension(BuildExtension):
-        """A failed compile (no compiler, ...) installs the package without the module."""
+        """A failed compile (no compiler, ...) installs the package without the module. The levels' objects are
+        compiled first, all at once, and linked in; the module's sources then compile in parallel (ninja)."""
+
+        def build_extensions(self):
+            objects = spec.compile_level_objects(Path(self.build_temp) / spec.LEVEL_DIR_NAME,
+                                                 **spec.torch_level_build_args())
+            for ext in self.extensions:
+                ext.extra_objects = [*ext.extra_objects, *map(str, objects)]
+            super().build_extensions()
 
         def run(self):
             try:

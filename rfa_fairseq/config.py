@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .ops import CPU_ISAS, DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 
@@ -96,6 +96,15 @@ class RFAConfig(FairseqDataclass):
             "each step's arithmetic in fp32 (half the bytes a step reads and writes; on the recipe model 999 of "
             "1,000 test hypotheses fp32's), the native step only; fp32 = kept in fp32 (the native step's results "
             "then the torch step's to the bit); auto = fp16 where the native step runs, fp32 elsewhere "
+            "(default: auto)", speed_only=True),
+    )
+    rfa_cpu_isa: ChoiceEnum(CPU_ISAS) = field(
+        default="auto",
+        metadata=_meta("decoding", "the highest instruction-set level the CPU decoding step's own kernels use "
+            "(x86-64: default < avx2 < avx512 < avx512_vnni; aarch64: neon < neon_dotprod): auto = the best this CPU "
+            "runs; a level names a cap (a CPU without it runs its best level below), and oneDNN's products are capped "
+            "to match when the process has not run them yet (ONEDNN_MAX_CPU_ISA). For testing and measuring a level on "
+            "a CPU that has more; fp32 hypotheses of one level may differ from another's in a few last bits "
             "(default: auto)", speed_only=True),
     )
     rfa_cuda_graphs: bool = field(
@@ -249,6 +258,8 @@ def validate_rfa_args(args) -> None:
         raise ValueError(
             f"{flag('rfa_decode_state')}={args.rfa_decode_state!r} is not one of {', '.join(DECODE_STATES)}"
         )
+    if getattr(args, "rfa_cpu_isa", "auto") not in CPU_ISAS:
+        raise ValueError(f"{flag('rfa_cpu_isa')}={args.rfa_cpu_isa!r} is not one of {', '.join(CPU_ISAS)}")
     parts = getattr(args, "rfa_decode_parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise ValueError(f"{flag('rfa_decode_parts')} must be a non-negative integer (0: auto), got {parts!r}")

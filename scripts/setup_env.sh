@@ -45,7 +45,7 @@ pick_python() {
 # what the install depends on, relative to $REPO: names and contents enter the stamp
 stamp_files() {
     (cd "$REPO" && printf '%s\n' scripts/constraints.txt setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
-        rfa_fairseq/ops/extension.py rfa_fairseq/ops/csrc/*)
+        rfa_fairseq/ops/extension.py && find rfa_fairseq/ops/csrc -type f \( -name '*.cpp' -o -name '*.h' \) | LC_ALL=C sort)
 }
 
 stamp_value() {

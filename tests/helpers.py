@@ -99,34 +99,52 @@ def use_decoding_step(path: str, monkeypatch) -> None:
     cpp_extension()
 
 
+def cpu_level_params(prefix: str = ""):
+    """pytest parameters, one per instruction-set level of this machine's architecture (csrc/cpu_kernels.h), named
+    prefix + level: the levels this CPU runs, and the others skipped with the reason (a CPU with more runs them). Only
+    "auto" where the C++ module does not load (the test's cpp_extension() then skips or fails, saying why)."""
+    import pytest
+
+    from rfa_fairseq.ops import extension
+
+    module, _ = extension._loaded_once()
+    if module is None:
+        return [pytest.param(f"{prefix}auto", id=f"{prefix}auto")]
+    runnable = set(module.runnable_cpu_levels())
+    return [pytest.param(f"{prefix}{level}", id=f"{prefix}{level}", marks=() if level in runnable else
+                         pytest.mark.skip(reason=f"this CPU does not run the {level} level (a CPU that has it tests it)"))
+            for level in module.cpu_levels()]
+
+
 class CppKernels:
     """The C++ module's kernels with the torch kernels' interface (ops.decode_step.TorchKernels), for testing one
-    kernel against the other and the references: the native program runs them inside one call, where no test can
-    reach them one by one."""
+    kernel against the other and the references, on one instruction-set level (`level`, "auto": the CPU's best): the
+    native program runs them inside one call, where no test can reach them one by one."""
 
     name = "cpp"
 
-    def __init__(self, ext):
+    def __init__(self, ext, level: str = "auto"):
         self.ext = ext
+        self.level = level
 
     def causal_layer_step(self, phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps,
                           activation=None, sigma=None, matrix=None):
         R, H, d = v.size(0), state_out.size(1), state_out.size(3) - 1
         out = torch.empty(R, H * d)
         self.ext.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, out, eps,
-                                   activation or "features", sigma, matrix)
+                                   activation or "features", sigma, matrix, self.level)
         return out
 
     def softmax_cross_step(self, q, key, value, key_bias, beam, scaling, need_weights=False):
         out = torch.empty(q.size(0), key.size(1) * key.size(3))
         weights = torch.empty(q.size(0), key.size(2)) if need_weights else None
-        self.ext.softmax_cross_step(q, key, value, key_bias, beam, scaling, out, weights)
+        self.ext.softmax_cross_step(q, key, value, key_bias, beam, scaling, out, weights, self.level)
         return out, weights
 
     def add_layer_norm(self, x, residual, weight, bias, eps, out=None):
         out = torch.empty_like(x) if out is None else out
-        self.ext.add_layer_norm(x, residual, weight, bias, eps, out)
+        self.ext.add_layer_norm(x, residual, weight, bias, eps, out, self.level)
         return out
 
     def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
-        self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out)
+        self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out, self.level)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
 from fairseq.sequence_generator import SequenceGenerator
-from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, random_batch
+from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, cpu_level_params, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 
 from rfa_fairseq.modules.decoding import DecodingState
@@ -19,13 +19,13 @@ TORCH_KERNELS = ["--rfa-decode-kernel", "torch"]
 TORCH = step_kernels("torch", torch.device("cpu"), torch.float32)
 
 
-@pytest.fixture(params=["cpp", "torch"])
+@pytest.fixture(params=[*cpu_level_params("cpp-"), "torch"])
 def kernels(request):
-    """The torch kernels, or the C++ module's (which the native step runs) behind the same interface."""
+    """The torch kernels, or the C++ module's (which the native step runs) on each instruction-set level of the
+    machine's architecture, behind the same interface."""
     if request.param == "torch":
         return step_kernels("torch", torch.device("cpu"), torch.float32)
-    ext = cpp_extension()
-    return CppKernels(ext)
+    return CppKernels(cpp_extension(), request.param.removeprefix("cpp-"))
 
 
 # ---------------------------------------------------------------- kernels
@@ -68,15 +68,17 @@ def test_causal_layer_step_equals_the_recurrence(kernels, case, gated, activatio
     assert torch.isnan(state_out[R:]).all(), "rows past the batch must not be written"
 
 
+@pytest.mark.parametrize("level", cpu_level_params())
 @pytest.mark.parametrize("shape", [(4, 64, 64), (3, 8, 21), (2, 6, 5)], ids=["recipe", "ragged", "narrow"])
 @pytest.mark.parametrize("case", ["first_step", "reorder_and_shrink"])
 @torch.no_grad()
-def test_an_fp16_state_is_the_fp32_steps_state_rounded(shape, case):
+def test_an_fp16_state_is_the_fp32_steps_state_rounded(level, shape, case):
     """int8 decoding keeps the causal state in fp16 (NativeKernels.state_dtype): a step reads it widened to fp32 and
     stores its fp32 result rounded to fp16, reading out the unrounded result. Against the fp32 step on the widened
     state: the same output and its state rounded, to an fp32 ulp (the compiler fuses the last column's multiply-adds
     per state type) and so at most an fp16 ulp (the recipe's heads x features x head_dim, and widths that leave
-    vector remainders)."""
+    vector remainders). On every instruction-set level: its conversions (F16C, NEON's, or integer arithmetic) round to
+    nearest even as torch's .half()."""
     ext = cpp_extension()
     H, F_, d = shape
     g = torch.Generator().manual_seed(2)
@@ -85,7 +87,7 @@ def test_an_fp16_state_is_the_fp32_steps_state_rounded(shape, case):
     v, gate = torch.randn(R, H * d, generator=g), torch.randn(R, H, generator=g)
     state = None if case == "first_step" else torch.randn(R0, H, F_, d + 1, generator=g).abs().half()
     order = torch.tensor([5, 0, 0, 3]) if case == "reorder_and_shrink" else None
-    cpp = CppKernels(ext)
+    cpp = CppKernels(ext, level)
     state_out = torch.full((R0 + 2, H, F_, d + 1), float("nan"), dtype=torch.float16)
     out = cpp.causal_layer_step(q, k, v, gate, None, state, order, state_out, 1e-6, "hedgehog")
     want_state = torch.empty(R0 + 2, H, F_, d + 1)
@@ -108,9 +110,10 @@ def test_the_cpp_activation_table_names_every_feature_map():
     assert len(set(ext.activations)) == len(ext.activations)
 
 
+@pytest.mark.parametrize("level", cpu_level_params())
 @pytest.mark.parametrize("kind", RANDOM_FEATURE_MAPS + ("elu",))
 @torch.no_grad()
-def test_causal_layer_step_computes_the_random_and_elu_maps_as_the_modules(kind):
+def test_causal_layer_step_computes_the_random_and_elu_maps_as_the_modules(level, kind):
     """The C++ kernel's own features of raw per-head inputs (sigma-scaled, l2-normalized random projections; elu)
     equal the feature-map modules' (ops/feature_maps.py), through the whole causal step."""
     ext = cpp_extension()
@@ -129,7 +132,7 @@ def test_causal_layer_step_computes_the_random_and_elu_maps_as_the_modules(kind)
     state = torch.rand(R, H, F_, d + 1, generator=g)
     want = TORCH.causal_layer_step(phi_q.reshape(R, -1), phi_k.reshape(R, -1), v, None, None, state, None,
                                    torch.empty(R, H, F_, d + 1), 1e-3)
-    got = CppKernels(ext).causal_layer_step(q, k, v, None, None, state, None, torch.empty(R, H, F_, d + 1), 1e-3,
+    got = CppKernels(ext, level).causal_layer_step(q, k, v, None, None, state, None, torch.empty(R, H, F_, d + 1), 1e-3,
                                             kind, sigma if kind != "elu" else None, matrix if kind != "elu" else None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
@@ -546,8 +549,9 @@ def _int8_kernels():
     return step_kernels("auto", torch.device("cpu"), torch.float32, "int8")
 
 
+@pytest.mark.parametrize("level", cpu_level_params())
 @torch.no_grad()
-def test_quantize_rows_and_scale_rows_equal_the_reference():
+def test_quantize_rows_and_scale_rows_equal_the_reference(level):
     """The C++ activation quantizer: the reference's per-row scales, codes off by at most one (it multiplies by
     1/scale where the reference divides) and in 1 .. 127, reconstructing each row to half a step; scale_rows
     applies a row's scale, the bias, relu and the residual."""
@@ -558,7 +562,7 @@ def test_quantize_rows_and_scale_rows_equal_the_reference():
     for x in (torch.randn(37, 70, generator=g) * 3 + 1, torch.rand(5, 16, generator=g), -torch.rand(4, 9, generator=g),
               torch.zeros(3, 8)):
         codes, scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.size(0))
-        ext.quantize_rows(x, codes, scales)
+        ext.quantize_rows(x, codes, scales, level)
         want, want_scales = quantize_rows_reference(x, ext.int8_row_zero_point)
         torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
         assert 1 <= int(codes.min()) and int(codes.max()) <= 127
@@ -568,7 +572,7 @@ def test_quantize_rows_and_scale_rows_equal_the_reference():
     bias, residual = torch.randn(10, generator=g), torch.randn(6, 10, generator=g)
     for relu in (False, True):
         got = y.clone()
-        ext.scale_rows(got, row_scales, bias, residual, relu)
+        ext.scale_rows(got, row_scales, bias, residual, relu, level)
         want = y * row_scales[:, None] + bias
         torch.testing.assert_close(got, (want.relu() if relu else want) + residual)
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CppKernels, cpp_extension
+from helpers import CppKernels, cpp_extension, cpu_level_params
 
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
@@ -339,8 +339,9 @@ def test_decoding_steps_with_pending_reorders_equal_the_recurrence_on_reordered_
             torch.testing.assert_close(buffers[0][:rows], ref_state, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("level", cpu_level_params())
 @pytest.mark.parametrize("n", [7, 16, 8000, 8003])
-def test_cpp_row_log_sum_exp_equals_float64_log_softmax(n):
+def test_cpp_row_log_sum_exp_equals_float64_log_softmax(level, n):
     """The native search's log-softmax of a row (its vectorized exponentials, 16 or 8 lanes at a time where the CPU
     has them, and their partial sums) against float64's: the max exactly, log(sum(exp(x - max))) within a few fp32
     roundings; with -inf entries (pad, masked tokens) and widths that leave vector remainders."""
@@ -349,20 +350,21 @@ def test_cpp_row_log_sum_exp_equals_float64_log_softmax(n):
     x = 6 * torch.randn(5, n, generator=g)
     x[1, ::3] = -math.inf
     x[2] = -30 + x[2] / 100  # a flat row: the sum of many like terms
-    row_max, log_sum = ext.row_log_sum_exp(x.contiguous())
+    row_max, log_sum = ext.row_log_sum_exp(x.contiguous(), level)
     want = x.double()
     torch.testing.assert_close(row_max, want.max(dim=1).values.float(), rtol=0, atol=0)
     want_log_sum = torch.logsumexp(want - want.max(dim=1, keepdim=True).values, dim=1)
     torch.testing.assert_close(log_sum.double(), want_log_sum, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("level", cpu_level_params())
 @pytest.mark.parametrize("first_step", [True, False], ids=["step0", "later"])
-def test_cpp_beam_candidates_equal_torch_topk_of_the_sums(first_step):
+def test_cpp_beam_candidates_equal_torch_topk_of_the_sums(level, first_step):
     """The C++ candidates kernel (one pass, no (N, K * V) sums) against the torch kernel, whose reference is
     torch.topk of prev + lprobs: same scores and indices, best first, with NaN counting as -inf, rows that are
     -inf almost everywhere (fewer finite candidates than k: the -inf ones come in index order) and a score
     column read with a stride (a column of the search's buffer)."""
-    cpp, ref = CppKernels(cpp_extension()), step_kernels("torch", torch.device("cpu"), torch.float32)
+    cpp, ref = CppKernels(cpp_extension(), level), step_kernels("torch", torch.device("cpu"), torch.float32)
     N, K, V, k = 5, 3, 301, 6
     g = torch.Generator().manual_seed(3)
     lprobs = torch.log_softmax(torch.randn(N * K, V, generator=g) * 3, dim=-1)

@@ -53,8 +53,14 @@ from ..modules.decoding import (
 )
 from ..modules.encoding import EncoderLayerRecord, EncodingRuntime
 from ..modules.rfa_attention import CausalRecord
-from ..ops import step_kernels
+from ..ops import rfa_step_kernels
 from ..ops.triton_self_check import set_step_self_check
+
+
+def decoding_options(rfa: RFAConfig) -> tuple:
+    """The options that pick a runtime's kernels (ops.rfa_step_kernels): a runtime is built again when one changes."""
+    return (rfa.rfa_decode_kernel, rfa.rfa_decode_precision, getattr(rfa, "rfa_decode_state", "auto"),
+            getattr(rfa, "rfa_cpu_isa", "auto"))
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +113,10 @@ class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
     def _step_kernels(self, x):
         """ops.step_kernels for x's device and dtype (the decoding step's choice), picked once per layer and
         options; None where they cannot run here (cpp on a GPU, validating while training): fairseq's forward."""
-        where = (x.device, x.dtype, self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision)
+        where = (x.device, x.dtype, *decoding_options(self.rfa))
         if self._packed.kernels is None or self._packed.kernels[0] != where:
             try:
-                kernels = step_kernels(self.rfa.rfa_decode_kernel, x.device, x.dtype, self.rfa.rfa_decode_precision)
+                kernels = rfa_step_kernels(self.rfa, x.device, x.dtype)
             except ValueError:
                 kernels = None
             self._packed.kernels = (where, kernels)
@@ -291,7 +297,7 @@ class RFATransformerEncoder(TransformerEncoderBase):
     def encoding_runtime(self) -> Optional[EncodingRuntime]:
         """The native pass's runtime for the current weights and options, or None where fairseq's forward runs."""
         weight = self.embed_tokens.weight
-        options = (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, weight.device, weight.dtype)
+        options = (*decoding_options(self.rfa), weight.device, weight.dtype)
         return self._encoding.get(self, options, self._build_runtime)
 
     def _build_runtime(self) -> Optional[EncodingRuntime]:
@@ -299,8 +305,7 @@ class RFATransformerEncoder(TransformerEncoderBase):
             return None
         weight = self.embed_tokens.weight
         try:
-            kernels = step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype,
-                                   self.rfa.rfa_decode_precision)
+            kernels = rfa_step_kernels(self.rfa, weight.device, weight.dtype)
         except ValueError:  # options that cannot run here: fairseq's forward (the decoder names them)
             return None
         return EncodingRuntime(self, kernels) if kernels.native else None
@@ -435,8 +440,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
 
     def _step_kernels(self):
         weight = self.embed_tokens.weight
-        return step_kernels(self.rfa.rfa_decode_kernel, weight.device, weight.dtype, self.rfa.rfa_decode_precision,
-                            self._native_unsupported(), self.rfa.rfa_decode_state)
+        return rfa_step_kernels(self.rfa, weight.device, weight.dtype, self._native_unsupported())
 
     def decodes_natively(self) -> bool:
         """Whether decoding_runtime() runs the native program (the CPU), known without building it."""
@@ -449,8 +453,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
 
     def _runtime_options(self) -> tuple:
         weight = self.embed_tokens.weight
-        return (self.rfa.rfa_decode_kernel, self.rfa.rfa_decode_precision, self.rfa.rfa_decode_state, weight.device,
-                weight.dtype)
+        return (*decoding_options(self.rfa), weight.device, weight.dtype)
 
     def _native_unsupported(self) -> Optional[str]:
         """What of this decoder the native program cannot run (then the kernel choice takes the torch step), or None."""

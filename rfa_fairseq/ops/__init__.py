@@ -1,5 +1,13 @@
 """Pure tensor functions of RFA: no fairseq imports here."""
-from .decode_step import DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, cpp_can_run, step_kernels  # noqa: F401
+from .decode_step import (  # noqa: F401
+    CPU_ISAS,
+    DECODE_KERNELS,
+    DECODE_PRECISIONS,
+    DECODE_STATES,
+    cpp_can_run,
+    rfa_step_kernels,
+    step_kernels,
+)
 from .dispatch import SEQUENCE_KERNELS, causal_rfa  # noqa: F401
 from .extension import load_fused_extension, require_fused_extension  # noqa: F401
 from .feature_maps import (  # noqa: F401

@@ -38,12 +38,18 @@ Two kinds of kernel set, one choice:
   packed once, torch's mkldnn ops, 2.05-2.29x torch's MKL addmm on the step's shapes on a 2-core AMD EPYC,
   benchmarks/benchmark_gemm.py), `OneDNNInt8Linear` (oneDNN's int8 product, --rfa-decode-precision int8) or
   `TorchLinear` (a torch without oneDNN). The C++ LinearLibrary runs them all, for the program's steps and for the
-  encoder's inference (`NativeKernels.linear`, once per batch from Python).
+  encoder's inference (`NativeKernels.linear`, once per batch from Python). Its kernels run on one instruction-set
+  level of the CPU (csrc/cpu_kernels.h: avx2, avx512, avx512_vnni, neon, ...; --rfa-cpu-isa caps it), the oneDNN
+  libraries' products of few rows on that level's few-rows kernels up to a number of rows measured on the machine
+  (ops/few_rows_limits.py). One NativeKernels per (library, state, level) in a process: the encoder and the decoder
+  share it.
 
 No set falls back to another inside a call. The torch operations are what the C++ kernels are tested against,
 beside ops/naive.py's recurrence. No kernel reads a value back to the host, so a torch step can be queued (or
 captured) as a whole.
 """
+import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -53,6 +59,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import torch_internals
+from . import cpu_isa as cpu_isa_module
+from . import few_rows_limits
 from .extension import load_fused_extension, require_fused_extension
 from .feature_maps import activate_learned_pair
 from .triton_support import kernels as triton_kernels
@@ -61,6 +69,11 @@ from .triton_support import triton_import_error
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
 DECODE_STATES = ("auto", "fp16", "fp32")  # --rfa-decode-state: the causal layers' state between steps
+# --rfa-cpu-isa: the highest instruction-set level of the CPU kernels (csrc/cpu_kernels.h; the names of every
+# architecture's levels: a name of another architecture's is an error where the runtime is built)
+CPU_ISAS = ("auto", "default", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod")
+
+logger = logging.getLogger(__name__)
 
 
 def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
@@ -69,7 +82,7 @@ def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, precision: str = "fp32",
-                 native_unsupported: Optional[str] = None, state: str = "auto"):
+                 native_unsupported: Optional[str] = None, state: str = "auto", cpu_isa: str = "auto"):
     """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
     --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the native step on
     the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), on CUDA the torch step
@@ -77,21 +90,28 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
     cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
     int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
     native program cannot run (RFATransformerDecoder._native_unsupported), which makes auto take torch.
-    state (--rfa-decode-state): the causal layers' state kept in fp16 (auto: where the native step runs) or fp32."""
+    state (--rfa-decode-state): the causal layers' state kept in fp16 (auto: where the native step runs) or fp32.
+    cpu_isa (--rfa-cpu-isa): the cap on the native kernels' instruction-set level."""
     kernels = _step_kernels(decode_kernel, device, dtype, precision, native_unsupported,
-                            torch.float32 if state == "fp32" else torch.float16)
+                            torch.float32 if state == "fp32" else torch.float16, cpu_isa)
     if state == "fp16" and not kernels.native:
         raise ValueError(f"--rfa-decode-state fp16 keeps the state in fp16 in the native step, which does not run here "
                          f"({kernels.name} step on {torch.device(device).type} in {dtype}); use auto or fp32")
     return kernels
 
 
-def _step_kernels(decode_kernel, device, dtype, precision, native_unsupported, state_dtype):
+def rfa_step_kernels(rfa, device: torch.device, dtype: torch.dtype, native_unsupported: Optional[str] = None):
+    """step_kernels for a model's RFAConfig (its decoding options, read whole)."""
+    return step_kernels(rfa.rfa_decode_kernel, device, dtype, rfa.rfa_decode_precision, native_unsupported,
+                        getattr(rfa, "rfa_decode_state", "auto"), getattr(rfa, "rfa_cpu_isa", "auto"))
+
+
+def _step_kernels(decode_kernel, device, dtype, precision, native_unsupported, state_dtype, cpu_isa):
     if precision == "int8":
         if native_unsupported is not None:
             raise ValueError(f"--rfa-decode-precision int8 runs the native step, which does not support "
                              f"{native_unsupported}; use fp32")
-        return _int8_kernels(decode_kernel, device, dtype, state_dtype)
+        return _int8_kernels(decode_kernel, device, dtype, state_dtype, cpu_isa)
     if decode_kernel == "torch":
         return TORCH_KERNELS
     if decode_kernel == "auto" and torch.device(device).type == "cuda" and dtype != torch.float64:
@@ -111,12 +131,12 @@ def _step_kernels(decode_kernel, device, dtype, precision, native_unsupported, s
         ext = load_fused_extension() if native else None
         if ext is None:
             return TORCH_KERNELS
-    return NativeKernels(ext, OneDNNLinear(ext) if torch_internals.onednn_linear_available() else TorchLinear(),
-                         state_dtype)
+    return native_kernels(ext, OneDNNLinear if torch_internals.onednn_linear_available() else TorchLinear, state_dtype,
+                          cpu_isa)
 
 
-def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype,
-                  state_dtype: torch.dtype) -> "NativeKernels":
+def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, state_dtype: torch.dtype,
+                  cpu_isa: str) -> "NativeKernels":
     where = f"{torch.device(device).type} in {dtype}"
     if not cpp_can_run(device, dtype):
         raise ValueError(f"--rfa-decode-precision int8: the int8 decoding step runs on the CPU in fp32 weights, not on "
@@ -128,7 +148,7 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
                          f"(torch.ops.onednn.qlinear_*); use fp32")
     ext = require_fused_extension()
-    return NativeKernels(ext, OneDNNInt8Linear(ext), state_dtype)
+    return native_kernels(ext, OneDNNInt8Linear, state_dtype, cpu_isa)
 
 
 class TorchKernels:
@@ -238,22 +258,27 @@ class PackedLinear:
 
     weight: Tensor  # torch: (O, I); oneDNN: packed; int8: packed int8 codes
     bias: Optional[Tensor]  # (O,) fp32, or None
+    in_features: int
     out_features: int
     w_scales: Optional[Tensor] = None  # int8: per output channel
     w_zero_points: Optional[Tensor] = None
-    rows_weight: Optional[Tensor] = None  # the few-rows kernel's blocks of the weight (AVX-512), or None
-    rows_sums: Optional[Tensor] = None  # int8 there: (O rounded up to 16,) int32, zero point x each channel's code sum
+    rows_weight: Optional[Tensor] = None  # the level's few-rows blocks of the weight (oneDNN libraries), or None
+    rows_sums: Optional[Tensor] = None  # int8 there: (O rounded up to a block,) int32, zero point x each channel's code sum
 
 
 class TorchLinear:
-    """Linear layers in torch (addmm on the weight's transposed view): any device and dtype."""
+    """Linear layers in torch (addmm on the weight's transposed view): any device and dtype. `native`: the C++ library
+    that runs them in the native step (unused here: torch's addmm has no other layout)."""
 
     code = "torch"
     label = "torch addmm"
 
+    def __init__(self, native=None):
+        pass
+
     @staticmethod
     def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
-        return PackedLinear(weight.detach(), None if bias is None else bias.detach(), weight.size(0))
+        return PackedLinear(weight.detach(), None if bias is None else bias.detach(), weight.size(1), weight.size(0))
 
     @staticmethod
     def linear(x: Tensor, packed: PackedLinear, activation: Optional[str] = None,
@@ -267,51 +292,41 @@ class TorchLinear:
         return y
 
 
-class FewRowsLibrary:
-    """A oneDNN library whose weights are also kept in the blocks of the C++ few-rows kernels (csrc/few_rows.cpp) where
-    this CPU runs them (AVX-512; int8: with VNNI): the C++ LinearLibrary takes them for products of few rows.
-    `few_rows`: the C++ module then, else None; the label says which."""
-
-    INT8 = False
-    FEW_ROWS_LABEL = ""
-
-    def __init__(self, ext=None):
-        self.few_rows = ext if ext is not None and ext.few_rows_available(int8=self.INT8) else None
-        if self.few_rows is not None:
-            self.label = self.FEW_ROWS_LABEL
-
-
-class OneDNNLinear(FewRowsLibrary):
-    """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, called by the C++ LinearLibrary): the CPU
-    in fp32, where torch has them (torch_internals.onednn_linear_available). Where the CPU has AVX-512, the weight is
-    also kept in the blocks of the C++ few-rows kernel (csrc/few_rows.cpp), which the library runs for products of few
-    rows (a sentence's beam): oneDNN's call costs more than such a product's arithmetic. ext: the C++ module."""
+class OneDNNLinear:
+    """Linear layers in oneDNN on weights packed once (torch's mkldnn ops, called by the C++ LinearLibrary `native`):
+    the CPU in fp32, where torch has them (torch_internals.onednn_linear_available). Each weight is also kept in the
+    blocks of the library level's few-rows kernel, which the library runs for products of few rows (a sentence's beam),
+    where oneDNN's call costs more than the arithmetic: up to a number of rows measured per shape (few_rows_limits)."""
 
     code = "onednn"
-    label = "oneDNN (packed weights)"
-    FEW_ROWS_LABEL = "oneDNN (packed weights) + AVX-512 few rows"
+
+    def __init__(self, native):
+        self.native = native
+        self.label = f"oneDNN (packed weights) + {native.level} few rows"
 
     def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         # the batch size only hints the packed layout; any number of rows runs on it
         w = weight.detach()
-        rows_weight = self.few_rows.few_rows_pack_fp32(w) if self.few_rows is not None else None
         return PackedLinear(torch_internals.onednn_pack_linear_weight(w, ONEDNN_ROWS_HINT),
-                            None if bias is None else bias.detach(), w.size(0), rows_weight=rows_weight)
+                            None if bias is None else bias.detach(), w.size(1), w.size(0),
+                            rows_weight=self.native.pack_fp32(w))
 
 
-class OneDNNInt8Linear(FewRowsLibrary):
-    """Linear layers in int8 (called by the C++ LinearLibrary): each weight row quantized once to int8 codes and a
-    scale (symmetric, per output channel); each input row quantized at each call to 7-bit codes and a scale of its own
-    (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in int16), in C++ (quantize_rows); the product
-    accumulated in int32 and written in fp32 with the weights' scales; then, in one C++ pass, each row's own scale, the
-    bias, relu and the residual (scale_rows). The product is oneDNN's (torch's x86 int8 ops), and where the CPU has
-    AVX-512 VNNI, for products of few rows, the C++ few-rows kernel on the same codes in its own blocks (as
-    OneDNNLinear). The CPU in fp32 weights. ext: the C++ module."""
+class OneDNNInt8Linear:
+    """Linear layers in int8 (called by the C++ LinearLibrary `native`): each weight row quantized once to int8 codes
+    and a scale (symmetric, per output channel); each input row quantized at each call to 7-bit codes and a scale of its
+    own (symmetric; 7 bits: x86 without VNNI sums pairs of u8 x s8 products in int16), in C++ (quantize_rows); the
+    product accumulated in int32 and written in fp32 with the weights' scales; then, in one C++ pass, each row's own
+    scale, the bias, relu and the residual (scale_rows). The product is oneDNN's (torch's x86 int8 ops), and for
+    products of few rows the library level's few-rows kernel on the same codes in its own blocks (VNNI vpdpbusd, AVX2 /
+    AVX-512 vpmaddubsw, NEON sdot: exact int32 sums, the same results), up to a number of rows measured per shape.
+    The CPU in fp32 weights."""
 
     code = "onednn_int8"
-    label = "oneDNN int8 (per-channel weights, per-row 7-bit activations)"
-    INT8 = True
-    FEW_ROWS_LABEL = "oneDNN int8 + VNNI few rows (per-channel weights, per-row 7-bit activations)"
+
+    def __init__(self, native):
+        self.native = native
+        self.label = f"oneDNN int8 + {native.level} few rows (per-channel weights, per-row 7-bit activations)"
 
     def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         w = weight.detach().float()
@@ -319,28 +334,45 @@ class OneDNNInt8Linear(FewRowsLibrary):
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         packed = torch_internals.onednn_int8_pack_linear_weight(codes, ONEDNN_ROWS_HINT)
         zero_points = torch.zeros(w.size(0), dtype=torch.int32)  # symmetric
-        rows_weight, rows_sums = self.few_rows.few_rows_pack_int8(codes) if self.few_rows is not None else (None, None)
-        return PackedLinear(packed, None if bias is None else bias.detach().float().contiguous(), w.size(0), scales,
-                            zero_points, rows_weight, rows_sums)
+        rows_weight, rows_sums = self.native.pack_int8(codes)
+        return PackedLinear(packed, None if bias is None else bias.detach().float().contiguous(), w.size(1), w.size(0),
+                            scales, zero_points, rows_weight, rows_sums)
+
+
+@functools.lru_cache(maxsize=None)
+def native_kernels(ext, library_class, state_dtype: torch.dtype, cpu_isa: str) -> "NativeKernels":
+    """The native kernel set of a library, state dtype and --rfa-cpu-isa: one per process (the encoder's and the
+    decoder's runtimes share its C++ library and the few-rows limits it has measured)."""
+    return NativeKernels(ext, library_class, state_dtype, cpu_isa)
 
 
 class NativeKernels:
-    """The native step (csrc/decode_program.cpp) with a linear-layer library: the CPU in fp32 weights. `pack_linear` is
-    the library's; `linear` (the encoder's inference) and the program's steps run the C++ LinearLibrary, the one
-    dispatch of a linear layer by library; `beam_candidates` is the C++ kernel (the static beam search's steps that run
-    in Python: prefix tokens, n-gram blocking)."""
+    """The native step (csrc/decode_program.cpp) with a linear-layer library: the CPU in fp32 weights. Its C++
+    LinearLibrary runs on the instruction-set level --rfa-cpu-isa allows (`level`; oneDNN capped to match where the cap
+    is below the CPU's best, ops/cpu_isa.py); `pack_linear` is the library's, with the few-rows limit of
+    each new shape measured (or read from the machine's record: few_rows_limits); `linear` (the encoder's inference) and
+    the program's steps run the C++ LinearLibrary, the one dispatch of a linear layer by library; `beam_candidates` is
+    the C++ kernel (the static beam search's steps that run in Python: prefix tokens, n-gram blocking)."""
 
     name = "cpp"
     native = True
 
-    def __init__(self, ext, library, state_dtype: torch.dtype):
+    def __init__(self, ext, library_class, state_dtype: torch.dtype, cpu_isa: str = "auto"):
         self.ext = ext
-        self.gemm = library.label
         # the causal layers' state between steps: fp16 (read widened, each step's arithmetic in fp32, stored rounded:
         # half the bytes of a batch's largest memory traffic), or fp32 (the torch step's results to the bit)
         self.state_dtype = state_dtype
-        self.pack_linear = library.pack_linear
-        self.library = ext.LinearLibrary(library.code, torch_internals.onednn_operators())
+        self.library = ext.LinearLibrary(library_class.code, torch_internals.onednn_operators(), cpu_isa)
+        self.level = self.library.level
+        cpu_isa_module.note_runtime_level(self.level, capped=self.level != ext.select_cpu_level("auto"))
+        self._packer = library_class(self.library)
+        self.gemm = self._packer.label
+
+    def pack_linear(self, weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
+        packed = self._packer.pack_linear(weight, bias)
+        if packed.rows_weight is not None:
+            few_rows_limits.ensure_limit(self.library, self._packer.code, packed)
+        return packed
 
     def linear(self, x: Tensor, packed: PackedLinear, activation: Optional[str] = None,
                residual: Optional[Tensor] = None) -> Tensor:
@@ -351,7 +383,7 @@ class NativeKernels:
         return self.ext.DecodeProgram(runtime, self.library)
 
     def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
-        self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out)
+        self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out, self.level)
 
 
 TORCH_KERNELS = TorchKernels()

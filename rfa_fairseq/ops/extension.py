@@ -1,4 +1,5 @@
-"""The fused C++ kernels (every .cpp in ops/csrc, compiled into one module), loaded in one place.
+"""The fused C++ kernels (every .cpp in ops/csrc and the CPU kernels' levels, compiled into one module), loaded in
+one place.
 
     load_fused_extension()     the module, or None (one warning saying why; callers use the torch path)
     require_fused_extension()  the module, or a RuntimeError saying why (--rfa-decode-kernel cpp)
@@ -25,9 +26,16 @@ with a warning naming it, before torch's load runs. When the flock cannot be had
 process is building), the kernels are unavailable: the torch path runs (auto) or a RuntimeError says so
 (cpp), naming the lock file; nothing waits forever.
 
+The CPU kernels (csrc/levels/level_kernels.cpp) are one source compiled once per instruction-set level of the
+architecture (LEVELS: each level's instructions and torch's CPU_CAPABILITY, as torch compiles its own CPU kernels),
+in parallel, into objects linked into the module (`compile_level_objects`, both builds); the module picks a level
+when a runtime is built (csrc/cpu_kernels.h, --rfa-cpu-isa). An object whose source, headers and flags are unchanged
+is not compiled again.
+
 Importing this file needs only the standard library: setup.py loads it by path for the source list and
 the flags, so the ahead-of-time and the JIT build compile the same files with the same flags.
 """
+import concurrent.futures
 import contextlib
 import fcntl
 import functools
@@ -35,7 +43,10 @@ import hashlib
 import importlib
 import logging
 import os
+import platform
+import shlex
 import shutil
+import subprocess
 import time
 import unittest.mock
 import warnings
@@ -47,8 +58,30 @@ JIT_NAME = "rfa_fairseq_cpp_kernels"  # torch's build directory and module name 
 # -g0: setuptools compiles with Python's own CFLAGS, whose -g makes a 10 MB module instead of 0.3 MB
 EXTRA_CFLAGS = ["-O3", "-fopenmp", "-g0"]
 EXTRA_LDFLAGS = ["-fopenmp"]
-# csrc/*.cpp are compiled; headers only enter the hash (and the package data)
+# csrc/*.cpp are the module's sources, csrc/levels/level_kernels.cpp the levels'; every file of these suffixes under
+# csrc enters the hash (and the package data)
 HASHED_SUFFIXES = (".cpp", ".h", ".hpp")
+LEVEL_SOURCE = CSRC_DIR / "levels" / "level_kernels.cpp"
+LEVEL_DIR_NAME = "rfa_levels"  # the level objects' directory inside a build directory
+# The instruction-set levels of each architecture (csrc/cpu_kernels.h, the same order and names): the flags that
+# compile LEVEL_SOURCE for the level, torch's CPU_CAPABILITY (the vector width of at::vec::Vectorized) among them.
+_X86_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+LEVELS = {
+    "x86_64": {
+        "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT", "-DRFA_LEVEL=kDefault"],
+        "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-DRFA_LEVEL=kAVX2", "-mavx2", "-mfma", "-mf16c"],
+        "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-DRFA_LEVEL=kAVX512", *_X86_AVX512],
+        "avx512_vnni": ["-DCPU_CAPABILITY=AVX512_VNNI", "-DCPU_CAPABILITY_AVX512", "-DRFA_LEVEL=kAVX512VNNI",
+                        "-DRFA_LEVEL_VNNI", *_X86_AVX512, "-mavx512vnni"],
+    },
+    "aarch64": {
+        "neon": ["-DCPU_CAPABILITY=NEON", "-DRFA_LEVEL=kNEON"],
+        "neon_dotprod": ["-DCPU_CAPABILITY=NEON_DOTPROD", "-DRFA_LEVEL=kNEONDotProd", "-march=armv8.2-a+dotprod"],
+    },
+}
+# any other architecture: its baseline, the vector layer's portable loops
+OTHER_LEVELS = {"default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT", "-DRFA_LEVEL=kDefault"]}
+LEVEL_STD = "-std=c++20"  # torch's own C++ standard for its extensions (2.13 and newer)
 BUILD_HASH_DEFINE = "RFA_BUILD_HASH"
 
 BUILD_LOCK_NAME = "rfa_build.flock"
@@ -65,22 +98,80 @@ class BuildLockTimeout(RuntimeError):
 
 
 def source_files():
-    """The .cpp files compiled into the one module, in a fixed order."""
+    """The .cpp files compiled into the one module with the module's flags (csrc/*.cpp), in a fixed order."""
     sources = sorted(CSRC_DIR.glob("*.cpp"))
     if not sources:
         raise FileNotFoundError(f"no C++ sources (*.cpp) in {CSRC_DIR}")
     return sources
 
 
+def machine_levels(machine: str = "") -> dict:
+    """{level: its flags} of an architecture (platform.machine() by default), lowest level first."""
+    machine = machine or platform.machine()
+    return LEVELS.get({"amd64": "x86_64", "arm64": "aarch64"}.get(machine.lower(), machine), OTHER_LEVELS)
+
+
+def hashed_files():
+    """Every source and header under csrc/, in a fixed order."""
+    return sorted(p for p in CSRC_DIR.rglob("*") if p.suffix in HASHED_SUFFIXES)
+
+
 def build_hash(torch_version: str) -> str:
-    """sha256 of every source and header in csrc/ (names and contents), the compiler flags and the torch
-    version: what the compiled module depends on. Compiled into it, compared at import."""
+    """sha256 of every source and header under csrc/ (paths and contents), the compiler flags (the levels' too) and
+    the torch version: what the compiled module depends on. Compiled into it, compared at import."""
     digest = hashlib.sha256()
-    for part in (torch_version, *EXTRA_CFLAGS, "|", *EXTRA_LDFLAGS):
+    for part in (torch_version, *EXTRA_CFLAGS, "|", *EXTRA_LDFLAGS, "|", LEVEL_STD):
         digest.update(part.encode() + b"\0")
-    for path in sorted(p for p in CSRC_DIR.iterdir() if p.suffix in HASHED_SUFFIXES):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for name, flags in sorted(machine_levels().items()):
+        digest.update(("\0".join([name, *flags]) + "\0").encode())
+    for path in hashed_files():
+        digest.update(path.relative_to(CSRC_DIR).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def level_compile_command(compiler: str, level: str, include_dirs, abi_flag: str, output: Path, machine: str = ""):
+    """The command that compiles LEVEL_SOURCE for `level` into the object `output`."""
+    return [compiler, *EXTRA_CFLAGS, LEVEL_STD, "-fPIC", abi_flag, *machine_levels(machine)[level],
+            *(f"-I{d}" for d in include_dirs), "-c", str(LEVEL_SOURCE), "-o", str(output)]
+
+
+def compile_level_objects(out_dir: Path, include_dirs, abi_flag: str, compiler: str = "", jobs: int = 0):
+    """Compile the CPU kernels for every level of this architecture into out_dir/<level>.o, at once (`jobs`
+    compilers, default one per core); an object whose command and inputs are those of its stamp is kept.
+    -> the objects, lowest level first; RuntimeError naming the level and the compiler's message on failure."""
+    compiler = compiler or os.environ.get("CXX", "c++")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    inputs = b"".join(p.read_bytes() for p in hashed_files() if p.suffix in (".h", ".hpp") or p == LEVEL_SOURCE)
+
+    def build(level):
+        output = out_dir / f"{level}.o"
+        command = level_compile_command(compiler, level, include_dirs, abi_flag, output)
+        stamp = hashlib.sha256(shlex.join(command).encode() + b"\0" + inputs).hexdigest()
+        stamp_file = out_dir / f"{level}.o.stamp"
+        if output.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
+            return output
+        stamp_file.unlink(missing_ok=True)
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling the {level} level's CPU kernels failed ({shlex.join(command)}):\n"
+                               f"{proc.stderr[-3000:]}")
+        stamp_file.write_text(stamp)
+        return output
+
+    levels = list(machine_levels())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return list(pool.map(build, levels))
+
+
+def torch_level_build_args() -> dict:
+    """compile_level_objects' include directories, C++ ABI flag and compiler: those torch compiles its extensions
+    with."""
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+
+    compiler = getattr(cpp_extension, "get_cxx_compiler", lambda: os.environ.get("CXX", "c++"))()
+    return {"include_dirs": cpp_extension.include_paths(), "compiler": compiler,
+            "abi_flag": f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"}
 
 
 def compile_flags(torch_version: str):
@@ -170,9 +261,11 @@ def build_jit(lock_timeout_s=None):
             remove_stale_torch_lock(build_dir)
             logger.info("building/loading the fused C++ kernels just in time in %s (built once, then cached)",
                         build_dir)
+            objects = compile_level_objects(build_dir / LEVEL_DIR_NAME, **torch_level_build_args())
             with _pinned_ninja_first_on_path():
                 module = load(name=JIT_NAME, sources=[str(p) for p in source_files()],
-                              extra_cflags=compile_flags(torch.__version__), extra_ldflags=EXTRA_LDFLAGS,
+                              extra_cflags=compile_flags(torch.__version__),
+                              extra_ldflags=[*EXTRA_LDFLAGS, *map(str, objects)],
                               build_directory=str(build_dir), verbose=False)
         return module, None
     except BuildLockTimeout as error:

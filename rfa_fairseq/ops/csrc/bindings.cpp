@@ -1,13 +1,18 @@
-// The one C++ module: the decoding step's kernels (rfa_decode_step.cpp, bound for the tests that compare them with
-// the torch step) and the native program (decode_program.cpp). Absent tensors are None.
+// The one C++ module: the CPU kernels' levels (cpu_kernels.h), the decoding step's kernels on tensors
+// (step_kernels.h, bound with the level they run on for the tests that compare every level with the torch step), the
+// linear layers (linear_layers.h), the decoder's and the encoder's programs. Absent tensors are None.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 
+#include "cpu_kernels.h"
 #include "decode_program.h"
-#include "rfa_kernels.h"
+#include "encoder_program.h"
+#include "linear_layers.h"
+#include "step_kernels.h"
 
 // Both builds (setup.py ahead of time, torch's JIT load) pass -DRFA_BUILD_HASH=<hash of the sources,
 // flags and torch version> as a bare token; rfa_fairseq/ops/extension.py refuses a prebuilt module
@@ -21,85 +26,141 @@
 namespace {
 
 using Optional = std::optional<torch::Tensor>;
-torch::Tensor given(const Optional& t) { return t.has_value() ? *t : torch::Tensor(); }
+
+// a level's kernels by name ("auto": the best this CPU runs), or a ValueError: not a level of this architecture, or
+// one this CPU does not run
+const rfa::cpu::Kernels& kernels_named(const std::string& level) {
+  try {
+    if (level == "auto") return rfa::cpu::kernels(rfa::cpu::select_level("auto"));
+    const rfa::cpu::Level named = rfa::cpu::level_of(level);
+    TORCH_CHECK_VALUE(rfa::cpu::cpu_runs(named), "rfa cpu kernels: this CPU does not run the '", level, "' level");
+    return rfa::cpu::kernels(named);
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK_VALUE(false, error.what());
+  }
+}
+
+std::vector<std::string> names_of(const std::vector<rfa::cpu::Level>& levels) {
+  std::vector<std::string> names;
+  for (rfa::cpu::Level level : levels) names.emplace_back(rfa::cpu::level_name(level));
+  return names;
+}
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def(
+      "cpu_levels", []() { return names_of(rfa::cpu::architecture_levels()); },
+      "this architecture's instruction-set levels, lowest first (what --rfa-cpu-isa may name)");
+  m.def(
+      "runnable_cpu_levels", []() { return names_of(rfa::cpu::runnable_levels()); },
+      "the levels this CPU runs, lowest first");
+  m.def(
+      "select_cpu_level",
+      [](const std::string& cap) {
+        try {
+          return std::string(rfa::cpu::level_name(rfa::cpu::select_level(cap)));
+        } catch (const std::invalid_argument& error) {
+          TORCH_CHECK_VALUE(false, error.what());
+        }
+      },
+      py::arg("cap"), "the level a runtime capped at `cap` ('auto' or a level's name) runs on");
+  m.def(
       "causal_layer_step",
       [](const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v, const Optional& gate_logits,
          const Optional& key_pad, const Optional& state_in, const Optional& order, const torch::Tensor& state_out,
          const torch::Tensor& out, double eps, const std::string& activation, const Optional& sigma,
-         const Optional& matrix) {
-        causal_layer_step(phi_q, phi_k, v, given(gate_logits), given(key_pad), given(state_in), given(order), state_out,
-                          out, eps, activation_code(activation), given(sigma), given(matrix));
+         const Optional& matrix, const std::string& level) {
+        causal_layer_step(phi_q, phi_k, v, or_undefined(gate_logits), or_undefined(key_pad), or_undefined(state_in),
+                          or_undefined(order), state_out, out, eps, activation_code(activation), or_undefined(sigma),
+                          or_undefined(matrix), kernels_named(level));
       },
+      py::arg("phi_q"), py::arg("phi_k"), py::arg("v"), py::arg("gate_logits"), py::arg("key_pad"),
+      py::arg("state_in"), py::arg("order"), py::arg("state_out"), py::arg("out"), py::arg("eps"),
+      py::arg("activation"), py::arg("sigma"), py::arg("matrix"), py::arg("level") = "auto",
       "causal RFA layer step: feature map (activation: 'features' or the map's kind), gate, reorder, update, read-out");
   m.def(
       "softmax_cross_step",
       [](const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, const Optional& key_bias,
-         int64_t beam, double scaling, const torch::Tensor& out, const Optional& weights) {
-        softmax_cross_step(q, key, value, given(key_bias), beam, scaling, out, given(weights));
+         int64_t beam, double scaling, const torch::Tensor& out, const Optional& weights, const std::string& level) {
+        softmax_cross_step(q, key, value, or_undefined(key_bias), beam, scaling, out, or_undefined(weights),
+                           kernels_named(level));
       },
+      py::arg("q"), py::arg("key"), py::arg("value"), py::arg("key_bias"), py::arg("beam"), py::arg("scaling"),
+      py::arg("out"), py::arg("weights"), py::arg("level") = "auto",
       "softmax cross-attention step over per-sentence K, V");
   m.def(
       "add_layer_norm",
       [](const torch::Tensor& x, const Optional& residual, const torch::Tensor& gamma, const torch::Tensor& beta,
-         double eps, const torch::Tensor& out) { add_layer_norm(x, given(residual), gamma, beta, eps, out); },
-      "out = LayerNorm(x + residual)");
+         double eps, const torch::Tensor& out, const std::string& level) {
+        add_layer_norm(x, or_undefined(residual), gamma, beta, eps, out, kernels_named(level));
+      },
+      py::arg("x"), py::arg("residual"), py::arg("gamma"), py::arg("beta"), py::arg("eps"), py::arg("out"),
+      py::arg("level") = "auto", "out = LayerNorm(x + residual)");
   m.def(
       "beam_candidates",
       [](const torch::Tensor& lprobs, const Optional& prev_scores, int64_t beam, const torch::Tensor& scores_out,
-         const torch::Tensor& indices_out) { beam_candidates(lprobs, given(prev_scores), beam, scores_out, indices_out); },
-      "beam search: the k best (score so far + log-probability) per sentence");
+         const torch::Tensor& indices_out, const std::string& level) {
+        beam_candidates(lprobs, or_undefined(prev_scores), beam, scores_out, indices_out, kernels_named(level));
+      },
+      py::arg("lprobs"), py::arg("prev_scores"), py::arg("beam"), py::arg("scores_out"), py::arg("indices_out"),
+      py::arg("level") = "auto", "beam search: the k best (score so far + log-probability) per sentence");
   m.def(
       "rfa_cross_step",
       [](const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-         const std::string& activation, const Optional& sigma, const Optional& matrix, const torch::Tensor& out) {
-        rfa_cross_step(q, cross_state, beam, eps, activation_code(activation), given(sigma), given(matrix), out);
+         const std::string& activation, const Optional& sigma, const Optional& matrix, const torch::Tensor& out,
+         const std::string& level) {
+        rfa_cross_step(q, cross_state, beam, eps, activation_code(activation), or_undefined(sigma),
+                       or_undefined(matrix), out, kernels_named(level));
       },
+      py::arg("q"), py::arg("cross_state"), py::arg("beam"), py::arg("eps"), py::arg("activation"), py::arg("sigma"),
+      py::arg("matrix"), py::arg("out"), py::arg("level") = "auto",
       "RFA cross-attention step: phi(q) . S over per-sentence states");
   m.def(
       "row_log_sum_exp",
-      [](const torch::Tensor& x) {
+      [](const torch::Tensor& x, const std::string& level) {
         TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                     "row_log_sum_exp: x must be a contiguous (rows, n) fp32 CPU tensor");
+        const rfa::cpu::Kernels& kernels = kernels_named(level);
         const int64_t rows = x.size(0), n = x.size(1);
         torch::Tensor max = torch::empty({rows}, x.options()), log_sum = torch::empty({rows}, x.options());
         for (int64_t r = 0; r < rows; ++r) {
-          row_log_sum_exp(x.data_ptr<float>() + r * n, n, max.data_ptr<float>() + r, log_sum.data_ptr<float>() + r);
+          kernels.row_log_sum_exp(x.data_ptr<float>() + r * n, n, max.data_ptr<float>() + r,
+                                  log_sum.data_ptr<float>() + r);
         }
         return std::make_tuple(max, log_sum);
       },
+      py::arg("x"), py::arg("level") = "auto",
       "the search step's log-softmax of each row: (max, log(sum(exp(x - max))))");
-  m.def("quantize_rows", &quantize_rows, "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
+  m.def(
+      "exp",
+      [](const torch::Tensor& x, const std::string& level) {
+        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                    "exp: x must be a contiguous fp32 CPU tensor");
+        torch::Tensor y = x.clone();
+        kernels_named(level).exp_inplace(y.data_ptr<float>(), y.numel());
+        return y;
+      },
+      py::arg("x"), py::arg("level") = "auto", "the kernels' exp of every element (a polynomial, about 1 ulp)");
+  m.def(
+      "quantize_rows",
+      [](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, const std::string& level) {
+        quantize_rows(x, codes, scales, kernels_named(level));
+      },
+      py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("level") = "auto",
+      "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
   m.def(
       "scale_rows",
-      [](const torch::Tensor& y, const torch::Tensor& scales, const Optional& bias, const Optional& residual, bool relu) {
-        scale_rows(y, scales, given(bias), given(residual), relu);
+      [](const torch::Tensor& y, const torch::Tensor& scales, const Optional& bias, const Optional& residual, bool relu,
+         const std::string& level) {
+        scale_rows(y, scales, or_undefined(bias), or_undefined(residual), relu, kernels_named(level));
       },
+      py::arg("y"), py::arg("scales"), py::arg("bias"), py::arg("residual"), py::arg("relu"), py::arg("level") = "auto",
       "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
-  m.def("few_rows_available", &few_rows_available, py::arg("int8"),
-        "whether this CPU runs the few-rows linear layers (AVX-512; int8: with VNNI)");
-  m.def("few_rows_pack_fp32", &few_rows_pack_fp32, "an fp32 weight (O, I) in the few-rows kernel's blocks");
-  m.def("few_rows_pack_int8", &few_rows_pack_int8, "int8 codes (O, I) -> [the few-rows kernel's blocks, zero-point sums]");
-  m.def(
-      "few_rows_linear_fp32",
-      [](const torch::Tensor& x, const torch::Tensor& weight, const Optional& bias, const Optional& residual, bool relu,
-         const torch::Tensor& y) { few_rows_linear_fp32(x, weight, given(bias), given(residual), relu, y); },
-      "y = act(x W^T + b) + residual on few_rows_pack_fp32's blocks");
-  m.def(
-      "few_rows_linear_int8",
-      [](const torch::Tensor& codes, const torch::Tensor& row_scales, const torch::Tensor& weight,
-         const torch::Tensor& sums, const torch::Tensor& w_scales, const Optional& bias, const Optional& residual,
-         bool relu, const torch::Tensor& y) {
-        few_rows_linear_int8(codes, row_scales, weight, sums, w_scales, given(bias), given(residual), relu, y);
-      },
-      "int8 y = act(x W^T + b) + residual from quantize_rows' codes on few_rows_pack_int8's blocks");
-  m.attr("int8_row_zero_point") = kInt8RowZeroPoint;
+  m.attr("int8_row_zero_point") = rfa::cpu::kInt8RowZeroPoint;
   m.attr("activations") = activation_names();  // the names causal_layer_step and rfa_cross_step take
+  bind_linear_layers(m);
   bind_decode_program(m);
   bind_encoder_program(m);
   m.attr("build_hash") = RFA_STRINGIFY(RFA_BUILD_HASH);

@@ -1,7 +1,7 @@
 // The whole decoding step on the CPU as one native call (decode_program.h). The step is the same function as the
 // torch reference (rfa_fairseq/modules/decoding.py's records and generation/static_beam_search.py's _step): the same
-// kernels (rfa_decode_step.cpp), the same linear layers (oneDNN through torch's operators, named by
-// rfa_fairseq/torch_internals.py), the same search arithmetic; what it removes is Python between ~250 operations a
+// kernels (step_kernels.cpp, on the runtime's instruction-set level), the same linear layers (linear_layers.h: oneDNN
+// through torch's operators, named by rfa_fairseq/torch_internals.py, and the few-rows kernels), the same search arithmetic; what it removes is Python between ~250 operations a
 // step. It also fuses the log-softmax into the choice of the candidates: the log-probabilities are never written,
 // each row's log-sum-exp is taken in one vectorized pass and the candidates are read off the logits.
 //
@@ -21,7 +21,6 @@
 #include <limits>
 #include <map>
 
-#include "rfa_kernels.h"
 
 namespace py = pybind11;
 
@@ -33,113 +32,9 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// a boxed call of one of torch's operators with these arguments -> its (one) output
-template <class... Args>
-at::Tensor call_operator(const c10::OperatorHandle& op, Args&&... args) {
-  torch::jit::Stack stack;
-  stack.reserve(sizeof...(Args));
-  (stack.emplace_back(std::forward<Args>(args)), ...);
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-c10::IValue optional_value(const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); }
-
-c10::IValue empty_scalar_list() {
-  return c10::IValue(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
-}
-
-template <class Map>
-int64_t code_of(const Map& codes, const std::string& name, const std::string& what) {
-  auto found = codes.find(name);
-  TORCH_CHECK(found != codes.end(), "rfa decode program: ", what, " '", name, "' has no native step");
-  return found->second;
-}
-
-
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------ records
-
-py::object Record::get(const char* name) const {
-  TORCH_CHECK(py::hasattr(object_, name), "rfa decode program: ", path_, " has no field '", name, "'");
-  return object_.attr(name);
-}
-
-bool Record::has(const char* name) const { return py::hasattr(object_, name) && !object_.attr(name).is_none(); }
-
-Record Record::sub(const char* name) const {
-  py::object value = get(name);
-  TORCH_CHECK(!value.is_none(), "rfa decode program: ", path_, ".", name, " is None");
-  return Record(value, path_ + "." + name);
-}
-
-std::optional<Record> Record::optional_sub(const char* name) const {
-  if (!has(name)) return std::nullopt;
-  return sub(name);
-}
-
-at::Tensor Record::tensor(const char* name) const {
-  at::Tensor t = optional_tensor(name);
-  TORCH_CHECK(t.defined(), "rfa decode program: ", path_, ".", name, " is None, a tensor is needed");
-  return t;
-}
-
-namespace {
-
-at::Tensor tensor_of(py::handle value, const std::string& name) {
-  TORCH_CHECK(THPVariable_Check(value.ptr()), "rfa decode program: ", name, " is not a tensor");
-  return THPVariable_Unpack(value.ptr());
-}
-
-}  // namespace
-
-at::Tensor Record::optional_tensor(const char* name) const {
-  py::object value = get(name);
-  return value.is_none() ? at::Tensor() : tensor_of(value, path_ + "." + name);
-}
-
-std::vector<at::Tensor> Record::tensors(const char* name) const {
-  std::vector<at::Tensor> out;
-  for (py::handle item : get(name)) out.push_back(tensor_of(item, path_ + "." + name + "[" + std::to_string(out.size()) + "]"));
-  return out;
-}
-
-int64_t Record::integer(const char* name) const { return get(name).cast<int64_t>(); }
-double Record::number(const char* name) const { return get(name).cast<double>(); }
-bool Record::flag(const char* name) const { return get(name).cast<bool>(); }
-std::string Record::text(const char* name) const { return get(name).cast<std::string>(); }
-
-std::vector<Record> Record::items(const char* name) const {
-  py::object value = get(name);
-  std::vector<Record> out;
-  int64_t i = 0;
-  for (py::handle item : value) out.emplace_back(item, path_ + "." + name + "[" + std::to_string(i++) + "]");
-  return out;
-}
-
-LinearLayer LinearLayer::from(const Record& r) {
-  LinearLayer layer;
-  layer.weight = r.tensor("weight");
-  layer.bias = r.optional_tensor("bias");
-  layer.w_scales = r.optional_tensor("w_scales");
-  layer.w_zero_points = r.optional_tensor("w_zero_points");
-  layer.rows_weight = r.optional_tensor("rows_weight");
-  layer.rows_sums = r.optional_tensor("rows_sums");
-  layer.out_features = r.integer("out_features");
-  TORCH_CHECK(!layer.bias.defined() || (layer.bias.numel() == layer.out_features && layer.bias.is_contiguous()),
-              "rfa decode program: ", r.path(), ".bias must hold out_features (", layer.out_features, ") values");
-  return layer;
-}
-
-Norm Norm::from(const std::optional<Record>& r) {
-  Norm norm;
-  if (!r) return norm;
-  norm.weight = r->tensor("weight").contiguous();
-  norm.bias = r->tensor("bias").contiguous();
-  norm.eps = r->number("eps");
-  return norm;
-}
 
 FeatureMapSpec FeatureMapSpec::from(const Record& r) {
   FeatureMapSpec spec;
@@ -180,7 +75,7 @@ CausalAttention CausalAttention::from(const Record& r) {
 CrossAttention CrossAttention::from(const std::optional<Record>& r) {
   CrossAttention a;
   if (!r) return a;
-  a.kind = code_of(std::map<std::string, int64_t>{{"softmax", kCrossSoftmax}, {"rfa", kCrossRFA}}, r->text("kind"),
+  a.kind = code_of({{"softmax", kCrossSoftmax}, {"rfa", kCrossRFA}}, r->text("kind"),
                    r->path() + " kind");
   a.q_proj = LinearLayer::from(r->sub("q_proj"));
   read_heads(*r, a.out_proj, a.heads, a.head_dim);
@@ -191,11 +86,6 @@ CrossAttention CrossAttention::from(const std::optional<Record>& r) {
     a.map = FeatureMapSpec::from(r->sub("map"));
   }
   return a;
-}
-
-int64_t ffn_activation_of(const Record& layer) {
-  return code_of(std::map<std::string, int64_t>{{"relu", kFFNReLU}, {"gelu", kFFNGELU}}, layer.text("activation"),
-                 layer.path() + " activation");
 }
 
 DecoderLayerProgram DecoderLayerProgram::from(const Record& r) {
@@ -260,95 +150,6 @@ NativeSearch::NativeSearch(const py::object& object) {
   unk_penalty = s.number("unk_penalty");
 }
 
-// ------------------------------------------------------------------------------------------------ linear layers
-
-LinearLibrary::LinearLibrary(const std::string& gemm, const py::dict& operators) {
-  gemm_ = static_cast<Gemm>(code_of(std::map<std::string, int64_t>{{"torch", kGemmTorch}, {"onednn", kGemmOneDNN},
-                                                                   {"onednn_int8", kGemmOneDNNInt8}},
-                                    gemm, "linear-layer library"));
-  auto find = [&](const char* role) {
-    TORCH_CHECK(operators.contains(role), "rfa linear library: the torch operator for '", role, "' is not named");
-    auto name = operators[role].cast<std::pair<std::string, std::string>>();
-    return c10::Dispatcher::singleton().findSchemaOrThrow(name.first.c_str(), name.second.c_str());
-  };
-  if (gemm_ == kGemmOneDNN) {
-    linear_op_ = find("linear");
-    linear_add_op_ = find("linear_add");
-  } else if (gemm_ == kGemmOneDNNInt8) {
-    qlinear_op_ = find("qlinear");
-  }
-}
-
-namespace {
-// t with unit stride along its rows (the few-rows kernel reads rows), or undefined
-at::Tensor rows_of(const at::Tensor& t) { return !t.defined() || t.stride(1) == 1 ? t : t.contiguous(); }
-}  // namespace
-
-// The few-rows kernel where it beats oneDNN on the step's shapes (benchmarks/benchmark_few_rows.py,
-// benchmarks/results/few_rows_cpu.csv, AMD EPYC): fp32 on every product up to 128 rows (1.02-1.16x at 128, 1.07-1.34x
-// at 64: oneDNN's cost per call); int8 up to 8 rows on every product (1.15-5x), up to 32 on the layers' (1.17-1.8x;
-// not the vocabulary's, whose weights outgrow the caches: a tie from 16 rows), up to 64 on those of <= 516 outputs
-// (1.12-1.37x) and up to 128 on the 256 x 256 ones (1.16x)
-bool LinearLibrary::few_rows(const LinearLayer& layer, int64_t rows, int64_t in_features) const {
-  if (!layer.rows_weight.defined()) return false;
-  if (gemm_ == kGemmOneDNN) return rows <= 128;
-  const int64_t out = layer.out_features;
-  return rows <= 8 || (rows <= 32 && out <= 1024) || (rows <= 64 && out <= 516) ||
-         (rows <= 128 && out <= 256 && in_features <= 256);
-}
-
-at::Tensor LinearLibrary::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
-                                 const char* part) const {
-  RECORD_FUNCTION(part, std::vector<c10::IValue>());
-  return unrecorded_linear(layer, x, relu, residual);
-}
-
-at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::Tensor& x, bool relu,
-                                            const at::Tensor& residual) const {
-  switch (gemm_) {
-    case kGemmOneDNN: {
-      if (few_rows(layer, x.size(0), x.size(1))) {
-        const at::Tensor input = rows_of(x);
-        at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
-        few_rows_linear_fp32(input, layer.rows_weight, layer.bias, rows_of(residual), relu, y);
-        return y;
-      }
-      if (residual.defined() && !relu) {  // y = x W^T + b + residual, the add fused into the product
-        return call_operator(*linear_add_op_, x, residual, layer.weight, optional_value(layer.bias), std::string("add"));
-      }
-      at::Tensor y = call_operator(*linear_op_, x, layer.weight, optional_value(layer.bias),
-                                   std::string(relu ? "relu" : "none"), empty_scalar_list(), std::string(""));
-      if (residual.defined()) y.add_(residual);
-      return y;
-    }
-    case kGemmOneDNNInt8: {
-      // each row quantized with its own scale, oneDNN's int8 product with the weights' per-channel scales, then
-      // the row scales, bias, relu and residual in one pass
-      const at::Tensor input = x.is_contiguous() ? x : x.contiguous();
-      at::Tensor codes = at::empty(input.sizes(), input.options().dtype(at::kByte));
-      at::Tensor row_scales = at::empty({input.size(0)}, input.options());
-      quantize_rows(input, codes, row_scales);
-      if (few_rows(layer, input.size(0), input.size(1))) {
-        at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
-        few_rows_linear_int8(codes, row_scales, layer.rows_weight, layer.rows_sums, layer.w_scales, layer.bias,
-                             rows_of(residual), relu, y);
-        return y;
-      }
-      at::Tensor y = call_operator(*qlinear_op_, codes, 1.0, kInt8RowZeroPoint, layer.weight, layer.w_scales,
-                                   layer.w_zero_points, c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat),
-                                   std::string("none"), empty_scalar_list(), std::string(""));
-      scale_rows(y, row_scales, layer.bias, residual, relu);
-      return y;
-    }
-    default: {
-      at::Tensor y = layer.bias.defined() ? at::addmm(layer.bias, x, layer.weight.t()) : at::mm(x, layer.weight.t());
-      if (relu) y.relu_();
-      if (residual.defined()) y.add_(residual);
-      return y;
-    }
-  }
-}
-
 // ------------------------------------------------------------------------------------------------ the program
 
 DecodeProgram::DecodeProgram(const py::object& runtime, std::shared_ptr<LinearLibrary> library)
@@ -368,10 +169,10 @@ DecodeProgram::DecodeProgram(const py::object& runtime, std::shared_ptr<LinearLi
 namespace {
 
 // LayerNorm(x) into a new tensor, or into x itself (in_place)
-at::Tensor layer_norm(const Norm& norm, at::Tensor x, bool in_place) {
+at::Tensor layer_norm(const Norm& norm, at::Tensor x, bool in_place, const rfa::cpu::Kernels& kernels) {
   RECORD_FUNCTION("rfa::layer_norm", std::vector<c10::IValue>());
   at::Tensor out = in_place ? x : at::empty_like(x);
-  add_layer_norm(x, at::Tensor(), norm.weight, norm.bias, norm.eps, out);
+  add_layer_norm(x, at::Tensor(), norm.weight, norm.bias, norm.eps, out, kernels);
   return out;
 }
 
@@ -458,6 +259,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
                                  const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
                                  const at::Tensor& weights, int64_t beam, const at::Tensor& sentences) const {
   const int64_t R = tokens.size(0);
+  const rfa::cpu::Kernels& kernels = library_->kernels();
   at::Tensor x = at::empty({R, embed.size(1)}, embed.options());  // (R, C)
   {
     // the rows of the table, scaled, plus the positions: torch's index_select, mul_ and add_ in one pass (the same
@@ -485,7 +287,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
       }
     }
   }
-  if (embed_norm.defined()) x = layer_norm(embed_norm, x, true);
+  if (embed_norm.defined()) x = layer_norm(embed_norm, x, true, kernels);
   const at::Tensor key_pad = padded_inputs ? tokens.eq(padding_idx) : at::Tensor();
   const at::Tensor state_order = first ? at::Tensor() : order;
   const LinearLibrary& lib = *library_;
@@ -495,7 +297,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
     // causal self-attention: one fused input projection [q | k | v | gate logits], the kernel, the output projection
     const CausalAttention& self_attn = layer.self_attn;
     const int64_t H = self_attn.heads, d = self_attn.head_dim, C = H * d, width = H * self_attn.map.width;
-    at::Tensor h = pre ? layer_norm(layer.self_attn_norm, x, false) : x;
+    at::Tensor h = pre ? layer_norm(layer.self_attn_norm, x, false, kernels) : x;
     at::Tensor proj = lib.linear(self_attn.proj, h, false, at::Tensor());
     at::Tensor attn = at::empty({R, C}, x.options());
     at::Tensor state_out = read == 0 ? batch.states1[i] : batch.states0[i];
@@ -505,14 +307,14 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
       causal_layer_step(proj.narrow(1, 0, width), proj.narrow(1, width, width), proj.narrow(1, 2 * width, C),
                         self_attn.gated ? proj.narrow(1, 2 * width + C, H) : at::Tensor(), key_pad, state_in,
                         state_order, state_out, attn, self_attn.eps, self_attn.map.kind, self_attn.map.sigma,
-                        self_attn.map.matrix);
+                        self_attn.map.matrix, kernels);
     }
     at::Tensor y = lib.linear(self_attn.out_proj, attn, false, x);
-    x = pre ? y : layer_norm(layer.self_attn_norm, y, true);
+    x = pre ? y : layer_norm(layer.self_attn_norm, y, true, kernels);
     // cross-attention over the per-sentence K / V (or RFA state)
     const CrossAttention& cross = layer.cross;
     if (cross.kind != kCrossNone) {
-      h = pre ? layer_norm(layer.cross_norm, x, false) : x;
+      h = pre ? layer_norm(layer.cross_norm, x, false, kernels) : x;
       at::Tensor q = lib.linear(cross.q_proj, h, false, at::Tensor());
       at::Tensor out = at::empty({R, C}, x.options());
       {
@@ -520,24 +322,24 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
         if (cross.kind == kCrossSoftmax) {
           const bool last = i + 1 == layers.size();
           softmax_cross_step(q, batch.keys[i], batch.values[i], batch.key_biases[i], beam, cross.scaling, out,
-                             last ? weights : at::Tensor(), sentences);
+                             last ? weights : at::Tensor(), kernels, sentences);
         } else {
           rfa_cross_step(q, batch.cross_states[i], beam, cross.eps, cross.map.kind, cross.map.sigma, cross.map.matrix,
-                         out, sentences);
+                         out, kernels, sentences);
         }
       }
       y = lib.linear(cross.out_proj, out, false, x);
-      x = pre ? y : layer_norm(layer.cross_norm, y, true);
+      x = pre ? y : layer_norm(layer.cross_norm, y, true, kernels);
     }
     // feed-forward: relu fused into the first product, the residual into the second
-    h = pre ? layer_norm(layer.final_norm, x, false) : x;
+    h = pre ? layer_norm(layer.final_norm, x, false, kernels) : x;
     const bool relu = layer.ffn_activation == kFFNReLU;
     at::Tensor hidden = lib.linear(layer.fc1, h, relu, at::Tensor());
     if (!relu) hidden = at::gelu(hidden);
     y = lib.linear(layer.fc2, hidden, false, x);
-    x = pre ? y : layer_norm(layer.final_norm, y, true);
+    x = pre ? y : layer_norm(layer.final_norm, y, true, kernels);
   }
-  if (final_norm.defined()) x = layer_norm(final_norm, x, true);
+  if (final_norm.defined()) x = layer_norm(final_norm, x, true, kernels);
   return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection");
 }
 
@@ -642,6 +444,7 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   const float unk_penalty = static_cast<float>(s.unk_penalty);
   const int64_t eos = s.eos, pad = s.pad, unk = s.unk, Ls = L - 1;
 
+  const rfa::cpu::Kernels& kernels = library_->kernels();
   RECORD_FUNCTION("rfa::search", std::vector<c10::IValue>());
   at::parallel_for(0, live_places, 1, [&](int64_t begin, int64_t end) {
     std::vector<char> eos_mask(k), ended(k);
@@ -653,7 +456,7 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
       // candidates: per beam, log_softmax(logits) with the masks (pad never, unk penalized, EOS only from the
       // minimum length and alone at the last step) plus the beam's score so far; the k best over the beams
       for (int64_t b = 0; b < beams; ++b) {
-        row_log_sum_exp(row(b), V, &row_max[b], &row_log_sum[b]);
+        kernels.row_log_sum_exp(row(b), V, &row_max[b], &row_log_sum[b]);
         row_add[b] = first ? 0.0f : sc[(n * K + b) * Ls + t - 1];
       }
       auto value = [&](int64_t b, int64_t v) {
@@ -669,7 +472,7 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
       // penalty (which raises <unk>)
       auto bound = [&](int64_t b, int64_t start, int64_t len) {
         const bool raises_unk = !last && unk_penalty < 0.0f && unk >= start && unk < start + len;
-        return (block_max(row(b) + start, len) - row_max[b]) - row_log_sum[b] + row_add[b] -
+        return (kernels.block_max(row(b) + start, len) - row_max[b]) - row_log_sum[b] + row_add[b] -
                (raises_unk ? unk_penalty : 0.0f);
       };
       TopK best{cand_scores + n * k, cand_indices + n * k, k};
@@ -739,11 +542,6 @@ std::pair<int64_t, int64_t> DecodeProgram::search_steps(const NativeBatch& batch
 
 // ------------------------------------------------------------------------------------------------ bindings
 
-namespace {
-
-at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
-
-}  // namespace
 
 void bind_decode_program(py::module_& m) {
   m.def(
@@ -761,20 +559,6 @@ void bind_decode_program(py::module_& m) {
       py::arg("threads"),
       "the calling thread's OpenMP and MKL teams (torch's ops, the native step, its GEMMs) from now on: per-thread "
       "settings (the OpenMP ICV, MKL's local count), other threads keep theirs");
-  py::class_<LinearLibrary, std::shared_ptr<LinearLibrary>>(m, "LinearLibrary")
-      .def(py::init<const std::string&, const py::dict&>(), py::arg("gemm"), py::arg("operators"))
-      .def(
-          "linear",
-          [](const LinearLibrary& lib, const py::object& packed, const at::Tensor& x, bool relu,
-             const std::optional<at::Tensor>& residual) {
-            const LinearLayer layer = LinearLayer::from(Record(packed, "packed"));
-            TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
-                        "rfa linear: x must be a 2-d fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-            py::gil_scoped_release release;
-            return lib.unrecorded_linear(layer, x, relu, or_undefined(residual));
-          },
-          py::arg("packed"), py::arg("x"), py::arg("relu") = false, py::arg("residual") = py::none(),
-          "act(x W^T + b) + residual on this library (decode_program.h)");
   py::class_<NativeBatch>(m, "NativeBatch").def(py::init<const py::list&>(), py::arg("layer_caches"));
   py::class_<NativeSearch>(m, "NativeSearch").def(py::init<const py::object&>(), py::arg("search"));
   py::class_<DecodeProgram>(m, "DecodeProgram")

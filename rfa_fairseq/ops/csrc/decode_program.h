@@ -3,12 +3,11 @@
 //
 // Declared once: the program is built from the Python records of rfa_fairseq/modules/decoding.py (DecodingRuntime,
 // DecoderLayerRecord, CausalRecord, the cross-attention records, FeatureMapRecord, NormRecord, PackedLinear), each
-// structure below reading its record's fields by name (Record); a batch's buffers are read the same way from the
+// structure below reading its record's fields by name (records.h); a batch's buffers are read the same way from the
 // Python caches and the static beam search's _Search, whose own tensors they are. Nothing here is writable from
 // Python. Every tensor a call takes a pointer of is checked (shape, dtype, device, layout) with the GIL held, then the
 // GIL is released: threads that decode different parts of a batch run at once.
 #pragma once
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/pybind11.h>
 #include <torch/extension.h>
 
@@ -17,79 +16,12 @@
 #include <string>
 #include <vector>
 
-#include "rfa_kernels.h"
-
-// A Python object's fields read by name; `path` names it in errors (e.g. "runtime.layers[1].self_attn").
-class Record {
- public:
-  Record(pybind11::handle object, std::string path)
-      : object_(pybind11::reinterpret_borrow<pybind11::object>(object)), path_(std::move(path)) {}
-  bool has(const char* name) const;   // the field exists and is not None
-  Record sub(const char* name) const;  // a field that is itself a record (not None)
-  std::optional<Record> optional_sub(const char* name) const;
-  at::Tensor tensor(const char* name) const;            // a tensor field (not None)
-  at::Tensor optional_tensor(const char* name) const;   // a tensor field or None (undefined)
-  int64_t integer(const char* name) const;
-  double number(const char* name) const;
-  bool flag(const char* name) const;
-  std::string text(const char* name) const;
-  std::vector<Record> items(const char* name) const;    // a list or tuple field, one record per item
-  std::vector<at::Tensor> tensors(const char* name) const;  // a list or tuple of tensors
-  pybind11::handle object() const { return object_; }
-  const std::string& path() const { return path_; }
-
- private:
-  pybind11::object get(const char* name) const;
-  pybind11::object object_;
-  std::string path_;
-};
-
-// The linear layers' library, decided in Python (ops/decode_step.py's step_kernels): torch's addmm, oneDNN on packed
-// fp32 weights, oneDNN's int8 product. The one dispatch of a linear layer by library: the program's steps and the
-// encoder's inference (decode_step.NativeKernels.linear) both call it.
-enum Gemm : int64_t { kGemmTorch = 0, kGemmOneDNN = 1, kGemmOneDNNInt8 = 2 };
-
-struct LinearLayer {  // decode_step.PackedLinear
-  at::Tensor weight;                   // torch: (O, I); oneDNN: packed; int8: packed int8 codes
-  at::Tensor bias;                     // (O,) or undefined
-  at::Tensor w_scales, w_zero_points;  // int8: per output channel
-  at::Tensor rows_weight, rows_sums;   // the few-rows kernel's blocks (few_rows.cpp), or undefined
-  int64_t out_features = 0;
-  static LinearLayer from(const Record& record);
-};
-
-class LinearLibrary {
- public:
-  // gemm: "torch", "onednn" or "onednn_int8"; operators: torch_internals.onednn_operators() ({"linear": (name,
-  // overload), "linear_add": ..., "qlinear": ...}), the torch operators a oneDNN library calls
-  LinearLibrary(const std::string& gemm, const pybind11::dict& operators);
-  // act(x W^T + b) + residual (residual undefined: none), `part` naming it for torch's profiler (a region of the
-  // step's profile); unrecorded: the same outside the step (the encoder's inference, a batch's start)
-  at::Tensor linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
-                    const char* part = "rfa::linear") const;
-  at::Tensor unrecorded_linear(const LinearLayer& layer, const at::Tensor& x, bool relu,
-                               const at::Tensor& residual) const;
-  Gemm gemm() const { return gemm_; }
-
- private:
-  // whether the few-rows kernel takes this product of rows x in_features
-  bool few_rows(const LinearLayer& layer, int64_t rows, int64_t in_features) const;
-  Gemm gemm_;
-  std::optional<c10::OperatorHandle> linear_op_, linear_add_op_, qlinear_op_;
-};
+#include "linear_layers.h"
+#include "program_parts.h"
+#include "records.h"
+#include "step_kernels.h"
 
 enum CrossKind : int64_t { kCrossNone = 0, kCrossSoftmax = 1, kCrossRFA = 2 };
-enum FFNActivation : int64_t { kFFNReLU = 0, kFFNGELU = 1 };
-// a layer record's FFN activation ("relu", "gelu") as its FFNActivation, or an error naming the record
-int64_t ffn_activation_of(const Record& layer);
-
-struct Norm {  // NormRecord, or none
-  at::Tensor weight, bias;  // undefined: no norm
-  double eps = 1e-5;
-  bool defined() const { return weight.defined(); }
-  static Norm from(const std::optional<Record>& record);
-};
-
 // a feature map as the step applies it (rfa_kernels.h's Activation codes): learned affine maps to the
 // pre-activations that the fused projection gives (hedgehog, relu), the others to raw per-head inputs
 struct FeatureMapSpec {  // FeatureMapRecord
@@ -204,39 +136,4 @@ class DecodeProgram {
   int64_t padding_idx = 1;
 };
 
-// ---------------------------------------------------------------- the encoder's inference (encoder_program.cpp)
-
-struct EncoderLayerProgram {  // modules/encoding.py's EncoderLayerRecord: fairseq's softmax encoder layer
-  LinearLayer qkv;  // [q | k | v]
-  LinearLayer out_proj, fc1, fc2;
-  Norm self_attn_norm, final_norm;
-  int64_t heads = 0, head_dim = 0;
-  int64_t ffn_activation = kFFNReLU;
-  bool normalize_before = false;
-  static EncoderLayerProgram from(const Record& record);
-};
-
-// A batch's encoder pass as one native call, built from an EncodingRuntime (modules/encoding.py): fairseq's
-// TransformerEncoderBase.forward_scriptable in eval without autograd, the same torch operations in the same order
-// (embedding, positions, padding, each layer as SoftmaxEncoderLayer's inference, the final norm) and the same linear
-// layers, without Python between them.
-class EncoderProgram {
- public:
-  EncoderProgram(const pybind11::object& runtime, std::shared_ptr<LinearLibrary> library);
-  // tokens (B, T) int64; positions: the position embeddings' table (P, C), or undefined without them
-  void check_encode(const at::Tensor& tokens, const at::Tensor& positions) const;
-  // -> {encoder_out (T, B, C), encoder_padding_mask (B, T) bool, encoder_embedding (B, T, C), src_lengths (B, 1)
-  // int32}: fairseq's encoder output fields
-  std::vector<at::Tensor> encode(const at::Tensor& tokens, const at::Tensor& positions) const;
-
- private:
-  std::shared_ptr<LinearLibrary> library_;
-  at::Tensor embed;  // (V, C)
-  double embed_scale = 1.0;
-  int64_t padding_idx = 1, positions_padding_idx = 1;
-  Norm embed_norm, final_norm;
-  std::vector<EncoderLayerProgram> layers;
-};
-
 void bind_decode_program(pybind11::module_& m);
-void bind_encoder_program(pybind11::module_& m);

@@ -1,4 +1,4 @@
-// A batch's encoder pass as one native call (decode_program.h's EncoderProgram): fairseq's softmax encoder in eval
+// A batch's encoder pass as one native call (encoder_program.h): fairseq's softmax encoder in eval
 // without autograd, the same torch operations in the same order as TransformerEncoderBase.forward_scriptable with
 // SoftmaxEncoderLayer's inference (rfa_fairseq/models/rfa_transformer.py), so the same output to the bit; what it
 // removes is Python between ~25 operations a layer (at one sentence a batch, most of the encoder's time) and the GIL
@@ -6,7 +6,7 @@
 #include <ATen/record_function.h>
 #include <pybind11/stl.h>
 
-#include "decode_program.h"
+#include "encoder_program.h"
 
 namespace py = pybind11;
 

@@ -1,6 +1,6 @@
-// Kernels of the decoding step on CPU in fp32 (the native program, decode_program.cpp, calls them; bindings.cpp
-// binds them for the tests): each writes its outputs into buffers the caller passes; absent inputs are undefined
-// tensors.
+// The kernels of a decoding step on the CPU in fp32, on tensors (the native program, decode_program.cpp, calls them;
+// bindings.cpp binds them for the tests): each checks its tensors, then runs a level's kernels (cpu_kernels.h) on their
+// data, writing its outputs into buffers the caller passes; absent inputs are undefined tensors.
 //
 //   causal_layer_step   one decoder self-attention step of a causal RFA layer, all heads, from phi(q),
 //                       phi(k) (or a learned map's pre-activations W x + b, activated here: hedgehog,
@@ -16,13 +16,12 @@
 //                       round(x / s) + 64 with s = the row's max |x| / 63 (symmetric)
 //   scale_rows          an int8 linear layer's output, in place: y * the row's scale + bias, relu, + residual
 //
-// References (tests/test_decoding.py compares against them): ops/naive.py's causal_rfa_recurrent,
-// ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention, torch.nn.functional.layer_norm,
-// ops/naive.py's quantize_rows_reference.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// References (tests/test_decoding_step.py, tests/test_cpu_levels.py compare against them): ops/naive.py's
+// causal_rfa_recurrent, ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention,
+// torch.nn.functional.layer_norm, ops/naive.py's quantize_rows_reference.
+#include "step_kernels.h"
 
-#include <immintrin.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,348 +30,8 @@
 #include <string>
 #include <vector>
 
-#include "rfa_kernels.h"
-
-namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) = 2^n * p(r), n = floor(x log2(e) + 1/2), r = x - n ln(2) (ln(2) in two parts): Cephes' single-precision
-// polynomial, about 1 ulp on the range used here (x <= 0); exp8 and exp16 compute it lane for lane alike
-struct ExpPoly {
-  static constexpr float kHi = 88.3762626647949f, kLo = -87.3365447505531f, kLog2e = 1.44269504088896341f;
-  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  static constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-};
-
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(ExpPoly::kHi)), _mm256_set1_ps(ExpPoly::kLo));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(ExpPoly::kLog2e), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ExpPoly::kLn2Hi), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ExpPoly::kLn2Lo), x);
-  __m256 y = _mm256_set1_ps(ExpPoly::kP[0]);
-  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(ExpPoly::kP[i]));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
-}
-
-// max and log(sum(exp(x - max))) of a row: log_softmax(x) = (x - max) - log_sum
-__attribute__((target("avx2,fma"))) void row_log_sum_exp_avx2(const float* x, int64_t n, float* max_out,
-                                                              float* log_sum_out) {
-  __m256 m8 = _mm256_set1_ps(kNegInf);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + i));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, m8);
-  float m = kNegInf;
-  for (float v : lanes) m = std::max(m, v);
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  if (!std::isfinite(m)) {  // an all -inf (or +inf) row: log_softmax's own NaN / -inf follow from the scalar path
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) sum += std::exp(x[j] - m);
-    *max_out = m;
-    *log_sum_out = std::log(sum);
-    return;
-  }
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 s8 = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) s8 = _mm256_add_ps(s8, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
-  _mm256_storeu_ps(lanes, s8);
-  float sum = 0.0f;
-  for (float v : lanes) sum += v;
-  for (; i < n; ++i) sum += std::exp(x[i] - m);
-  *max_out = m;
-  *log_sum_out = std::log(sum);
-}
-
-// exp8 on 16 floats
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(ExpPoly::kHi)), _mm512_set1_ps(ExpPoly::kLo));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(ExpPoly::kLog2e), _mm512_set1_ps(0.5f)),
-                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ExpPoly::kLn2Hi), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ExpPoly::kLn2Lo), x);
-  __m512 y = _mm512_set1_ps(ExpPoly::kP[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(ExpPoly::kP[i]));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
-}
-
-// row_log_sum_exp_avx2 16 lanes at a time: the vocabulary's exponentials are most of a search step's own work (the
-// sum's order is another: 16 partial sums, then theirs)
-__attribute__((target("avx512f,avx2,fma"))) void row_log_sum_exp_avx512(const float* x, int64_t n, float* max_out,
-                                                                         float* log_sum_out) {
-  __m512 m16 = _mm512_set1_ps(kNegInf);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(x + i));
-  float lanes[16];
-  _mm512_storeu_ps(lanes, m16);
-  float m = kNegInf;
-  for (float v : lanes) m = std::max(m, v);
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  if (!std::isfinite(m)) return row_log_sum_exp_avx2(x, n, max_out, log_sum_out);  // its all -inf (+inf) rows' path
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 s16 = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) s16 = _mm512_add_ps(s16, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv)));
-  _mm512_storeu_ps(lanes, s16);
-  float sum = 0.0f;
-  for (float v : lanes) sum += v;
-  for (; i < n; ++i) sum += std::exp(x[i] - m);
-  *max_out = m;
-  *log_sum_out = std::log(sum);
-}
-
-}  // namespace
-
-void row_log_sum_exp(const float* x, int64_t n, float* max_out, float* log_sum_out) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
-  if (avx512) return row_log_sum_exp_avx512(x, n, max_out, log_sum_out);
-  if (avx2) return row_log_sum_exp_avx2(x, n, max_out, log_sum_out);
-  float m = kNegInf;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - m);
-  *max_out = m;
-  *log_sum_out = std::log(sum);
-}
-
-
-namespace {
-
-__attribute__((target("avx2,fma"))) void exp_inplace_avx2(float* x, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
-  for (; i < n; ++i) x[i] = std::exp(x[i]);
-}
-
-}  // namespace
-
-void exp_inplace(float* x, int64_t n) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return exp_inplace_avx2(x, n);
-  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
-}
-
-namespace {
-
-RFA_SIMD_CLONES
-float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// The state's elements: fp32, or fp16 (int8 decoding's state: half the bytes a step reads and writes; each step's
-// arithmetic stays in fp32, the state rounded to fp16 as it is stored).
-inline float state_load(const float* p) { return *p; }
-inline float state_load(const at::Half* p) { return static_cast<float>(*p); }
-inline void state_store(float* p, float x) { *p = x; }
-inline void state_store(at::Half* p, float x) { *p = static_cast<at::Half>(x); }
-
-// one element with F16C (c10::Half's own conversion is bit arithmetic: the same rounding, ~10x the instructions; it
-// made the last state column, one element per feature, cost 60 % as much as the other 64 in int8 decoding)
-__attribute__((target("avx2,fma,f16c"))) inline float state_load1(const float* p) { return *p; }
-__attribute__((target("avx2,fma,f16c"))) inline float state_load1(const at::Half* p) { return _cvtsh_ss(p->x); }
-__attribute__((target("avx2,fma,f16c"))) inline void state_store1(float* p, float x) { *p = x; }
-__attribute__((target("avx2,fma,f16c"))) inline void state_store1(at::Half* p, float x) {
-  p->x = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-__attribute__((target("avx2,fma,f16c"))) inline __m256 state_load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 state_load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-__attribute__((target("avx2,fma,f16c"))) inline void state_store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-__attribute__((target("avx2,fma,f16c"))) inline void state_store8(at::Half* p, __m256 x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// S' = g * S + k (x) [v, 1] (no S on the first step: S' = k (x) [v, 1]); acc = q . S' (S' before it is stored). The
-// portable loop:
-template <typename S>
-void update_and_read_out_portable(const S* __restrict__ s_in, S* __restrict__ s_out, const float* __restrict__ q,
-                                  const float* __restrict__ k, const float* __restrict__ v_aug, float g, float k_scale,
-                                  int64_t F, int64_t D1, float* __restrict__ acc) {
-  for (int64_t j = 0; j < D1; ++j) acc[j] = 0.0f;
-  for (int64_t f = 0; f < F; ++f) {
-    const float kf = k[f] * k_scale, qf = q[f];
-    for (int64_t j = 0; j < D1; ++j) {
-      const float s = (s_in != nullptr ? g * state_load(s_in + f * D1 + j) : 0.0f) + kf * v_aug[j];
-      state_store(s_out + f * D1 + j, s);
-      acc[j] += qf * s;
-    }
-  }
-}
-
-// The same with AVX2: up to 64 columns at a time, their read-out sums held in registers across the F rows (they never
-// go to memory) and each state row read and written once, in order.
-template <int kBlocks, typename S>
-__attribute__((target("avx2,fma,f16c"))) inline void update_columns(const S* __restrict__ s_in, S* __restrict__ s_out,
-                                                                    const float* __restrict__ q, const float* __restrict__ k,
-                                                                    const float* __restrict__ v_aug, float g, float k_scale,
-                                                                    int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
-  __m256 a[kBlocks];
-  for (int b = 0; b < kBlocks; ++b) a[b] = _mm256_setzero_ps();
-  const __m256 gv = _mm256_set1_ps(g);
-  for (int64_t f = 0; f < F; ++f) {
-    const __m256 kf = _mm256_set1_ps(k[f] * k_scale), qf = _mm256_set1_ps(q[f]);
-    for (int b = 0; b < kBlocks; ++b) {
-      __m256 s = _mm256_mul_ps(kf, _mm256_loadu_ps(v_aug + j + 8 * b));
-      if (s_in != nullptr) s = _mm256_fmadd_ps(gv, state_load8(s_in + f * D1 + j + 8 * b), s);
-      state_store8(s_out + f * D1 + j + 8 * b, s);
-      a[b] = _mm256_fmadd_ps(qf, s, a[b]);
-    }
-  }
-  for (int b = 0; b < kBlocks; ++b) _mm256_storeu_ps(acc + j + 8 * b, a[b]);
-}
-
-template <typename S>
-__attribute__((target("avx2,fma,f16c"))) void update_and_read_out_avx2(const S* __restrict__ s_in, S* __restrict__ s_out,
-                                                                       const float* __restrict__ q, const float* __restrict__ k,
-                                                                       const float* __restrict__ v_aug, float g, float k_scale,
-                                                                       int64_t F, int64_t D1, float* __restrict__ acc,
-                                                                       int64_t j = 0) {  // from column j
-  for (; j + 64 <= D1; j += 64) update_columns<8>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j + 32 <= D1; j += 32) update_columns<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j + 8 <= D1; j += 8) update_columns<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j < D1; ++j) {  // the last columns (z's, the ones column of [v, 1], among them)
-    float sum = 0.0f;
-    for (int64_t f = 0; f < F; ++f) {
-      const float s = (s_in != nullptr ? g * state_load1(s_in + f * D1 + j) : 0.0f) + k[f] * k_scale * v_aug[j];
-      state_store1(s_out + f * D1 + j, s);
-      sum += q[f] * s;
-    }
-    acc[j] = sum;
-  }
-}
-
-// The same with AVX-512, 16 columns a vector: [v, 1]'s columns held in registers too (AVX2's 16 registers cannot
-// hold them beside the sums). Each element's arithmetic is AVX2's (k * v, then g * S + that in one fma; the sums in
-// the same order): the same results, bit for bit. It pays where the fp16 state's conversions make the loop
-// compute-bound (one layer, one thread, recipe heads: 318 -> 286 us at 128 rows, 1,808 -> 1,696 at 512); the fp32
-// state's loop waits on memory either way (236 -> 234, 2,048 -> 1,995).
-__attribute__((target("avx512f"))) inline __m512 state_load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 state_load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-__attribute__((target("avx512f"))) inline void state_store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-__attribute__((target("avx512f"))) inline void state_store16(at::Half* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-template <int kBlocks, typename S>
-__attribute__((target("avx512f"))) inline void update_columns16(const S* __restrict__ s_in, S* __restrict__ s_out,
-                                                                const float* __restrict__ q, const float* __restrict__ k,
-                                                                const float* __restrict__ v_aug, float g, float k_scale,
-                                                                int64_t F, int64_t D1, int64_t j, float* __restrict__ acc) {
-  __m512 a[kBlocks], v[kBlocks];
-  for (int b = 0; b < kBlocks; ++b) {
-    a[b] = _mm512_setzero_ps();
-    v[b] = _mm512_loadu_ps(v_aug + j + 16 * b);
-  }
-  const __m512 gv = _mm512_set1_ps(g);
-  for (int64_t f = 0; f < F; ++f) {
-    const __m512 kf = _mm512_set1_ps(k[f] * k_scale), qf = _mm512_set1_ps(q[f]);
-    for (int b = 0; b < kBlocks; ++b) {
-      __m512 s = _mm512_mul_ps(kf, v[b]);
-      if (s_in != nullptr) s = _mm512_fmadd_ps(gv, state_load16(s_in + f * D1 + j + 16 * b), s);
-      state_store16(s_out + f * D1 + j + 16 * b, s);
-      a[b] = _mm512_fmadd_ps(qf, s, a[b]);
-    }
-  }
-  for (int b = 0; b < kBlocks; ++b) _mm512_storeu_ps(acc + j + 16 * b, a[b]);
-}
-
-template <typename S>
-__attribute__((target("avx512f,avx2,fma,f16c"))) void update_and_read_out_avx512(
-    const S* __restrict__ s_in, S* __restrict__ s_out, const float* __restrict__ q, const float* __restrict__ k,
-    const float* __restrict__ v_aug, float g, float k_scale, int64_t F, int64_t D1, float* __restrict__ acc) {
-  int64_t j = 0;
-  for (; j + 64 <= D1; j += 64) update_columns16<4>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  for (; j + 16 <= D1; j += 16) update_columns16<1>(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, j, acc);
-  update_and_read_out_avx2(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc, j);  // the columns left
-}
-
-template <typename S>
-void update_and_read_out(const S* s_in, S* s_out, const float* q, const float* k, const float* v_aug, float g,
-                         float k_scale, int64_t F, int64_t D1, float* acc) {
-  static const bool avx2 =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
-  if (avx512) return update_and_read_out_avx512(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
-  if (avx2) return update_and_read_out_avx2(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
-  update_and_read_out_portable(s_in, s_out, q, k, v_aug, g, k_scale, F, D1, acc);
-}
-
-// y += a * x
-RFA_SIMD_CLONES
-void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// out = LayerNorm(x + residual) of one row, through y (C floats); two passes for the variance, as torch
-RFA_SIMD_CLONES
-void layer_norm_row(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ gamma,
-                    const float* __restrict__ beta, int64_t C, float eps, float* __restrict__ y, float* out) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < C; ++c) {
-    y[c] = residual != nullptr ? x[c] + residual[c] : x[c];
-    sum += y[c];
-  }
-  const float mean = sum / static_cast<float>(C);
-  float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-  for (int64_t c = 0; c < C; ++c) {
-    const float centered = y[c] - mean;
-    sq += centered * centered;
-  }
-  const float rstd = 1.0f / std::sqrt(sq / static_cast<float>(C) + eps);
-  for (int64_t c = 0; c < C; ++c) out[c] = (y[c] - mean) * rstd * gamma[c] + beta[c];
-}
-
-// The largest of n floats (NaN ignored; -inf when none): a filter before the exact comparisons
-RFA_SIMD_CLONES
-float block_max_simd(const float* __restrict__ x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
-
-// phi = [softmax(p), softmax(-p)] of one head's D pre-activations (F = 2D), max-shifted as torch.softmax
-RFA_SIMD_CLONES
-void hedgehog(const float* __restrict__ p, int64_t D, float* __restrict__ phi) {
-  float hi = p[0], lo = p[0];
-#pragma omp simd reduction(max : hi) reduction(min : lo)
-  for (int64_t i = 1; i < D; ++i) {
-    hi = std::max(hi, p[i]);
-    lo = std::min(lo, p[i]);
-  }
-  for (int64_t i = 0; i < D; ++i) {
-    phi[i] = p[i] - hi;
-    phi[D + i] = lo - p[i];  // softmax(-p): -p - max(-p) = lo - p
-  }
-  exp_inplace(phi, 2 * D);
-  float sum_pos = 0.0f, sum_neg = 0.0f;
-  for (int64_t i = 0; i < D; ++i) {
-    sum_pos += phi[i];
-    sum_neg += phi[D + i];
-  }
-  const float inv_pos = 1.0f / sum_pos, inv_neg = 1.0f / sum_neg;
-  for (int64_t i = 0; i < D; ++i) {
-    phi[i] *= inv_pos;
-    phi[D + i] *= inv_neg;
-  }
-}
-
-}  // namespace
-
-float block_max(const float* x, int64_t n) { return block_max_simd(x, n); }
+using rfa::cpu::Kernels;
+using rfa::cpu::kInt8RowZeroPoint;
 
 namespace {
 
@@ -434,14 +93,14 @@ MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim,
   return map;
 }
 
-const float* head_features(const float* row, const MapParams& map, int64_t h, bool is_query, float* buf,
-                           float* scratch) {
+const float* head_features(const Kernels& kernels, const float* row, const MapParams& map, int64_t h, bool is_query,
+                           float* buf, float* scratch) {
   const int64_t F = map.features;
   switch (map.kind) {
     case kFeatures:
       return row;
     case kHedgehog:
-      hedgehog(row, F / 2, buf);
+      kernels.hedgehog(row, F / 2, buf);
       return buf;
     case kReLU: {  // relu(p) / sqrt(D), D = F
       const float scale = 1.0f / std::sqrt(static_cast<float>(F));
@@ -456,7 +115,7 @@ const float* head_features(const float* row, const MapParams& map, int64_t h, bo
   }
   // random maps (ops/feature_maps.py): x' = sigma * x / max(|x|, 1e-6), p = W x', then sin/cos, relu or exp
   const int64_t d = map.width, D = map.kind == kSinCos ? F / 2 : F;
-  const float norm = std::max(std::sqrt(dot(row, row, d)), 1e-6f);
+  const float norm = std::max(std::sqrt(kernels.dot(row, row, d)), 1e-6f);
   const float* sigma = map.sigma + h * d;
   float* xs = scratch;
   float sq = 0.0f;
@@ -466,7 +125,7 @@ const float* head_features(const float* row, const MapParams& map, int64_t h, bo
   }
   const float* w = map.matrix + h * D * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (int64_t j = 0; j < D; ++j) buf[j] = dot(w + j * d, xs, d);
+  for (int64_t j = 0; j < D; ++j) buf[j] = kernels.dot(w + j * d, xs, d);
   if (map.kind == kSinCos) {
     for (int64_t j = 0; j < D; ++j) {
       const float p = buf[j];
@@ -501,7 +160,8 @@ void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
-                       int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix) {
+                       int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix,
+                       const Kernels& kernels) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
   const MapParams map = map_params(activation, H, F, d, sigma, matrix);
   const int64_t P = map.width;  // values per head in phi_q / phi_k rows
@@ -554,7 +214,8 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const int64_t ldg = gated ? gate_logits.stride(0) : 0;
   const float eps_f = static_cast<float>(eps);
 
-  auto run = [&](auto* s_in, auto* s_out) {  // float or at::Half state
+  // the state in fp32, or fp16 (its IEEE bits): the kernels' update of one head
+  auto run = [&](auto* s_in, auto* s_out, auto update) {
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F), scratch(std::max(F, d));
     for (int64_t rh = begin; rh < end; ++rh) {
@@ -570,10 +231,10 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       std::copy(vp + r * ldv + h * d, vp + r * ldv + h * d + d, v_aug.begin());
       v_aug[d] = 1.0f;  // the ones column accumulates z
       const int64_t src = reorder ? ord[r] : r;
-      const float* q = head_features(pq + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
-      const float* k = head_features(pk + r * ldk + h * P, map, h, false, k_buf.data(), scratch.data());
-      update_and_read_out(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(),
-                          decay, k_scale, F, D1, acc.data());
+      const float* q = head_features(kernels, pq + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
+      const float* k = head_features(kernels, pk + r * ldk + h * P, map, h, false, k_buf.data(), scratch.data());
+      update(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(), decay, k_scale,
+             F, D1, acc.data());
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
@@ -581,15 +242,17 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   });
   };
   if (state_type == torch::kFloat16) {
-    run(first ? static_cast<const at::Half*>(nullptr) : state_in.data_ptr<at::Half>(), state_out.data_ptr<at::Half>());
+    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); };
+    run(first ? nullptr : static_cast<const uint16_t*>(bits(state_in)), bits(state_out), kernels.update_and_read_out_fp16);
   } else {
-    run(first ? static_cast<const float*>(nullptr) : state_in.data_ptr<float>(), state_out.data_ptr<float>());
+    run(first ? nullptr : static_cast<const float*>(state_in.data_ptr<float>()), state_out.data_ptr<float>(),
+        kernels.update_and_read_out_fp32);
   }
 }
 
 namespace {
 
-// row r's sentence: r / beam, or sentences[r / beam] (rfa_kernels.h); checks that `sentences` names rows of N
+// row r's sentence: r / beam, or sentences[r / beam] (step_kernels.h); checks that `sentences` names rows of N
 struct SentenceOfRow {
   const int64_t* sentences = nullptr;
   int64_t beam = 1;
@@ -616,7 +279,7 @@ struct SentenceOfRow {
 
 void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
                     int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out,
-                    const torch::Tensor& sentences) {
+                    const Kernels& kernels, const torch::Tensor& sentences) {
   const int64_t R = q.size(0), N = cross_state.size(0), H = cross_state.size(1), F = cross_state.size(2);
   const int64_t D1 = cross_state.size(3), d = D1 - 1;
   TORCH_CHECK(activation != kFeatures, "rfa cross step: the map is applied here (to raw queries or a learned affine "
@@ -637,10 +300,10 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
     std::vector<float> acc(D1), q_buf(F), scratch(std::max(F, d));
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / H, h = rh % H, n = sentence_of(r);
-      const float* phi = head_features(qp + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
+      const float* phi = head_features(kernels, qp + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
       const float* state = sp + (n * H + h) * F * D1;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t f = 0; f < F; ++f) axpy(phi[f], state + f * D1, acc.data(), D1);
+      for (int64_t f = 0; f < F; ++f) kernels.axpy(phi[f], state + f * D1, acc.data(), D1);
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
@@ -650,7 +313,7 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
 
 void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                         const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
-                        const torch::Tensor& weights, const torch::Tensor& sentences) {
+                        const torch::Tensor& weights, const Kernels& kernels, const torch::Tensor& sentences) {
   const int64_t R = q.size(0), N = key.size(0), H = key.size(1), S = key.size(2), d = key.size(3), C = H * d;
   check_rows(q, R, C, "q");
   check_rows(out, R, C, "out");
@@ -690,7 +353,7 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
         const float* vh = vp + (n * H + h) * S * d;
         float hi = -std::numeric_limits<float>::infinity();
         for (int64_t s = 0; s < S; ++s) {
-          p[s] = dot(qs.data(), kh + s * d, d) + (biased ? bp[n * S + s] : 0.0f);
+          p[s] = kernels.dot(qs.data(), kh + s * d, d) + (biased ? bp[n * S + s] : 0.0f);
           hi = std::max(hi, p[s]);
         }
         float sum = 0.0f;
@@ -703,7 +366,7 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
         std::fill(o, o + d, 0.0f);
         for (int64_t s = 0; s < S; ++s) {
           const float ps = p[s] * inv;
-          axpy(ps, vh + s * d, o, d);
+          kernels.axpy(ps, vh + s * d, o, d);
           if (w_row != nullptr) w_row[s] += ps * inv_heads;
         }
       }
@@ -712,7 +375,7 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
 }
 
 void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
-                    const torch::Tensor& beta, double eps, const torch::Tensor& out) {
+                    const torch::Tensor& beta, double eps, const torch::Tensor& out, const Kernels& kernels) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   check_rows(out, R, C, "out");
@@ -733,13 +396,13 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
     std::vector<float> y(C);
     for (int64_t r = begin; r < end; ++r) {
       // the whole row is read before `out` is written: out may be x or residual
-      layer_norm_row(xp + r * ldx, add ? rp + r * ldr : nullptr, gp, bp, C, eps_f, y.data(), op + r * ldo);
+      kernels.layer_norm_row(xp + r * ldx, add ? rp + r * ldr : nullptr, gp, bp, C, eps_f, y.data(), op + r * ldo);
     }
   });
 }
 
 void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
-                     const torch::Tensor& scores_out, const torch::Tensor& indices_out) {
+                     const torch::Tensor& scores_out, const torch::Tensor& indices_out, const Kernels& kernels) {
   const int64_t V = lprobs.size(1), N = scores_out.size(0), k = scores_out.size(1);
   const bool first = !prev_scores.defined();  // step 0: a sentence's beams are one hypothesis: beam 0 only
   const int64_t beams = first ? 1 : beam;
@@ -765,48 +428,16 @@ void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scor
       auto add = [&](int64_t b) { return first ? 0.0f : prev[(n * beam + b) * ldp]; };
       // every value counts, NaN as -inf; x + add is monotonic in x, so a block's max bounds its sums
       auto value = [&](int64_t b, int64_t v) { return std::isnan(row(b)[v]) ? neg_inf : row(b)[v] + add(b); };
-      auto bound = [&](int64_t b, int64_t start, int64_t len) { return block_max(row(b) + start, len) + add(b); };
+      auto bound = [&](int64_t b, int64_t start, int64_t len) { return kernels.block_max(row(b) + start, len) + add(b); };
       TopK best{so + n * k, io + n * k, k};
       sentence_candidates(best, beams, V, value, bound);
     }
   });
 }
 
-namespace {
 
-RFA_SIMD_CLONES
-float max_abs(const float* __restrict__ x, int64_t n) {
-  float m = 0.0f;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
-  return m;
-}
-
-RFA_SIMD_CLONES
-void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, uint8_t* __restrict__ q) {
-  const float zero = static_cast<float>(kInt8RowZeroPoint), top = static_cast<float>(2 * kInt8RowZeroPoint - 1);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    // round half to even, as torch.round; |x| <= the row's maximum keeps the code in 1 .. 127
-    const float v = std::nearbyint(x[i] * inv_scale) + zero;
-    q[i] = static_cast<uint8_t>(std::min(std::max(v, 0.0f), top));
-  }
-}
-
-RFA_SIMD_CLONES
-void scale_row(float* __restrict__ y, int64_t n, float s, const float* __restrict__ bias,
-               const float* __restrict__ residual, bool relu) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float v = y[i] * s + (bias != nullptr ? bias[i] : 0.0f);
-    if (relu) v = std::max(v, 0.0f);
-    y[i] = v + (residual != nullptr ? residual[i] : 0.0f);
-  }
-}
-
-}  // namespace
-
-void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
+void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                   const Kernels& kernels) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == R && codes.size(1) == C,
@@ -820,16 +451,16 @@ void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const tor
   const float levels = static_cast<float>(kInt8RowZeroPoint - 1);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float m = max_abs(xp + r * ldx, C);
+      const float m = kernels.max_abs(xp + r * ldx, C);
       const float scale = m > 0.0f ? m / levels : 1.0f;
       sp[r] = scale;
-      quantize_row(xp + r * ldx, C, 1.0f / scale, cp + r * C);
+      kernels.quantize_row(xp + r * ldx, C, 1.0f / scale, cp + r * C);
     }
   });
 }
 
 void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias,
-                const torch::Tensor& residual, bool relu) {
+                const torch::Tensor& residual, bool relu, const Kernels& kernels) {
   const int64_t R = y.size(0), O = y.size(1);
   check_rows(y, R, O, "y");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
@@ -845,7 +476,7 @@ void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch
   const int64_t ldy = y.stride(0), ldr = added ? residual.stride(0) : 0;
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      scale_row(yp + r * ldy, O, sp[r], bp, added ? rp + r * ldr : nullptr, relu);
+      kernels.scale_row(yp + r * ldy, O, sp[r], bp, added ? rp + r * ldr : nullptr, relu);
     }
   });
 }

@@ -1,0 +1,98 @@
+// The CPU kernels' instruction-set levels and the one table of kernels each level has (levels/level_kernels.h, written
+// once and compiled once per level: levels/<level>.cpp). Plain C++ over raw pointers: the translation units of the
+// levels include no torch operators, and the callers (rfa_decode_step.cpp, few_rows.cpp, decode_program.cpp) check
+// their tensors before they pass pointers here.
+//
+// Levels, per architecture, from the lowest (the architecture's baseline, which every CPU of it runs):
+//   x86-64:  default (SSE2), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/VL/DQ), avx512_vnni (+ VNNI)
+//   aarch64: neon, neon_dotprod (+ the dot-product extension, sdot)
+//   others:  default
+// The level a runtime uses is decided in one place, `select_level(cap)`: the best level this CPU runs and this build
+// has, at most `cap` ("auto": no cap; the plugin's --rfa-cpu-isa).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rfa::cpu {
+
+enum class Level : int { kDefault = 0, kAVX2 = 1, kAVX512 = 2, kAVX512VNNI = 3, kNEON = 4, kNEONDotProd = 5 };
+
+// where a linear layer's results go: y = act(v + bias) + residual per (row, channel)
+struct LinearOutput {
+  const float* bias;      // (O,) or null
+  const float* residual;  // rows of ldr, or null
+  int64_t ldr;
+  float* y;
+  int64_t ldy;
+  int64_t out_features;
+  bool relu;
+};
+
+struct Int8Scales {
+  const int32_t* sums;      // (blocks * block,) zero point x each channel's sum of codes
+  const float* w_scales;    // (O,)
+  const float* row_scales;  // (R,)
+};
+
+// One level's kernels. The few-rows linear layers keep each weight in blocks of `block` output channels (the level's
+// vector width), all of a block's inputs contiguous: fp32 (blocks, I, block); int8 (blocks, ceil(I / 4), block, 4)
+// bytes. Each few_rows_* call computes the output blocks [block_begin, block_end) of every row (callers split the
+// blocks over threads).
+struct Kernels {
+  Level level;
+  const char* name;
+  int64_t block;  // output channels per few-rows block
+  // y = act(x W^T + b) + residual, x: R rows of I (row stride ldx)
+  void (*few_rows_fp32)(const float* x, int64_t ldx, int64_t R, int64_t I, const float* blocks, const LinearOutput& out,
+                        int64_t block_begin, int64_t block_end);
+  // the same from quantize_row's codes (R rows of I, contiguous): act(((codes W^T - sums) * w_scale) * row_scale + b)
+  void (*few_rows_int8)(const uint8_t* codes, int64_t R, int64_t I, const int8_t* blocks, const Int8Scales& scales,
+                        const LinearOutput& out, int64_t block_begin, int64_t block_end);
+  // exp of n floats in place (a polynomial within about 1 ulp of expf on x <= 0, the range used here)
+  void (*exp_inplace)(float* x, int64_t n);
+  // max and log(sum(exp(x - max))) of a row: log_softmax(x) = (x - max) - log_sum
+  void (*row_log_sum_exp)(const float* x, int64_t n, float* max_out, float* log_sum_out);
+  // the largest of n floats (NaN ignored; -inf when none)
+  float (*block_max)(const float* x, int64_t n);
+  // The causal RFA update and read-out of one head: S' = g * S + k_scale * k (x) [v, 1] (no S: s_in null), written to
+  // s_out; acc = q . S' (D1 = d + 1 sums, S' before it is stored). The state in fp32 or fp16 (IEEE binary16 bits).
+  void (*update_and_read_out_fp32)(const float* s_in, float* s_out, const float* q, const float* k, const float* v_aug,
+                                   float g, float k_scale, int64_t F, int64_t D1, float* acc);
+  void (*update_and_read_out_fp16)(const uint16_t* s_in, uint16_t* s_out, const float* q, const float* k,
+                                   const float* v_aug, float g, float k_scale, int64_t F, int64_t D1, float* acc);
+  float (*dot)(const float* a, const float* b, int64_t n);
+  void (*axpy)(float a, const float* x, float* y, int64_t n);  // y += a * x
+  // phi = [softmax(p), softmax(-p)] of one head's D pre-activations (F = 2D), max-shifted as torch.softmax
+  void (*hedgehog)(const float* p, int64_t D, float* phi);
+  // out = LayerNorm(x + residual) of one row (residual may be null), through y (C floats): out may be x or residual
+  void (*layer_norm_row)(const float* x, const float* residual, const float* gamma, const float* beta, int64_t C,
+                         float eps, float* y, float* out);
+  float (*max_abs)(const float* x, int64_t n);
+  // 7-bit codes round(x * inv_scale) + zero point (round half to even, as torch.round)
+  void (*quantize_row)(const float* x, int64_t n, float inv_scale, uint8_t* codes);
+  // y = act(y * s + bias) + residual, in place (bias, residual may be null)
+  void (*scale_row)(float* y, int64_t n, float s, const float* bias, const float* residual, bool relu);
+};
+
+// int8 linear layers' activations: the zero point of the 7-bit codes (x86 without VNNI sums pairs of u8 x s8 products
+// in int16, which 8-bit codes times 7-bit weights could overflow)
+constexpr int64_t kInt8RowZeroPoint = 64;
+constexpr int64_t kInt8Group = 4;  // inputs per int32 lane of an int8 product
+
+const char* level_name(Level level);
+// the levels of this build's architecture, lowest first (what --rfa-cpu-isa may name here)
+std::vector<Level> architecture_levels();
+// whether this CPU (and its operating system) runs the level's instructions
+bool cpu_runs(Level level);
+// the kernels of a level of this architecture
+const Kernels& kernels(Level level);
+// The level a runtime uses: the best of this architecture's levels that this CPU runs, at most `cap` ("auto": none).
+// std::invalid_argument (naming the cap and the levels) for a name that is not one of this architecture's levels.
+Level select_level(const std::string& cap);
+// the level a name names (std::invalid_argument otherwise); the levels this CPU runs, lowest first
+Level level_of(const std::string& name);
+std::vector<Level> runnable_levels();
+
+}  // namespace rfa::cpu

@@ -1,0 +1,15 @@
+// program_parts.h: the parts of a layer both native programs read.
+#include "program_parts.h"
+
+int64_t ffn_activation_of(const Record& layer) {
+  return code_of({{"relu", kFFNReLU}, {"gelu", kFFNGELU}}, layer.text("activation"), layer.path() + " activation");
+}
+
+Norm Norm::from(const std::optional<Record>& r) {
+  Norm norm;
+  if (!r) return norm;
+  norm.weight = r->tensor("weight").contiguous();
+  norm.bias = r->tensor("bias").contiguous();
+  norm.eps = r->number("eps");
+  return norm;
+}

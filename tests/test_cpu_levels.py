@@ -1,0 +1,352 @@
+"""The CPU kernels' instruction-set levels (ops/csrc/cpu_kernels.h, levels/level_kernels.cpp): each level this CPU runs
+against the references (its few-rows products against oneDNN's on the same weights and codes; its exp against
+float64), the one choice of a level (--rfa-cpu-isa), the library's choice between its kernels by the measured
+few-rows limits (ops/few_rows_limits.py) and their record, the level objects' symbols (nothing of a level's
+instructions reachable from another), and the build for aarch64 with Debian's cross compiler. The decoding step's
+kernels at every level: tests/test_decoding_step.py and tests/test_ops.py (their cpu_level_params)."""
+import dataclasses
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+from conftest import REPO
+from helpers import cpp_extension, cpu_level_params
+
+from rfa_fairseq import torch_internals
+from rfa_fairseq.ops import extension, few_rows_limits
+from rfa_fairseq.ops.decode_step import OneDNNInt8Linear, OneDNNLinear
+
+PRECISIONS = {"fp32": (OneDNNLinear, "onednn"), "int8": (OneDNNInt8Linear, "onednn_int8")}
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return cpp_extension()
+
+
+def _library(ext, precision, level):
+    available = torch_internals.onednn_int8_linear_available() if precision == "int8" else \
+        torch_internals.onednn_linear_available()
+    if not available:
+        pytest.skip(f"torch {torch.__version__} has no oneDNN {precision} linear ops: nothing to compare with")
+    packer, code = PRECISIONS[precision]
+    library = ext.LinearLibrary(code, torch_internals.onednn_operators(), level)
+    assert library.level == level
+    return packer(library), library
+
+
+def _few_rows(library, precision, packed, x, relu, residual):
+    """The level's few-rows kernel itself on `packed`'s blocks."""
+    y = torch.full((x.size(0), packed.out_features), float("nan"))
+    if precision == "fp32":
+        library.few_rows_fp32(packed, x, residual, relu, y)
+    else:
+        codes, row_scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.size(0))
+        cpp_extension().quantize_rows(x, codes, row_scales, library.level)
+        library.few_rows_int8(packed, codes, row_scales, residual, relu, y)
+    return y
+
+
+def _onednn(library, packed, x, relu, residual):
+    """oneDNN's product on the packed layer (the library's other path: its few-rows limit 0)."""
+    library.set_few_rows_limit(packed.in_features, packed.out_features, 0)
+    return library.linear(packed, x, relu, residual)
+
+
+# inputs not a multiple of 4 (int8: a last partial group of codes) and past one fp32 chunk of 512, outputs not a
+# multiple of any vector width (masked lanes, a ragged last tile), rows past a tile of 4
+@pytest.mark.parametrize("level", cpu_level_params())
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("in_features,out_features", [(256, 516), (13, 7), (258, 50), (1030, 131)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+def test_few_rows_kernel_matches_onednn(ext, level, precision, in_features, out_features, rows):
+    packer, library = _library(ext, precision, level)
+    torch.manual_seed(in_features * 1000 + out_features + rows)
+    weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
+    x, residual = torch.randn(rows, in_features) * 3, torch.randn(rows, out_features)
+    for relu, res, b in [(False, None, bias), (True, None, bias), (False, residual, bias), (True, residual, None)]:
+        packed = packer.pack_linear(weight, b)
+        assert packed.rows_weight.shape[-1 if precision == "fp32" else -2] == library.block
+        # int8: the same exact int32 sums and epilogue; fp32: the sums in about oneDNN's order. A few ulps of the terms
+        # apart (a wrong weight, lane or row is off by the terms themselves)
+        torch.testing.assert_close(_few_rows(library, precision, packed, x, relu, res),
+                                   _onednn(library, packed, x, relu, res), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("level", cpu_level_params())
+def test_int8_products_are_exact_where_7_bit_codes_meet_the_largest_weights(ext, level):
+    """The u8 x s8 multiply-adds (AVX2 / AVX-512 vpmaddubsw sums pairs in int16; NEON vmull; VNNI vpdpbusd) on the
+    extreme codes: every code 127 against weights of +-127 in every position, the largest pair sums (2 x 127 x 127)
+    that an int16 must hold. The few-rows result equals the exact int64 products scaled."""
+    packer, library = _library(ext, "int8", level)
+    I, O = 260, 40
+    weight = torch.full((O, I), 1.0)
+    weight[::2] = -1.0  # codes -127 / 127 after the per-channel scale (1 / 127)
+    x = torch.full((5, I), 7.0)  # every activation code 127 (the row's maximum)
+    packed = packer.pack_linear(weight, None)
+    got = _few_rows(library, "int8", packed, x, False, None)
+    want = (x @ weight.T)  # codes and scales reconstruct x and the weights exactly
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-3)
+
+
+@pytest.mark.parametrize("level", cpu_level_params())
+def test_the_library_takes_the_few_rows_kernel_up_to_its_limit_only(ext, level):
+    """The library's pick by rows (linear_layers.cpp's LinearLibrary::few_rows, the measured limit): zeroed few-rows
+    blocks change the output at or below the limit (the kernel runs) and not above it (oneDNN runs), nor without a
+    limit."""
+    packer, library = _library(ext, "fp32", level)
+    torch.manual_seed(0)
+    packed = packer.pack_linear(torch.randn(96, 64) * 0.1, torch.randn(96))
+    plain = _onednn(library, packed, torch.randn(1, 64), False, None)  # sets the limit to 0
+    assert plain.shape == (1, 96)
+    zeroed = dataclasses.replace(packed, rows_weight=torch.zeros_like(packed.rows_weight))
+    few, many = torch.randn(8, 64), torch.randn(9, 64)
+    library.set_few_rows_limit(64, 96, 8)
+    assert library.few_rows_limit(64, 96) == 8
+    assert not torch.allclose(library.linear(zeroed, few), library.linear(packed, few))
+    torch.testing.assert_close(library.linear(zeroed, many), library.linear(packed, many), rtol=0, atol=0)
+    fresh = ext.LinearLibrary("onednn", torch_internals.onednn_operators(), level)
+    assert fresh.few_rows_limit(64, 96) is None
+    torch.testing.assert_close(fresh.linear(zeroed, few), _onednn(library, packed, few, False, None), rtol=0, atol=0)
+
+
+def test_the_kernels_reject_blocks_of_another_shape_or_level(ext):
+    packer, library = _library(ext, "int8", ext.select_cpu_level("auto"))
+    x, y = torch.zeros(4, 64), torch.empty(4, 32)
+    fp32 = OneDNNLinear(ext.LinearLibrary("onednn", torch_internals.onednn_operators(), library.level))
+    wrong_inputs = fp32.pack_linear(torch.zeros(32, 60), None)
+    with pytest.raises(RuntimeError, match="level's blocks \\(pack_fp32\\) for 64 inputs and 32 outputs"):
+        fp32.native.few_rows_fp32(dataclasses.replace(wrong_inputs, in_features=64), x, None, False, y)
+    packed = packer.pack_linear(torch.zeros(32, 60), None)  # blocks for 60 inputs, not 64
+    with pytest.raises(RuntimeError, match="level's blocks \\(pack_int8\\) for 64 inputs"):
+        library.few_rows_int8(packed, torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4), None, False, y)
+    others = [level for level in ext.runnable_cpu_levels() if ext.LinearLibrary(
+        "onednn", torch_internals.onednn_operators(), level).block != library.block]
+    if others:  # blocks of another vector width: refused, not misread
+        other = ext.LinearLibrary("onednn", torch_internals.onednn_operators(), others[0])
+        with pytest.raises(RuntimeError, match=f"the {others[0]} level's blocks"):
+            other.few_rows_fp32(fp32.pack_linear(torch.zeros(32, 64), None), x, None, False, y)
+
+
+@pytest.mark.parametrize("level", cpu_level_params())
+def test_the_exp_polynomial_is_within_two_ulps_of_float64(ext, level):
+    x = torch.cat([torch.linspace(-87, 0, 100_003), torch.tensor([-100.0, -88.0, 0.0, 1e-30])])
+    got = ext.exp(x, level).double()
+    want = x.double().exp()
+    ulp = torch.finfo(torch.float32).eps * want.abs()
+    normal = want > torch.finfo(torch.float32).tiny
+    assert ((got - want).abs()[normal] <= 2 * ulp[normal]).all()
+    assert (got[~normal] <= 2 * torch.finfo(torch.float32).tiny).all()  # clamped far below zero: tiny, not garbage
+
+
+# ---------------------------------------------------------------------------------------------- the level's choice
+
+
+def test_one_place_chooses_the_level_and_a_cap_caps_it(ext):
+    levels, runnable = ext.cpu_levels(), ext.runnable_cpu_levels()
+    assert runnable and runnable == [level for level in levels if level in runnable] and runnable[0] == levels[0]
+    assert ext.select_cpu_level("auto") == runnable[-1]
+    for i, cap in enumerate(levels):  # a cap: the best level at or below it that this CPU runs
+        assert ext.select_cpu_level(cap) == [level for level in levels[: i + 1] if level in runnable][-1]
+    foreign = "neon" if "avx2" in levels else "avx2"
+    with pytest.raises(ValueError, match=f"'{foreign}' is not an instruction-set level of this architecture"):
+        ext.select_cpu_level(foreign)
+    with pytest.raises(ValueError, match="--rfa-cpu-isa: .*'bogus'"):
+        ext.LinearLibrary("onednn", torch_internals.onednn_operators(), "bogus")
+    missing = [level for level in levels if level not in runnable]
+    if missing:
+        with pytest.raises(ValueError, match=f"this CPU does not run the '{missing[0]}' level"):
+            ext.row_log_sum_exp(torch.zeros(1, 8), missing[0])
+
+
+def test_the_decoding_option_names_every_architectures_levels(ext):
+    from rfa_fairseq.ops import CPU_ISAS
+
+    assert set(ext.cpu_levels()) <= set(CPU_ISAS) and CPU_ISAS[0] == "auto"
+    assert set(CPU_ISAS) - {"auto"} == {level for levels in extension.LEVELS.values() for level in levels}
+    assert list(extension.machine_levels()) == ext.cpu_levels()  # the build's levels are the module's
+
+
+# ---------------------------------------------------------------------------------------------- the few-rows limits
+
+
+class ScriptedLibrary:
+    """time_products from a table of (few-rows us, oneDNN us) per rows; counts the calls; records the limit set."""
+
+    level = "avx2"
+
+    def __init__(self, times):
+        self.times, self.calls, self.limits = times, [], {}
+
+    def time_products(self, packed, rows, repeats):
+        self.calls.append(rows)
+        value = self.times[rows]
+        return value.pop(0) if isinstance(value, list) else value
+
+    def set_few_rows_limit(self, in_features, out_features, rows):
+        self.limits[(in_features, out_features)] = rows
+
+
+PACKED = dataclasses.make_dataclass("Packed", [("in_features", int), ("out_features", int)])
+
+
+def test_the_limit_is_the_last_count_won_before_the_first_confirmed_loss():
+    times = {1: (1, 3), 4: (2, 3), 8: [(4, 3), (2.5, 3)], 16: [(9, 6), (8, 6)], 32: (1, 99), 64: (1, 99)}
+    library = ScriptedLibrary(times)
+    # 8: a loss not confirmed by the second timing (the best of both counts: 2.5 < 3); 16: confirmed; 32 never timed
+    assert few_rows_limits.measure_limit(library, PACKED(4, 4), rows=(1, 4, 8, 16, 32, 64)) == 8
+    assert library.calls == [1, 4, 8, 8, 16, 16]
+    assert few_rows_limits.measure_limit(ScriptedLibrary({1: [(5, 1), (5, 1)]}), PACKED(4, 4), rows=(1, 4)) == 0
+    assert few_rows_limits.measure_limit(ScriptedLibrary({1: (1, 2), 4: (1, 2)}), PACKED(4, 4), rows=(1, 4)) == 4
+
+
+def test_limits_are_measured_once_per_machine_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv(few_rows_limits.CACHE_ENV, str(tmp_path))
+    few_rows_limits.forget_known()
+    library = ScriptedLibrary({rows: (1, 2) for rows in few_rows_limits.MEASURED_ROWS})
+    assert few_rows_limits.ensure_limit(library, "onednn", PACKED(8, 12)) == few_rows_limits.MEASURED_ROWS[-1]
+    assert library.limits == {(8, 12): few_rows_limits.MEASURED_ROWS[-1]}
+    record = json.loads((tmp_path / few_rows_limits.RECORD_NAME).read_text())
+    (key, value), = record.items()
+    assert key.endswith("| avx2 | onednn | torch %s | 8x12" % torch.__version__) and value == 256
+    # another process (this one's limits forgotten): read from the record, nothing timed
+    few_rows_limits.forget_known()
+    again = ScriptedLibrary({})
+    assert few_rows_limits.ensure_limit(again, "onednn", PACKED(8, 12)) == 256 and again.calls == []
+    # a damaged record: measured again, then replaced whole
+    (tmp_path / few_rows_limits.RECORD_NAME).write_text("{not json")
+    few_rows_limits.forget_known()
+    third = ScriptedLibrary({rows: (3, 2) for rows in few_rows_limits.MEASURED_ROWS})
+    assert few_rows_limits.ensure_limit(third, "onednn", PACKED(8, 12)) == 0
+    assert json.loads((tmp_path / few_rows_limits.RECORD_NAME).read_text()) == {key: 0}
+    few_rows_limits.forget_known()
+
+
+def test_an_unwritable_record_still_measures_and_says_so(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv(few_rows_limits.CACHE_ENV, str(blocked / "below"))  # a directory under a file: no record
+    monkeypatch.setattr(few_rows_limits, "_unwritable_logged", False)
+    few_rows_limits.forget_known()
+    library = ScriptedLibrary({rows: (1, 2) for rows in few_rows_limits.MEASURED_ROWS})
+    with caplog.at_level("WARNING"):
+        assert few_rows_limits.ensure_limit(library, "onednn", PACKED(8, 12)) == 256
+    assert "cannot be used" in caplog.text and few_rows_limits.CACHE_ENV in caplog.text
+    few_rows_limits.forget_known()
+
+
+def test_a_real_library_measures_a_limit_within_the_measured_counts(ext, tmp_path, monkeypatch):
+    monkeypatch.setenv(few_rows_limits.CACHE_ENV, str(tmp_path))
+    few_rows_limits.forget_known()
+    packer, library = _library(ext, "int8", ext.select_cpu_level("auto"))
+    packed = packer.pack_linear(torch.randn(64, 48), None)
+    limit = few_rows_limits.ensure_limit(library, "onednn_int8", packed)
+    assert limit in (0, *few_rows_limits.MEASURED_ROWS) and library.few_rows_limit(48, 64) == limit
+    few, other = library.time_products(packed, 4, 2)
+    assert few > 0 and other > 0
+    assert torch.get_num_threads() == torch.get_num_threads()  # the teams restored (no exception above)
+    few_rows_limits.forget_known()
+
+
+MEASURING_PROCESS = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from rfa_fairseq.ops import few_rows_limits
+
+class Slow:  # times each count slowly: the other process arrives while this one measures
+    level = "avx2"
+    def time_products(self, packed, rows, repeats):
+        with open(sys.argv[2], "a") as log:
+            log.write(f"{rows}\\n")
+        time.sleep(0.05)
+        return (1.0, 2.0)
+    def set_few_rows_limit(self, *args):
+        pass
+
+class Packed:
+    in_features, out_features = 3, 5
+
+print(few_rows_limits.ensure_limit(Slow(), "onednn", Packed()))
+"""
+
+
+def test_processes_started_together_share_one_measurement(tmp_path):
+    """Writers take the record's lock: of two processes that need the same shape at once, one measures and the other
+    reads its limit."""
+    log = tmp_path / "timed.txt"
+    env = {**os.environ, few_rows_limits.CACHE_ENV: str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURING_PROCESS, REPO, str(log)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["256", "256"]
+    assert log.read_text().split() == [str(rows) for rows in few_rows_limits.MEASURED_ROWS]  # measured once
+
+
+# ---------------------------------------------------------------------------------------------- the builds
+
+
+@pytest.mark.slow
+def test_level_objects_define_nothing_outside_their_level_and_initialize_without_its_instructions(tmp_path):
+    """Each level's object (the same source, the level's instructions): every function it defines is in its level's
+    namespace (an inline function of a header compiled with AVX-512 and picked by the linker for another level's
+    callers would crash a CPU without it), and its static initializers, which run on every CPU at load, use no vector
+    register wider than the baseline's."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"the x86-64 levels' instruction check reads x86 registers; this machine is {platform.machine()}")
+    if shutil.which("nm") is None or shutil.which("objdump") is None:
+        pytest.skip("binutils (nm, objdump) are not installed")
+    objects = extension.compile_level_objects(tmp_path, **extension.torch_level_build_args())
+    assert [p.stem for p in objects] == list(extension.machine_levels())
+    for obj in objects:
+        symbols = subprocess.run(["nm", "-C", "--defined-only", str(obj)], capture_output=True, text=True,
+                                 check=True).stdout.splitlines()
+        exported = [line for line in symbols if re.match(r"\S+ [TWVuDB] ", line)]
+        outside = [line for line in exported if f"rfa::cpu::{_namespace(obj.stem)}::" not in line
+                   and "DW.ref.__gxx_personality_v0" not in line]
+        assert not outside, f"{obj.name} defines symbols outside its level: {outside[:5]}"
+        startup = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text.startup", str(obj)],
+                                 capture_output=True, text=True).stdout
+        assert not re.search(r"%[yz]mm", startup), f"{obj.name}'s static initializers use AVX registers"
+    again = extension.compile_level_objects(tmp_path, **extension.torch_level_build_args())
+    assert [p.stat().st_mtime_ns for p in again] == [p.stat().st_mtime_ns for p in objects]  # nothing compiled twice
+
+
+def _namespace(level):
+    return {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512", "avx512_vnni": "AVX512_VNNI", "neon": "NEON",
+            "neon_dotprod": "NEON_DOTPROD"}[level]
+
+
+@pytest.mark.slow
+def test_the_sources_compile_for_aarch64(tmp_path):
+    """Every source compiles for aarch64 (Debian's g++-aarch64-linux-gnu against this torch's headers; installed by
+    the test set-up, scripts/run_tests.sh): the levels into objects (neon_dotprod's int8 products with sdot, neon's
+    without), the module's sources through the compiler's front end."""
+    if shutil.which(AARCH64_CXX) is None:
+        pytest.skip(f"{AARCH64_CXX} is not installed (scripts/run_tests.sh installs it with apt-get where it can: "
+                    f"Debian's g++-aarch64-linux-gnu)")
+    args = extension.torch_level_build_args()
+    for level in extension.machine_levels("aarch64"):
+        obj = tmp_path / f"{level}.o"
+        command = extension.level_compile_command(AARCH64_CXX, level, args["include_dirs"], args["abi_flag"], obj,
+                                                  machine="aarch64")
+        proc = subprocess.run(command, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{level}: {proc.stderr[-3000:]}"
+        objdump = shutil.which("aarch64-linux-gnu-objdump")
+        if objdump is not None:
+            code = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+            assert ("sdot" in code) == (level == "neon_dotprod"), f"{level}: sdot {'missing' if level == 'neon_dotprod' else 'used'}"
+    flags = [*extension.compile_flags(torch.__version__), extension.LEVEL_STD, "-DTORCH_EXTENSION_NAME=rfa_check",
+             "-DTORCH_API_INCLUDE_EXTENSION_H", args["abi_flag"], *(f"-I{d}" for d in args["include_dirs"]),
+             f"-I{sysconfig.get_paths()['include']}"]
+    for source in extension.source_files():
+        proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(source)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{source.name}: {proc.stderr[-3000:]}"
