@@ -6,7 +6,7 @@ The test set is batched as fairseq-generate batches it (--batch-size sentences, 
 length penalty 1, max length source + 50). After a warm-up pass, one pass is timed as it is (`rfa total`) and one
 under torch's profiler, which times the native step's parts (ops/csrc/decode_program.cpp names them for it):
 
-    encoder                       the encoder pass of each batch (SoftmaxEncoderLayer's inference)
+    encoder                       the encoder pass of each batch (the encoder's native pass, or fairseq's forward)
     decoder: linear layers        the layers' linear layers (oneDNN on packed weights; int8: the quantization too)
     decoder: output projection    the vocabulary projection
     decoder: causal RFA / softmax cross-attention / layer norm / embeddings   the step's kernels
@@ -114,7 +114,14 @@ def instrument(model):
 
     timer, rows = PartTimer(), []
     timer.wrap(model.encoder, "forward_torchscript", "encoder")
-    timer.wrap(static_beam_search._Search, "after_step", "steps", before=lambda search, *_: rows.append(search.N * search.K))
+    # the torch search's steps one by one (every row); the native search's at the end (the rows each step decoded)
+    timer.wrap(static_beam_search._Search, "after_step", "steps", before=lambda search, *_: rows.append(search.rows.rows))
+
+    def native_rows(search, *_):
+        if search._native is not None:
+            rows.extend(search.views.step_rows[: int(search.views.step)].tolist())
+
+    timer.wrap(static_beam_search._Search, "collect", "collect", before=native_rows)
     return timer, rows
 
 

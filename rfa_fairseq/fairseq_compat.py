@@ -7,11 +7,15 @@ the plugin already replaced (marked `rfa_fairseq_wrapper`) is left alone.
 
 `PATCHES` is the one table of fairseq patches (docs/design.md's table is `patch_table_markdown()`; a test
 keeps the two equal). Each record names the attribute it replaces and the fingerprint of the fairseq
-source it was checked against (`source_fingerprint`, from ve-fairseq 0.12.3 as installed). A patch is
+source it was checked against (`fairseq_sources.source_fingerprint`, from ve-fairseq 0.12.3 as installed). A patch is
 applied only when the attribute's current fingerprint is that one; otherwise (another fairseq version,
 or another package replaced the attribute) fairseq's attribute is left as it is and one
-`FairseqPatchSkipped` warning names the patch, what differs and what the user loses. The patches
-(their names in PATCHES in brackets):
+`FairseqPatchSkipped` warning names the patch, what differs and what the user loses.
+
+The fairseq functions the native encoder repeats instead of calling are fingerprinted the same way, in
+fairseq_mirrors.py.
+
+The patches (their names in PATCHES in brackets):
 
 1. torch's weights_only allowlist (`checkpoints.allowlist_checkpoint_classes`). torch >= 2.6 loads
    with weights_only=True, which refuses every pickled class that is not allowlisted, and fairseq
@@ -59,9 +63,12 @@ or another package replaced the attribute) fairseq's attribute is left as it is 
    (`generation.StaticBeamSearchGenerator`: same hypotheses and scores, buffers that keep their shape,
    a batch that only halves); anything else gets fairseq's generator and one log line naming the reason
    (`generation.fallback_reason`).
-   [batches-at-once] `FairseqTask.get_batch_iterator`: for a task whose rfa_transformer was prepared for inference
-   and decodes on the native step at N threads, every N batches come joined, and the static beam search decodes
-   each on its own thread (`generation.batch_groups`).
+   [batches-at-once] `FairseqTask.get_batch_iterator`: for a task whose rfa_transformer was prepared for inference,
+   where the static beam search the task built decodes on the native step at N threads, every N batches come joined,
+   the sample stating each user batch's rows and columns, and the static beam search decodes each on its own thread
+   (`generation.batch_groups`). [joined-batch-record] `FairseqTask.inference_step`: fairseq-interactive rebuilds each
+   batch's dict from its tensors; a sample holding the source tokens of the batch the task joined last gets that
+   batch's record back (the one hook: fairseq-generate and hub.translate pass the sample itself).
 
 8. [numpy2-get-buckets, numpy2-get-buckets-pad-dataset, numpy2-get-buckets-audio-dataset,
    numpy2-language-pair-buckets, numpy2-token-blocks] fairseq 0.12's data code that numpy 2.3 and later no longer
@@ -100,9 +107,6 @@ exact as before.
 import atexit
 import dataclasses
 import functools
-import hashlib
-import importlib
-import inspect
 import logging
 import os
 import pickle
@@ -119,6 +123,7 @@ from fairseq.data import iterators
 from fairseq.file_io import PathManager
 
 from . import checkpoints, resume, textio
+from .fairseq_sources import ALL_TAGS, CHECKED_FAIRSEQ, owner_of, source_difference, source_fingerprint  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +346,12 @@ def _wrap_get_batch_iterator(original):
     return wrap_get_batch_iterator(original)
 
 
+def _wrap_inference_step(original):
+    from .generation.batch_groups import wrap_inference_step
+
+    return wrap_inference_step(original)
+
+
 # ---------------------------------------------------------------- numpy 2 (8)
 
 
@@ -414,8 +425,6 @@ class FairseqPatch:
         return f"{self.module}.{self.attribute}"
 
 
-CHECKED_FAIRSEQ = "ve-fairseq 0.12.3"
-ALL_TAGS = "fairseq v0.12.2, v0.12.3 (git tags) and main (3d262bb)"
 PATCHES = (
     FairseqPatch(
         "checked-checkpoint-loading", "fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
@@ -478,11 +487,19 @@ PATCHES = (
         "a1fa802cb71a70be", ALL_TAGS),
     FairseqPatch(
         "batches-at-once", "fairseq.tasks", "FairseqTask.get_batch_iterator", _wrap_get_batch_iterator,
-        "Where a task's rfa_transformer, prepared for inference, decodes on the native step at N threads (or "
-        "--rfa-decode-parts N), its batches come N at a time, joined, and the static beam search decodes each on its "
-        "own thread, as one thread decodes it alone (`generation.batch_groups`).",
+        "Where a task's rfa_transformer is prepared for inference and the static beam search the task built for it "
+        "decodes on the native step at N threads (or --rfa-decode-parts N), its batches come N at a time, joined, the "
+        "sample stating each one's rows and columns, and the static beam search decodes each on its own thread, as one "
+        "thread decodes it alone (`generation.batch_groups`).",
         "fairseq-generate, fairseq-interactive and hub.translate decode one batch at a time on the threads",
         "ce8db78326543b99", "fairseq main (3d262bb); v0.12.2, v0.12.3 (git tags) differ"),
+    FairseqPatch(
+        "joined-batch-record", "fairseq.tasks", "FairseqTask.inference_step", _wrap_inference_step,
+        "fairseq-interactive rebuilds each batch's dict from its tensors: a sample without the record of a joined "
+        "batch that holds the source tokens of the batch the task joined last gets its record back. A task joins its "
+        "batches only where its inference_step is this one.",
+        "fairseq-interactive, fairseq-generate and hub.translate decode one batch at a time on the threads",
+        "d8bc3811caceafe8", ALL_TAGS),
     FairseqPatch(
         "numpy2-get-buckets", "fairseq.data.data_utils", "get_buckets", _with_numpy_as_fairseq_calls_it,
         "`--num-batch-buckets`' bucket sizes: fairseq's code, with `np.percentile(interpolation=)` (a keyword removed "
@@ -531,62 +548,23 @@ PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 APPLIED: Dict[str, Any] = {}  # name -> the fairseq attribute it replaced
 
 
-def source_fingerprint(obj) -> Optional[str]:
-    """The first 16 hex digits of the sha256 of `obj`'s source (inspect.getsource: the text of its def or
-    class, decorators included, from its file) and of the number of functools.wraps layers over it (a
-    wrapper installed by another package adds one); None where its source cannot be read."""
-    obj, layers = _unwrapped(obj)
-    try:
-        source = inspect.getsource(obj)
-    except (OSError, TypeError):
-        return None
-    return hashlib.sha256(f"{layers}\0{source}".encode()).hexdigest()[:16]
-
-
-def _unwrapped(obj):
-    """(what the functools.wraps layers over obj wrap, how many layers)."""
-    layers = 0
-    while hasattr(obj, "__wrapped__") and layers < 8:  # a bound: a Mock has every attribute
-        obj, layers = obj.__wrapped__, layers + 1
-    return obj, layers
-
-
-def _owner(patch: FairseqPatch):
-    """(the module or class holding the attribute, the attribute's name)."""
-    owner = importlib.import_module(patch.module)
-    *path, name = patch.attribute.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name
-
-
-def _defined_in(obj) -> str:
-    obj, layers = _unwrapped(obj)
-    code = getattr(obj, "__code__", None)
-    where = (f"{code.co_filename}:{code.co_firstlineno}" if code is not None else
-             f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
-    return where + (f" under {layers} functools.wraps wrapper(s)" if layers else "")
-
-
 def apply_patch(name: str) -> bool:
     """Apply the patch `name` of PATCHES where fairseq's attribute is the source it was checked against; else
     warn (FairseqPatchSkipped) and leave it. True when the patch is in place (also from before)."""
     patch = PATCHES_BY_NAME[name]
     try:
-        owner, attribute = _owner(patch)
+        owner, attribute = owner_of(patch)
         current = getattr(owner, attribute)
     except (ImportError, AttributeError):
         current, difference = None, "does not exist"
     else:
         if getattr(current, "rfa_fairseq_wrapper", False):
             return True
-        found = source_fingerprint(current)
-        if found == patch.fingerprint:
+        difference = source_difference(current, patch.fingerprint)
+        if difference is None:
             setattr(owner, attribute, patch.replace(current))
             APPLIED[name] = current
             return True
-        difference = (f"has no readable source ({_defined_in(current)})" if found is None else
-                      f"has source fingerprint {found} ({_defined_in(current)})")
     warnings.warn(
         f"rfa_fairseq: patch {name!r} not applied: {patch.target} {difference}, not the source it was checked "
         f"against ({CHECKED_FAIRSEQ}, fingerprint {patch.fingerprint}): another fairseq version, or another package "

@@ -5,8 +5,8 @@
     translator = hub.load("checkpoints/checkpoint_best.pt", "data-bin")
     translator.translate(["a sentence", "another sentence"], beam=4)      # -> a list of str
 
-`load` returns fairseq's `GeneratorHubInterface` (what `TransformerModel.from_pretrained` returns), in eval
-mode, on the GPU when there is one: `translate(sentences, beam=...)` tokenizes each sentence (SentencePiece
+`load` returns a `Translator`: fairseq's `GeneratorHubInterface` (what `TransformerModel.from_pretrained` returns)
+in eval mode, on the GPU when there is one: `translate(sentences, beam=...)` tokenizes each sentence (SentencePiece
 when the data has a model), splits the list into batches of `batch_size` sentences (and at most
 `max_tokens` tokens), runs the beam search and returns the detokenized best hypotheses in input order.
 For an `rfa_transformer` the beam search is the plugin's static one, as in fairseq-generate. Other
@@ -20,16 +20,42 @@ fairseq's own call works too (the plugin is registered when `rfa_fairseq` is imp
                                                   data_name_or_path="/abs/path/data-bin", user_dir=USER_DIR)
 
 `load` adds: one checkpoint path, the data's SentencePiece model found as the data-prep scripts write it,
-the decoding defaults of scripts/generate.sh (max length = source + 50), batch sizes, the device, and errors
-that name the missing file before fairseq starts.
+the decoding defaults of scripts/generate.sh (max length = source + 50), batch sizes, the device, errors
+that name the missing file before fairseq starts, and `translate` / `sample` checking that every sentence is a
+string before any is encoded (`Translator`: a TypeError naming the first that is not, by index and type).
 """
-import logging
 import os
 from typing import Optional, Union
+
+from fairseq.hub_utils import GeneratorHubInterface
 
 from . import __version__  # noqa: F401  (importing the package registers the plugin with fairseq)
 
 AUTO = "auto"
+
+
+class Translator(GeneratorHubInterface):
+    """fairseq's GeneratorHubInterface (what `load` returns) whose `translate` and `sample` refuse a sentence that is
+    not a string before any is encoded: fairseq's tokenizer fails on it with a TypeError that names neither the
+    sentence nor its place in the list."""
+
+    def sample(self, sentences, beam: int = 1, verbose: bool = False, **kwargs):
+        if not isinstance(sentences, str):
+            sentences = check_sentences(sentences)
+        return super().sample(sentences, beam, verbose, **kwargs)
+
+
+def check_sentences(sentences) -> list:
+    """`sentences` as a list of str, or a TypeError naming the first element that is not a string (index and type)."""
+    try:
+        sentences = list(sentences)
+    except TypeError:
+        raise TypeError(f"translate takes a str or a list of str, got {type(sentences).__name__}") from None
+    for i, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise TypeError(f"sentences[{i}] is {type(sentence).__name__} ({sentence!r:.40}), not str: translate "
+                            f"takes a str or a list of str")
+    return sentences
 
 
 def _dictionaries(data: str):
@@ -43,7 +69,8 @@ def load(checkpoint: Union[str, os.PathLike], data: Union[str, os.PathLike], *,
          source_lang: Optional[str] = None, target_lang: Optional[str] = None,
          device: Optional[str] = None, fp16: bool = False, **overrides):
     """Load `checkpoint` (an rfa_transformer or a fairseq transformer checkpoint) with the dictionaries
-    of `data` (the fairseq-preprocess --destdir it was trained on); returns a GeneratorHubInterface.
+    of `data` (the fairseq-preprocess --destdir it was trained on); returns a Translator (fairseq's
+    GeneratorHubInterface).
 
     sentencepiece_model: the SentencePiece model of the data ("auto": DATA/../spm.model, where the data-prep
         scripts write it, when it exists; None: the sentences are already in the model's tokens).
@@ -54,6 +81,7 @@ def load(checkpoint: Union[str, os.PathLike], data: Union[str, os.PathLike], *,
     overrides: other fairseq options of the checkpoint's configuration, by name (e.g. rfa_decode_kernel="torch").
     """
     import torch
+    from fairseq import hub_utils
     from fairseq.models.transformer import TransformerModel
     from omegaconf import open_dict
 
@@ -87,16 +115,11 @@ def load(checkpoint: Union[str, os.PathLike], data: Union[str, os.PathLike], *,
         overrides["source_lang"] = source_lang
     if target_lang is not None:
         overrides["target_lang"] = target_lang
-    # fairseq logs the whole configuration at INFO level here; that one logger is quieted while it loads
-    quiet = logging.getLogger("fairseq.models.fairseq_model")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    try:
-        translator = TransformerModel.from_pretrained(
-            os.path.dirname(os.path.abspath(checkpoint)), checkpoint_file=os.path.basename(checkpoint),
-            data_name_or_path=os.path.abspath(data), **overrides)
-    finally:
-        quiet.setLevel(level)
+    # TransformerModel.from_pretrained's loading, into a Translator (without its INFO line of the whole configuration)
+    loaded = hub_utils.from_pretrained(
+        os.path.dirname(os.path.abspath(checkpoint)), checkpoint_file=os.path.basename(checkpoint),
+        data_name_or_path=os.path.abspath(data), archive_map=TransformerModel.hub_models(), **overrides)
+    translator = Translator(loaded["args"], loaded["task"], loaded["models"])
     with open_dict(translator.cfg):
         translator.cfg.dataset.batch_size = batch_size
         translator.cfg.dataset.max_tokens = max_tokens

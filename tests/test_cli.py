@@ -81,7 +81,7 @@ def valid_losses(log_text):
 @pytest.mark.slow
 def test_every_validation_of_a_training_run_scores_the_current_weights(data):
     """fairseq-train validates in eval mode without autograd, where the encoder runs on packed weights
-    (SoftmaxEncoderLayer), and fairseq's Adam updates the weights through .data between validations: each logged
+    (its native pass), and fairseq's Adam updates the weights through .data between validations: each logged
     valid loss must be the model's at that update, so the last one is fairseq-validate's on the checkpoint saved
     with it (the loss of stale packed weights differs by far more than the log's rounding)."""
     save_dir = data / "validate_every_4"

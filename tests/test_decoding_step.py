@@ -605,13 +605,12 @@ def test_int8_decoding_step_logits_stay_within_a_tolerance_of_fp32():
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=6, seed=2)
     outputs = {}
     for precision in ("fp32", "int8"):
-        model.decoder.rfa.rfa_decode_precision = precision  # one RFAConfig: the encoder's layers read it too
+        model.decoder.rfa.rfa_decode_precision = precision  # one RFAConfig: the encoder reads it too
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state = {}
         logits = _decode_incrementally(model, encoder_out, prev, state)
         assert state[DecodingState.KEY].kernels.gemm.startswith("oneDNN int8") == (precision == "int8")
-        assert all(layer._step_kernels(encoder_out["encoder_out"][0]).gemm == state[DecodingState.KEY].kernels.gemm
-                   for layer in model.encoder.layers)
+        assert model.encoder.encoding_runtime().kernels.gemm == state[DecodingState.KEY].kernels.gemm
         outputs[precision] = torch.log_softmax(logits, dim=-1)
     error = (outputs["int8"] - outputs["fp32"]).abs().max().item()
     agree = (outputs["int8"].argmax(-1) == outputs["fp32"].argmax(-1)).float().mean().item()

@@ -29,7 +29,7 @@ def native():
         generator = StaticBeamSearchGenerator(model, d, beam_size=K, max_len_b=10)
         lane = generator.lanes[0]
         state = lane.state.start(runtime, N * K, K, key, pad)
-        search = static_beam_search._Search(generator, lane, state, N, 12, d.eos(), torch.device("cpu"), lagged=False)
+        search = static_beam_search._Search(generator, lane, state, 12, d.eos(), torch.device("cpu"), lagged=False)
     return model, d, runtime, state, search
 
 
@@ -103,20 +103,21 @@ def test_wrong_cache_tensors_raise_errors_naming_them(native, field, wrong, name
 ])
 def test_wrong_search_buffers_raise_errors_naming_them(native, field, wrong, named):
     _, _, runtime, state, search = native
-    kept = getattr(search, field)
+    owner = search if field == "eos_bias" else search.views
+    kept = getattr(owner, field)
     try:
-        setattr(search, field, wrong(kept))
+        setattr(owner, field, wrong(kept))
         search._native = None
         with pytest.raises(RuntimeError, match=named):
             runtime.program.search_step(state.native_batch(), search.native(), 0, 0, 0, True, False)
     finally:
-        setattr(search, field, kept)
+        setattr(owner, field, kept)
         search._native = None
 
 
 def test_a_step_past_the_token_buffer_is_an_error(native):
     _, _, runtime, state, search = native
-    L = search.token_pair[0].size(1)  # max_len + 2
+    L = search.views.token_pair[0].size(1)  # max_len + 2
     with pytest.raises(RuntimeError, match=f"step {L - 1} of a token buffer of length {L}"):
         runtime.program.search_step(state.native_batch(), search.native(), L - 1, 0, 0, True, False)
 

@@ -1,9 +1,10 @@
 """The static beam search's native step (generation/static_beam_search.py: on the CPU in fp32 one
 `DecodeProgram.search_step` per step) beyond the default model: against fairseq's SequenceGenerator on the model
 variants the native program serves (RFA cross-attention, pre-norm, the random feature maps, a gelu FFN), on one it
-does not (a tanh FFN: the torch step), and at --rfa-decode-precision int8; then end to end, fairseq-generate's
-batches decoded two at once at 2 threads (fairseq-generate, fairseq-interactive, hub.translate), and
-fairseq-interactive against fairseq-generate."""
+does not (a tanh FFN: the torch step), and at --rfa-decode-precision int8; then end to end, the user's batches joined
+and decoded two at once at 2 threads, counted (fairseq-generate, fairseq-interactive, none at --buffer-size 1,
+hub.translate), hub.translate's refusal of a sentence that is not a string, and fairseq-interactive against
+fairseq-generate."""
 import json
 import math
 import sys
@@ -55,7 +56,7 @@ def search_both(model, d, sample, monkeypatch):
         return python_step(self, *args, **kwargs)
 
     def recorded_halving(self, state, kept):
-        ran["halvings"].append((self.N, kept.numel()))
+        ran["halvings"].append((self.rows.sentences, kept.numel()))
         return keep_sentences(self, state, kept)
 
     def counted_native(self):  # the search's buffers handed to a native call (search_steps)
@@ -129,12 +130,13 @@ class OneStepAtATime:
     def __getattr__(self, name):
         return getattr(self.program, name)
 
-    def search_steps(self, batch, native_search, t0, parity, read, last_step, max_len):
+    def search_steps(self, batch, native_search, rows, t0, last_step, max_len):
         search = self.search
-        N, K = search.N, search.K
+        N, K = rows.sentences, rows.beam
+        parity = read = rows.parity
         t = t0
         while True:
-            live = int((~search.finished[:N]).sum())
+            live = int((~search.views.finished[:N]).sum())
             written = [layer.self_attn.states[1 - read] for layer in search.state.layers]
             before = [w[: N * K].clone() for w in written]
             finished = self.program.search_step(batch, native_search, t, parity, read, t == 0, t >= max_len)
@@ -144,6 +146,7 @@ class OneStepAtATime:
                     assert torch.equal(w[live * K: N * K], old[live * K:]), f"step {t} wrote a finished place's rows"
                     assert not torch.equal(w[: live * K], old[: live * K]), f"step {t} wrote no live row"
             parity, read = 1 - parity, 1 - read
+            rows.step_done()
             if t >= last_step or finished == N:
                 return t, finished
             t += 1
@@ -172,6 +175,85 @@ def test_the_native_step_decodes_only_the_places_still_translating(monkeypatch):
     assert stepper.steps_with_finished_places > 0, "no step ran with finished places: the test checks nothing"
     assert_same_hypotheses(want, got)
     assert_sentences_end_apart(got, ran)
+
+
+SEARCH_OPTIONS = [
+    pytest.param({}, None, id="plain"),
+    pytest.param({"min_len": 5, "unk_penalty": 1.5}, None, id="min_len_unkpen"),
+    pytest.param({"no_repeat_ngram_size": 2}, None, id="no_repeat_ngram2"),
+    pytest.param({}, "prefix", id="prefix_tokens"),
+    pytest.param({"no_repeat_ngram_size": 3, "unk_penalty": -2.0}, "prefix_ending_in_eos", id="prefix_eos_ngram3"),
+]
+
+
+@pytest.mark.parametrize("options,prefix", SEARCH_OPTIONS)
+@torch.no_grad()
+def test_the_torch_search_and_the_native_search_agree_step_by_step_on_the_same_logits(options, prefix, monkeypatch):
+    """The one search contract, in its two implementations: the torch search's step (StaticBeamSearchGenerator._step,
+    what CUDA captures) and the native search's (DecodeProgram.choose, what the CPU runs), fed the same logits at
+    every step, leave the same buffers after every step (tokens, scores, the beams continued, the finished flags and
+    the finalized hypotheses), with the masks of the options the CLIs offer: minimum length, unk penalty, n-gram
+    blocking, prefix tokens (one ending in EOS: its place's beams copied from the first)."""
+    cpp_extension()
+    model, d = eos_varying_model([])
+    N, K, V, max_len = 5, 3, len(d), 9
+    g = torch.Generator().manual_seed(11)
+    prefix_tokens = None
+    if prefix is not None:
+        prefix_tokens = torch.randint(4, V, (N, 3), generator=g)
+        prefix_tokens[1, 2] = d.pad()  # a shorter prefix
+        if prefix == "prefix_ending_in_eos":
+            prefix_tokens[2, 1] = d.eos()
+    generator = StaticBeamSearchGenerator(model, d, beam_size=K, max_len_b=max_len, **options)
+    runtime = model.decoder.decoding_runtime()
+    src, src_lengths, _ = random_batch(d, bsz=N, src_len=6, seed=2)
+    key, pad = model.decoder.encoder_keys(model.encoder(src, src_lengths=src_lengths))
+    searches = []
+    for lane in (static_beam_search.Lane(), static_beam_search.Lane()):
+        rows = static_beam_search.BatchRows(N, K)
+        state = lane.state.start(runtime, N * K, K, key, pad, batch=rows)
+        searches.append(static_beam_search._Search(generator, lane, state, max_len, d.eos(), torch.device("cpu"),
+                                                   lagged=False, prefix_tokens=prefix_tokens))
+    torch_search, native_search = searches
+    logits = {}
+    monkeypatch.setattr(DecodingState, "compute", lambda self, *args, **kwargs: (logits["rows"], None))
+    for t in range(max_len + 1):
+        first, last = t == 0, t >= max_len
+        rows = 2.5 * torch.randn(N * K, V, generator=g)
+        rows[:, d.eos()] += 3.0 * torch.rand(N * K, 1, generator=g).squeeze(1) * (t / max_len) - 1.0
+        rows[torch.arange(0, N * K, 2), d.unk()] += 4.0  # <unk> often among the best: its penalty matters
+        logits["rows"] = rows
+        live = torch.arange(N) if first else (~native_search.views.finished).nonzero().squeeze(1)
+        if live.numel() == 0:
+            break
+        packed = rows.view(N, K, V)[live][:, :1 if first else K].reshape(-1, V).contiguous()
+        step_prefix = prefix_tokens if prefix_tokens is not None and t < prefix_tokens.size(1) and not last else None
+        generator._step(torch_search, torch_search.state, t, first, last, step_prefix)
+        parity = native_search.rows.parity
+        runtime.program.search_choose(native_search.native(), packed, t, parity, first, last)
+        for search in searches:
+            search.after_step(search.state, t)
+        a, b = torch_search.views, native_search.views
+        fin = b.finished.clone()
+        assert torch.equal(a.finished, fin), f"step {t}: finished {a.finished} != {fin}"
+        assert torch.equal(a.fin_count, b.fin_count), f"step {t}: fin_count"
+        for n in range(N):  # the finalized hypotheses, slot by slot
+            for slot in range(n * K, n * K + int(b.fin_count[n])):
+                steps = int(b.fin_steps[slot])
+                assert int(a.fin_steps[slot]) == steps, f"step {t}: place {n} slot {slot}"
+                assert torch.equal(a.fin_tokens[slot, : steps + 2], b.fin_tokens[slot, : steps + 2]), f"step {t}"
+                torch.testing.assert_close(a.fin_scores[slot, : steps + 1], b.fin_scores[slot, : steps + 1],
+                                           rtol=0, atol=1e-5)
+        # the places still translating continue alike (a finished place's rows: the native search leaves them)
+        going = (~fin).nonzero().squeeze(1)
+        rows_going = (going.unsqueeze(1) * K + torch.arange(K)).view(-1)
+        assert torch.equal(torch_search.tokens[rows_going, : t + 2], native_search.tokens[rows_going, : t + 2]), \
+            f"step {t}: tokens"
+        torch.testing.assert_close(torch_search.scores[rows_going, : t + 1], native_search.scores[rows_going, : t + 1],
+                                   rtol=0, atol=1e-5)
+        assert torch.equal(a.cands_to_ignore[going], b.cands_to_ignore[going]), f"step {t}: cands_to_ignore"
+    assert bool(native_search.views.finished.all()), "every place ends by the last step"
+    assert 0 < int(native_search.views.fin_count.sum()) <= N * K
 
 
 def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(monkeypatch):
@@ -215,21 +297,33 @@ def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(
 TEST_SENTENCES = 160  # batches of 64, 64 and 32: at 2 threads the 64s decoded at once
 DECODE = ["--beam", "4", "--max-len-b", "25", "--cpu"]
 
-# fairseq-generate with StaticBeamSearchGenerator._search spied on: every search (thread, sentences) to $1's file
-SPIED_GENERATE = """
+# fairseq-generate or fairseq-interactive ($1) with the plugin spied on, what it saw written to $2's file as JSON:
+# "searches", every StaticBeamSearchGenerator._search (thread, sentences, warm-up, kernels); "joins", the user batches
+# of each joined batch the task's iterator made (batch_groups.join_batches of more than one)
+SPIED_CLI = """
 import json, sys, threading
-from rfa_fairseq.generation import static_beam_search as sbs
-calls, search = [], sbs.StaticBeamSearchGenerator._search
-def spied(self, lane, runtime, key, pad, N, *args):
-    calls.append({"thread": threading.current_thread().name, "sentences": N, "warm_up": args[-1] is not None,
-                  "kernels": runtime.kernels.name})
+from rfa_fairseq.generation import batch_groups, static_beam_search as sbs
+searches, joins = [], []
+search, join_batches = sbs.StaticBeamSearchGenerator._search, batch_groups.join_batches
+def spied_search(self, lane, runtime, key, pad, N, *args):
+    searches.append({"thread": threading.current_thread().name, "sentences": N, "warm_up": args[-1] is not None,
+                     "kernels": runtime.kernels.name})
     return search(self, lane, runtime, key, pad, N, *args)
-sbs.StaticBeamSearchGenerator._search = spied
-from fairseq_cli.generate import cli_main
-spy_file, sys.argv = sys.argv[1], ["fairseq-generate", *sys.argv[2:]]
+def spied_join(batches, *args):
+    joined = join_batches(batches, *args)
+    if len(batches) > 1:
+        joins.append(len(batch_groups.user_batches(joined)))
+    return joined
+sbs.StaticBeamSearchGenerator._search = spied_search
+batch_groups.join_batches = spied_join
+tool, spy_file, sys.argv = sys.argv[1], sys.argv[2], ["fairseq-" + sys.argv[1], *sys.argv[3:]]
+if tool == "generate":
+    from fairseq_cli.generate import cli_main
+else:
+    from fairseq_cli.interactive import cli_main
 cli_main()
 with open(spy_file, "w") as f:
-    json.dump(calls, f)
+    json.dump({"searches": searches, "joins": joins}, f)
 """
 
 
@@ -253,29 +347,37 @@ def source_lines(stdout):
     return {int(row[0][2:]): row[1] for row in rows}
 
 
-def assert_same_lines(want, got):
+def assert_same_lines(want, got, sentences=TEST_SENTENCES):
     """The same sentences with the same hypotheses, scores up to fp32 rounding (other batch shapes); hypotheses
     varied enough that sentences matched wrongly would differ."""
-    assert sorted(want) == sorted(got) and len(want) == TEST_SENTENCES
-    assert len({hypothesis for _, hypothesis in want.values()}) > TEST_SENTENCES // 4, want
+    assert sorted(want) == sorted(got) and len(want) == sentences
+    assert len({hypothesis for _, hypothesis in want.values()}) > sentences // 4, want
     for i in want:
         assert want[i][1] == got[i][1], f"sentence {i}: {want[i]} != {got[i]}"
         assert math.isclose(want[i][0], got[i][0], abs_tol=1e-4), f"sentence {i}: {want[i]} != {got[i]}"
 
 
-def spied_generate(trained, tmp_path, parts, batch_size=64, threads=2):
-    """fairseq-generate at OMP_NUM_THREADS=threads; parts: None (auto) or --rfa-decode-parts.
-    -> ({id: (score, hypothesis)}, the searches that ran, the log)."""
-    data, checkpoint = trained
-    spy_file = tmp_path / f"searches_{parts}_{batch_size}_{threads}.json"
-    overrides = [] if parts is None else ["--model-overrides", f"{{'rfa_decode_parts': {parts}}}"]
-    proc = run(sys.executable, "-c", SPIED_GENERATE, spy_file, data / "bin", "--user-dir", PLUGIN_DIR,
-               "--path", checkpoint, "--gen-subset", "test", "--batch-size", str(batch_size),
-               "--required-batch-size-multiple", "1", *DECODE, *overrides, OMP_NUM_THREADS=str(threads))
+def spied_cli(tmp_path, tool, threads, *args, stdin=None):
+    """fairseq-`tool` (generate, interactive) at OMP_NUM_THREADS=threads under SPIED_CLI -> (the process, the searches
+    that ran, not the warm-up, all on the native step, the joined batches' user batch counts)."""
+    spy_file = tmp_path / f"spied_{len(list(tmp_path.iterdir()))}.json"
+    proc = run(sys.executable, "-c", SPIED_CLI, tool, spy_file, *args, stdin=stdin, OMP_NUM_THREADS=str(threads))
     assert "static beam search generator" in proc.stdout + proc.stderr
-    searches = [s for s in json.loads(spy_file.read_text()) if not s["warm_up"]]
+    spied = json.loads(spy_file.read_text())
+    searches = [s for s in spied["searches"] if not s["warm_up"]]
     assert searches and all(s["kernels"] == "cpp" for s in searches), searches
-    return hypothesis_lines(proc.stdout), searches, proc.stdout + proc.stderr
+    return proc, searches, spied["joins"]
+
+
+def spied_generate(trained, tmp_path, parts, batch_size=64, threads=2):
+    """fairseq-generate of the test split; parts: None (auto) or --rfa-decode-parts.
+    -> ({id: (score, hypothesis)}, the searches that ran, the joined batches' user batch counts)."""
+    data, checkpoint = trained
+    overrides = [] if parts is None else ["--model-overrides", f"{{'rfa_decode_parts': {parts}}}"]
+    proc, searches, joins = spied_cli(tmp_path, "generate", threads, data / "bin", "--user-dir", PLUGIN_DIR,
+                                      "--path", checkpoint, "--gen-subset", "test", "--batch-size", str(batch_size),
+                                      "--required-batch-size-multiple", "1", *DECODE, *overrides)
+    return hypothesis_lines(proc.stdout), searches, joins
 
 
 def on_part_threads(searches):
@@ -284,77 +386,132 @@ def on_part_threads(searches):
 
 @pytest.mark.slow
 def test_fairseq_generate_at_two_threads_decodes_two_batches_at_once_with_one_threads_lines(trained, tmp_path):
-    """Auto (no --rfa-decode-parts) at 2 threads: fairseq-generate's batches of 64, 64 and 32 come joined, and are
-    searched two at a time on the generator's two threads; the lines, scores included, are those of one thread. One
-    batch of all 160 sentences is split into 2 parts of 80."""
-    one_thread, unsplit, _ = spied_generate(trained, tmp_path, parts=None, threads=1)
+    """Auto (no --rfa-decode-parts) at 2 threads: fairseq-generate's batches of 64, 64 and 32 come as one joined batch
+    and are searched two at a time on the generator's two threads; the lines, scores included, are those of one
+    thread. One batch of all 160 sentences is not joined, but split into 2 parts of 80."""
+    one_thread, unsplit, joins = spied_generate(trained, tmp_path, parts=None, threads=1)
     assert sorted(s["sentences"] for s in unsplit) == [32, 64, 64] and not on_part_threads(unsplit), unsplit
-    auto, searches, log = spied_generate(trained, tmp_path, parts=None)
-    assert "2 batches decoded at once" in log
+    assert joins == []
+    auto, searches, joins = spied_generate(trained, tmp_path, parts=None)
+    assert joins == [3]  # the three batches, joined into one
     assert sorted(s["sentences"] for s in on_part_threads(searches)) == [32, 64, 64], searches
     assert len({s["thread"] for s in searches}) == 2, searches  # the two part threads
     assert one_thread == auto
     assert len({hypothesis for _, hypothesis in auto.values()}) > TEST_SENTENCES // 4, auto
 
-    one_batch, searches, log = spied_generate(trained, tmp_path, parts=None, batch_size=TEST_SENTENCES)
-    assert "a batch of 160 sentences decoded in 2 parts at once" in log
+    one_batch, searches, joins = spied_generate(trained, tmp_path, parts=None, batch_size=TEST_SENTENCES)
+    assert joins == []
     assert sorted(s["sentences"] for s in on_part_threads(searches)) == [80, 80], searches
     assert_same_lines(one_thread, one_batch)  # other batches: the same hypotheses, scores to fp32 rounding
 
-    at_once, searches, log = spied_generate(trained, tmp_path, parts=1)  # --rfa-decode-parts 1: one at a time
-    assert "decoded at once" not in log and not on_part_threads(searches), searches
+    at_once, searches, joins = spied_generate(trained, tmp_path, parts=1)  # --rfa-decode-parts 1: one at a time
+    assert joins == [] and not on_part_threads(searches), searches
     assert at_once == one_thread
 
 
-def interactive_lines(trained, threads, batch_size=16):
+def spied_interactive(trained, tmp_path, threads, buffer_size=40, batch_size=16, lines=None):
+    """fairseq-interactive of the test split's source lines (or `lines`) -> (the process, the searches that ran, the
+    joined batches' user batch counts)."""
     data, checkpoint = trained
-    lines = (data / "raw" / "test.src").read_text().splitlines()
-    proc = run("fairseq-interactive", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--batch-size",
-               str(batch_size), *DECODE, "--source-lang", "src", "--target-lang", "tgt", "--buffer-size", "40",
-               stdin="\n".join(lines) + "\n", OMP_NUM_THREADS=str(threads))
-    assert len(source_lines(proc.stdout)) == len(lines) == TEST_SENTENCES
-    return proc
+    lines = lines or (data / "raw" / "test.src").read_text().splitlines()
+    proc, searches, joins = spied_cli(tmp_path, "interactive", threads, data / "bin", "--user-dir", PLUGIN_DIR,
+                                      "--path", checkpoint, "--batch-size", str(batch_size), *DECODE,
+                                      "--source-lang", "src", "--target-lang", "tgt", "--buffer-size", str(buffer_size),
+                                      stdin="\n".join(lines) + "\n")
+    assert len(source_lines(proc.stdout)) == len(lines)
+    return proc, searches, joins
+
+
+def printed(proc):
+    return [line for line in proc.stdout.splitlines() if line[:2] in ("S-", "H-", "P-", "D-")]
 
 
 @pytest.mark.slow
-def test_fairseq_interactive_at_two_threads_decodes_two_batches_at_once_with_one_threads_lines(trained):
-    """Buffers of 40 lines in batches of 16 (16, 16, 8 a buffer): at 2 threads two at a time, the lines of one thread."""
-    one = interactive_lines(trained, threads=1)
-    two = interactive_lines(trained, threads=2)
-    assert "batches decoded at once" not in one.stdout + one.stderr
-    assert "2 batches decoded at once" in two.stdout + two.stderr
-    assert [l for l in one.stdout.splitlines() if l[:2] in ("S-", "H-", "P-", "D-")] == \
-        [l for l in two.stdout.splitlines() if l[:2] in ("S-", "H-", "P-", "D-")]
+def test_fairseq_interactive_at_two_threads_decodes_two_batches_at_once_with_one_threads_lines(trained, tmp_path):
+    """Buffers of 40 lines in batches of 16 (16, 16, 8 a buffer): at 2 threads each buffer's three batches are joined
+    (the dict fairseq-interactive rebuilds from the joined tensors gets its record back) and searched on the part
+    threads; the lines of one thread, which joins none."""
+    one, searches, joins = spied_interactive(trained, tmp_path, threads=1)
+    assert joins == [] and not on_part_threads(searches), searches
+    two, searches, joins = spied_interactive(trained, tmp_path, threads=2)
+    assert joins == [3, 3, 3, 3]
+    assert sorted(s["sentences"] for s in on_part_threads(searches)) == [8] * 4 + [16] * 8, searches
+    assert printed(one) == printed(two)
+
+
+@pytest.mark.slow
+def test_fairseq_interactive_at_buffer_size_1_joins_no_batch(trained, tmp_path):
+    """--buffer-size 1 (and --batch-size 1) at 2 threads: each line is a batch of its own, so none is joined and every search runs on the
+    main thread; the hypotheses of buffers of 24 lines, whose batches of 8 are joined."""
+    data, _ = trained
+    lines = (data / "raw" / "test.src").read_text().splitlines()[:24]
+    one_line, searches, joins = spied_interactive(trained, tmp_path, threads=2, buffer_size=1, batch_size=1,
+                                                  lines=lines)
+    assert joins == [] and not on_part_threads(searches), searches
+    assert [s["sentences"] for s in searches] == [1] * 24
+    buffered, searches, joins = spied_interactive(trained, tmp_path, threads=2, buffer_size=24, batch_size=8,
+                                                  lines=lines)
+    assert joins == [3] and len(on_part_threads(searches)) == 3, searches
+    assert_same_lines(hypothesis_lines(one_line.stdout), hypothesis_lines(buffered.stdout), sentences=24)
 
 
 @pytest.mark.slow
 def test_hub_translate_at_two_threads_decodes_two_batches_at_once_with_one_threads_translations(trained, monkeypatch):
     from rfa_fairseq import hub
+    from rfa_fairseq.generation import batch_groups
 
     data, checkpoint = trained
     lines = (data / "raw" / "test.src").read_text().splitlines()
     translator = hub.load(checkpoint, data / "bin", sentencepiece_model=None, batch_size=16, device="cpu",
                           source_lang="src", target_lang="tgt")
-    threads_seen = []
-    search = StaticBeamSearchGenerator._search
+    threads_seen, joins = [], []
+    search, join_batches = StaticBeamSearchGenerator._search, batch_groups.join_batches
 
     def spied(self, lane, *args):
         threads_seen.append(threading.current_thread().name)
         return search(self, lane, *args)
 
+    def spied_join(batches, *args):
+        joins.append(len(batches))
+        return join_batches(batches, *args)
+
     monkeypatch.setattr(StaticBeamSearchGenerator, "_search", spied)
+    monkeypatch.setattr(batch_groups, "join_batches", spied_join)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = translator.translate(lines, beam=4, max_len_b=25)
-        assert not any(name.startswith("rfa-decode-part") for name in threads_seen)
+        assert not any(name.startswith("rfa-decode-part") for name in threads_seen) and joins == []
         torch.set_num_threads(2)
         threads_seen.clear()
         two = translator.translate(lines, beam=4, max_len_b=25)
     finally:
         torch.set_num_threads(before)
-    assert sum(name.startswith("rfa-decode-part") for name in threads_seen) == TEST_SENTENCES // 16  # 10 batches
+    assert joins == [TEST_SENTENCES // 16]  # the 10 batches, joined into one
+    assert sum(name.startswith("rfa-decode-part") for name in threads_seen) == TEST_SENTENCES // 16
     assert one == two and len(one) == TEST_SENTENCES
+
+
+@pytest.mark.slow
+def test_hub_translate_names_a_sentence_that_is_not_a_string_before_encoding_any(trained, monkeypatch):
+    from rfa_fairseq import hub
+
+    data, checkpoint = trained
+    line = (data / "raw" / "test.src").read_text().splitlines()[0]
+    translator = hub.load(checkpoint, data / "bin", sentencepiece_model=None, device="cpu",
+                          source_lang="src", target_lang="tgt")
+    encoded = []
+    encode = translator.encode
+    monkeypatch.setattr(translator, "encode", lambda sentence: encoded.append(sentence) or encode(sentence))
+    with pytest.raises(TypeError, match=r"^sentences\[1\] is int \(3\), not str"):
+        translator.translate([line, 3], beam=4)
+    with pytest.raises(TypeError, match=r"^sentences\[2\] is NoneType \(None\), not str"):
+        translator.translate([line, line, None], beam=4)
+    with pytest.raises(TypeError, match=r"^translate takes a str or a list of str, got int"):
+        translator.translate(3, beam=4)
+    assert encoded == []  # refused before any sentence was encoded
+    assert translator.translate(iter([line]), beam=4) == translator.translate([line], beam=4)
+    assert encoded == [line, line]
 
 
 @pytest.mark.slow

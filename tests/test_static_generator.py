@@ -34,9 +34,30 @@ def model_and_batch():
     return model, d, sample, prev
 
 
+class TokensSoFar(torch.nn.Module):
+    """fairseq's NGramRepeatBlock handed the tokens so far (as its CUDA kernel reads them): SequenceGenerator hands it
+    the whole token buffer, whose last columns its CPU fallback takes for a hypothesis' last tokens (padding), so on
+    the CPU it blocks nothing; the static beam search blocks the repeats."""
+
+    def __init__(self, blocker):
+        super().__init__()
+        self.blocker = blocker
+
+    def forward(self, tokens, lprobs, bsz: int, beam_size: int, step: int):
+        return self.blocker(tokens[:, : step + 1], lprobs, bsz, beam_size, step)
+
+
+def sequence_generator(model, d, **options) -> SequenceGenerator:
+    """fairseq's generator, the reference, with its n-gram blocker reading the tokens so far (TokensSoFar)."""
+    generator = SequenceGenerator([model], d, **options)
+    if generator.repeat_ngram_blocker is not None:
+        generator.repeat_ngram_blocker = TokensSoFar(generator.repeat_ngram_blocker)
+    return generator
+
+
 def _generate_both(model, d, sample, prefix_tokens=None, **options):
     options = {"max_len_b": 20, **options}
-    want = SequenceGenerator([model], d, **options).generate([model], sample, prefix_tokens=prefix_tokens)
+    want = sequence_generator(model, d, **options).generate([model], sample, prefix_tokens=prefix_tokens)
     got = StaticBeamSearchGenerator(model, d, **options).generate([model], sample, prefix_tokens=prefix_tokens)
     return want, got
 
@@ -103,7 +124,7 @@ def test_the_batch_halves_when_half_its_sentences_have_finished(model_and_batch,
     keep_sentences = static_beam_search._Search.keep_sentences
 
     def recorded(self, state, kept):
-        sizes.append((self.N, kept.numel()))
+        sizes.append((self.rows.sentences, kept.numel()))
         return keep_sentences(self, state, kept)
 
     monkeypatch.setattr(static_beam_search._Search, "keep_sentences", recorded)
@@ -257,6 +278,8 @@ def test_plain_beam_search_gets_the_static_generator_with_its_options(model_and_
     task = types.SimpleNamespace(target_dictionary=d)
     fairseqs = FairseqTask.build_generator.__wrapped__(task, [model], argparse.Namespace(beam=4, **options))
     assert isinstance(fairseqs, SequenceGenerator)
+    if fairseqs.repeat_ngram_blocker is not None:
+        fairseqs.repeat_ngram_blocker = TokensSoFar(fairseqs.repeat_ngram_blocker)
     with torch.no_grad():
         assert_same_hypotheses(fairseqs.generate([model], sample), generator.generate([model], sample))
 

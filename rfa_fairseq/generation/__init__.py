@@ -3,11 +3,13 @@
 `build_generator` wraps `FairseqTask.build_generator` (installed by fairseq_compat.apply_patches): a
 single RFATransformerModel with plain beam-search options gets the StaticBeamSearchGenerator (same
 hypotheses and scores, fixed-shape buffers) unless its --rfa-static-beam-search is off; anything else gets
-what fairseq builds, with one log line naming the reason.
+what fairseq builds, with one log line naming the reason. The generator is the task's for joining its batches
+(`batch_groups.use_generator`).
 """
 import functools
 import logging
 
+from . import batch_groups
 from .static_beam_search import StaticBeamSearchGenerator
 
 logger = logging.getLogger(__name__)
@@ -64,10 +66,12 @@ def wrap_build_generator(original):
                 if any(p > 0 for p in parts):
                     logger.info(f"rfa_fairseq: --rfa-decode-parts {max(parts)} has no effect with fairseq's generator "
                                 f"(only the static beam search splits batches into parts)")
-            return original(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+            generator = original(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+            batch_groups.use_generator(self, generator)  # the task's batches come one at a time
+            return generator
         logger.info("rfa_fairseq: static beam search generator")
-        return StaticBeamSearchGenerator(
+        generator = StaticBeamSearchGenerator(
             models[0], self.target_dictionary, beam_size=getattr(args, "beam", 5),
             max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
             min_len=getattr(args, "min_len", 1), normalize_scores=not getattr(args, "unnormalized", False),
@@ -75,6 +79,8 @@ def wrap_build_generator(original):
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
             symbols_to_strip_from_output=(extra_gen_cls_kwargs or {}).get("symbols_to_strip_from_output"),
             cuda_graphs=models[0].rfa_config.rfa_cuda_graphs, parts=models[0].rfa_config.rfa_decode_parts)
+        batch_groups.use_generator(self, generator)  # it decides how many of the task's batches come joined
+        return generator
 
     build_generator.rfa_fairseq_wrapper = True
     return build_generator

@@ -38,13 +38,14 @@ import math
 import queue
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
-from ..modules.decoding import CUDAGraphBackend, DecodingState, StepGraphs
+from ..modules.decoding import BatchRows, CUDAGraphBackend, DecodingState, StepGraphs
 from .batch_groups import parts_at_once, user_batches
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ class StaticBeamSearchGenerator(nn.Module):
         net_input = sample["net_input"]
         runtime = self.model.decoder.decoding_runtime()
         bos = self.eos if bos_token is None else bos_token
-        parts = self._parts(net_input["src_tokens"], runtime, max_steps)
+        parts = self._parts(sample, runtime, max_steps)
         if parts is None:
             return self._decode(self.lanes[0], runtime, net_input, prefix_tokens, bos, max_steps)
         threads = min(len(parts), parts_at_once(self.parts))
@@ -282,16 +283,18 @@ class StaticBeamSearchGenerator(nn.Module):
                 finalized[n] = sentence
         return finalized
 
-    def _parts(self, src_tokens: Tensor, runtime, max_steps: Optional[int]) -> Optional[List[Tuple[object, slice]]]:
+    def _parts(self, sample: Dict[str, Dict[str, Tensor]], runtime,
+               max_steps: Optional[int]) -> Optional[List[Tuple[object, slice]]]:
         """The parts of a batch decoded at once, one thread each, as (rows, columns) of its source tokens: the user's
         batches of a joined batch (batch_groups.user_batches), else its sentences dealt out in turn to parts_for
         parts (a batch is sorted by length: each part gets its share of long and short ones). None: the batch in
         one piece, on the process's threads (the torch step, or a warm-up)."""
         if runtime.program is None or max_steps is not None:
             return None
-        joined = user_batches(src_tokens)
+        joined = user_batches(sample)
         if joined is not None:
             return joined
+        src_tokens = sample["net_input"]["src_tokens"]
         N = src_tokens.size(0)
         parts = parts_for(N, torch.get_num_threads(), self.parts)
         if parts == 1:
@@ -314,24 +317,52 @@ class StaticBeamSearchGenerator(nn.Module):
     def _search(self, lane: Lane, runtime, key: Optional[Tensor], pad: Optional[Tensor], N: int, src_len: int,
                 max_len: int, bos: int, prefix_tokens: Optional[Tensor], max_steps: Optional[int]):
         """The beam search of N sentences on `lane`: key (S, N, C) their encoder output (or None), pad (N, S) or None.
-        -> their finalized hypotheses, best first."""
+        -> their finalized hypotheses, best first. Where the runtime has the native program (the CPU) the search is
+        native, every step of the batch in one call and every option with it (prefix tokens, n-gram blocking): each
+        step decodes only the places still translating, so the batch never shrinks. Elsewhere the torch search runs
+        (CUDA, captured as graphs; the torch step): every row is decoded, so the batch halves as sentences finish.
+        This is the one place that decides how finished sentences leave a batch."""
         K, device = self.beam_size, runtime.device
         self._largest_batch = max(self._largest_batch, N)
         bucketed = device.type in self.BUCKETED_ON  # on the CPU K/V keep their length (no padded positions to compute)
         source_len = -(-src_len // SOURCE_BUCKET) * SOURCE_BUCKET if bucketed else src_len
         buffer_len = max_len
         if bucketed:  # the longest max_len of the bucket's source lengths: one token buffer length per bucket
-            buffer_len = max(max_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
+            buffer_len = max(buffer_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
 
-        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None)
-        graphs = self._graphs_for(lane, device)
-        search = _Search(self, lane, state, N, buffer_len, bos, device, lagged=device.type in self.LAGGED_READS_ON)
-        native = runtime.program is not None
+        rows = BatchRows(N, K)  # the batch's one account of its rows, the decoding state's and the search's
+        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None,
+                                 batch=rows)
+        search = _Search(self, lane, state, buffer_len, bos, device, lagged=device.type in self.LAGGED_READS_ON,
+                         prefix_tokens=prefix_tokens)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
-        sentence_ids = list(range(N))  # the batch's sentence at each place of the search (places only halve)
-        decided_at = -1  # flags of steps launched before the last halving describe other places: not read
         last_step = max_len if max_steps is None else min(max_len, max_steps - 1)
+        if runtime.program is not None:
+            step, finished = runtime.program.search_steps(state.native_batch(), search.native(), rows, 0, last_step,
+                                                          max_len)
+            if step < last_step and finished < N:
+                raise RuntimeError(f"the native search stopped at step {step} of {last_step} with {finished} of {N} "
+                                   f"places finished")
+            search.collect(finalized, list(range(N)), places=range(N))
+        else:
+            self._search_torch(lane, search, state, source_len, buffer_len, max_len, last_step, prefix_tokens,
+                               finalized)
+        for n, hypos in enumerate(finalized):  # best first, as SequenceGenerator sorts them
+            scores = torch.tensor([float(h["score"].item()) for h in hypos])
+            _, best_first = torch.sort(scores, descending=True)
+            finalized[n] = [hypos[i] for i in best_first]
+        return finalized
 
+    def _search_torch(self, lane: Lane, search: "_Search", state: DecodingState, source_len: int, buffer_len: int,
+                      max_len: int, last_step: int, prefix_tokens: Optional[Tensor],
+                      finalized: List[List[Dict[str, Tensor]]]) -> None:
+        """The torch search: one step at a time (on CUDA the plain steps replayed as graphs), the batch halving when
+        half its places have finished."""
+        device, rows = search.device, state.batch
+        graphs = self._graphs_for(lane, device)
+        bucketed = device.type in self.BUCKETED_ON
+        sentence_ids = list(range(rows.sentences))  # the batch's sentence at each place of the search (places only halve)
+        decided_at = -1  # flags of steps launched before the last halving describe other places: not read
         step = -1
         while step < last_step:  # steps 0 .. max_len: one extra step for EOS
             step += 1
@@ -340,25 +371,11 @@ class StaticBeamSearchGenerator(nn.Module):
             plain = not (first or last or prefix or self.repeat_ngram_blocker is not None)
             if graphs is not None and plain:
                 graphs = self._graphs_for(lane, device)  # a step that allocated (a new shape) makes the graphs stale
-                shape = (search.N, source_len, buffer_len)
-                graphs.run(shape + (search.parity,), shape,
-                           lambda: self._step(search, state, step, False, False, None))
-                search.after_step(state, step)
-            elif native and not prefix and self.repeat_ngram_blocker is None:
-                # every step left, until all the places have finished or the last: one native call (each step
-                # decodes only the places still translating: the batch needs no halving)
-                start = step
-                step, finished_count = runtime.program.search_steps(
-                    state.native_batch(), search.native(), start, search.parity, state.parity, last_step, max_len)
-                for t in range(start, step + 1):
-                    search.after_step(state, t)
-                if step < last_step and finished_count < search.N:
-                    raise RuntimeError(f"the native search stopped at step {step} of {last_step} with "
-                                       f"{finished_count} of {search.N} places finished")
+                shape = (rows.sentences, source_len, buffer_len)
+                graphs.run(shape + (rows.parity,), shape, lambda: self._step(search, state, step, False, False, None))
             else:
-                self._step(search, state, step, first=first, last=last,
-                           prefix_tokens=prefix_tokens if prefix else None)
-                search.after_step(state, step)
+                self._step(search, state, step, first=first, last=last, prefix_tokens=prefix_tokens if prefix else None)
+            search.after_step(state, step)
             if step >= last_step:
                 break
             flags = search.finished_at(step - 1 if search.lagged else step, decided_at)
@@ -367,7 +384,7 @@ class StaticBeamSearchGenerator(nn.Module):
             unfinished = (~flags).nonzero().squeeze(1)  # (N',) places still translating
             if unfinished.numel() == 0:
                 break
-            if 2 * unfinished.numel() <= search.N:
+            if 2 * unfinished.numel() <= rows.sentences:
                 # half the places finished: halve the batch. Finished sentences otherwise cost every later
                 # step all their rows (fairseq-generate was 17-35 % slower than SequenceGenerator on Multi30k
                 # without this); halving keeps the shapes to log2(N) + 1 sizes
@@ -381,27 +398,21 @@ class StaticBeamSearchGenerator(nn.Module):
                 if prefix_tokens is not None:
                     prefix_tokens = prefix_tokens.index_select(0, kept)
                 decided_at = step
-        search.collect(finalized, sentence_ids, places=range(search.N))
-
-        for n, hypos in enumerate(finalized):  # best first, as SequenceGenerator sorts them
-            scores = torch.tensor([float(h["score"].item()) for h in hypos])
-            _, best_first = torch.sort(scores, descending=True)
-            finalized[n] = [hypos[i] for i in best_first]
-        return finalized
+        search.collect(finalized, sentence_ids, places=range(rows.sentences))
 
     def _step(self, search: "_Search", state: DecodingState, step: int, first: bool, last: bool,
               prefix_tokens: Optional[Tensor]):
-        """One step of the search on the device, reading the step number from search.step (a CUDA graph captures
-        it whole when first, last and prefix_tokens are off: they are the host's only say). -> no outputs: every
-        result is in the search's buffers."""
-        N, K = search.N, self.beam_size
-        R, t = N * K, search.step  # t: (1,) the step number on the device
+        """One step of the torch search on the device, reading the step number from the search's step tensor (a CUDA
+        graph captures it whole when first, last and prefix_tokens are off: they are the host's only say). -> no
+        outputs: every result is in the search's buffers."""
+        v, N, K = search.views, state.batch.sentences, self.beam_size
+        R, t = N * K, v.step  # t: (1,) the step number on the device
         tokens = torch.index_select(search.tokens, 1, t).view(R)  # (R,) the last tokens
         positions = torch.index_select(search.positions, 0, t) if search.positions is not None else None  # (1, C)
         # pad is never chosen (its log-probability is -inf), so no input is padding
         logits, _ = state.compute(tokens, positions, need_weights=False, padded_inputs=False)  # (R, V)
         # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32
-        lprobs = torch.log_softmax(logits.float(), dim=-1, out=search.lprobs)
+        lprobs = torch.log_softmax(logits.float(), dim=-1, out=v.lprobs)
         lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel
         lprobs[:, self.unk] -= self.unk_penalty
         if last:  # only EOS is left
@@ -412,12 +423,14 @@ class StaticBeamSearchGenerator(nn.Module):
         else:
             lprobs[:, self.eos] += search.eos_bias.index_select(0, t)  # -inf before the minimum length
         if self.repeat_ngram_blocker is not None:
-            lprobs = self.repeat_ngram_blocker(search.tokens, lprobs, N, K, step)
+            # the tokens so far (fairseq's CUDA kernel reads them so; its CPU fallback, handed the whole buffer,
+            # compares the buffer's padding and blocks nothing)
+            lprobs = self.repeat_ngram_blocker(search.tokens[:, : step + 1], lprobs, N, K, step)
 
         cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, state.kernels)  # (N, 2K) each
         eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
-        eos_mask[:, :K] &= ~search.cands_to_ignore
-        eos_mask &= ~search.finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
+        eos_mask[:, :K] &= ~v.cands_to_ignore
+        eos_mask &= ~v.finished.unsqueeze(1)  # finished sentences stay in the batch, finalizing nothing
         search.finalize(eos_mask[:, :K], cand_rows[:, :K], cand_scores[:, :K], last)
         search.advance(eos_mask, cand_scores, cand_tokens, cand_rows)
         return ()
@@ -437,32 +450,60 @@ class StaticBeamSearchGenerator(nn.Module):
                 beams[ends] = beams[ends][:, :1, :]
 
 
-class _Search:
-    """One batch's search in the generator's workspace (the same buffers for every batch of the same shape):
-    tokens and cumulative scores (two of each, used in turn: a step's reorder reads one and writes the other),
-    candidates, the finalized hypotheses per place (K slots each, and one slot at the end that takes the
-    rejected ones), the step number, the beam order the decoder's next step applies, and the finished flags
-    (with their copies for the host on CUDA)."""
+@dataclass
+class SearchViews:
+    """One batch's search buffers for N places of K beams (R = N * K rows, L tokens a row): prefixes of its lane's
+    workspace (SearchBuffers), made once per (N, L, the workspace's generation). The native search reads them by
+    name (ops/csrc/decode_program.h's NativeSearch)."""
 
-    def __init__(self, gen: StaticBeamSearchGenerator, lane: Lane, state: DecodingState, N: int, max_len: int, bos: int,
-                 device, lagged: bool):
+    token_pair: List[Tensor]  # two (R, L) int64, used in turn: BatchRows.parity names the one the next step reads
+    score_pair: List[Tensor]  # two (R, L - 1) fp32 cumulative scores, likewise
+    lprobs: Tensor  # (R, V) fp32: the torch step's log-probabilities
+    cand_scores: Tensor  # (N * 2K,) fp32: the candidates (the best 2K per place)
+    cand_indices: Tensor  # (N * 2K,) int64: beam * V + token
+    row_offsets: Tensor  # (N, 1) int64: n * K
+    cands_to_ignore: Tensor  # (N, K) bool: the beams continued with an EOS candidate (ignored at the next step)
+    finished: Tensor  # (N,) bool
+    fin_count: Tensor  # (N,) int64: each place's finalized hypotheses
+    fin_tokens: Tensor  # (R + 1, L) int64: the finalized hypotheses (K slots a place, and the trash slot after them)
+    fin_scores: Tensor  # (R + 1, L - 1) fp32 cumulative, EOS's at its step
+    fin_steps: Tensor  # (R + 1,) int64: the step of each one's EOS
+    step: Tensor  # (1,) int64: the step number on the device
+    order: Tensor  # (R,) int64: the beam order the next step's causal layers apply (the batch's order buffer)
+    step_rows: Tensor  # (L,) int64: the rows each native step decoded (the places still translating x K; profiles)
+
+
+class _Search:
+    """One batch's search in the generator's workspace (the same buffers for every batch of the same shape): its
+    buffers (`views`: tokens and cumulative scores, two of each used in turn, candidates, the finalized hypotheses
+    per place, the step number, the beam order), the rows' account shared with the decoding state (`rows`, BatchRows:
+    places, beam, parity), the per-batch constants the native search reads (eos_bias, positions, prefix tokens, the
+    n-gram size), and the finished flags' copies for the host on CUDA."""
+
+    def __init__(self, gen: StaticBeamSearchGenerator, lane: Lane, state: DecodingState, max_len: int, bos: int,
+                 device, lagged: bool, prefix_tokens: Optional[Tensor] = None):
         self.gen, self.lane, self.state, self.ws, self.device = gen, lane, state, lane.buffers, device
+        self.rows: BatchRows = state.batch
         self.K, self.V, self.L = gen.beam_size, gen.vocab_size, max_len + 2  # +2: BOS and EOS
         self.eos, self.pad, self.unk, self.unk_penalty = gen.eos, gen.pad, gen.unk, float(gen.unk_penalty)
+        self.no_repeat_ngram_size = gen.repeat_ngram_blocker.no_repeat_ngram_size if gen.repeat_ngram_blocker else 0
+        self.prefix_tokens = None if prefix_tokens is None else prefix_tokens.to(device=device, dtype=torch.long).contiguous()
         self.cand_size = 2 * self.K  # 2 x beam in case half are EOS (SequenceGenerator)
         self.lagged = lagged  # the host reads a step's flags one step later (CUDA: no wait for the device)
-        self.parity = 0  # which of each buffer pair holds the current tokens and scores
         self.events = [torch.cuda.Event() for _ in range(2)] if lagged and device.type == "cuda" else None
-        self._views(N)
-        for tokens in self.token_pair:
+        self.finished_host: List[Tensor] = []
+        self._native = None
+        self.views = self._views(self.rows.sentences)
+        v = self.views
+        for tokens in v.token_pair:
             tokens.fill_(gen.pad)
             tokens[:, 0] = bos
-        for scores in self.score_pair:
+        for scores in v.score_pair:
             scores.zero_()
-        self.cands_to_ignore.zero_()
-        self.finished.zero_()
-        self.fin_count.zero_()
-        self.step.zero_()
+        v.cands_to_ignore.zero_()
+        v.finished.zero_()
+        v.fin_count.zero_()
+        v.step.zero_()
         take = self.ws.take
         self.cand_offsets = torch.arange(self.cand_size, out=take("cand_offsets", (self.cand_size,), torch.long, device))
         # -inf on EOS before the minimum length
@@ -472,10 +513,9 @@ class _Search:
         self.positions = positions
         if positions is not None and device.type in gen.GRAPHS_ON:  # a buffer of the workspace: graphs replay it
             self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)
-        state.use_order_buffer(self.order)  # the causal layers read the pending beam order here
-        self._native = None
+        self.rows.use_order_buffer(v.order)  # the causal layers read the pending beam order here
 
-    def _views(self, N: int) -> None:
+    def _views(self, N: int) -> SearchViews:
         """The buffers for N places (prefixes of the workspace's: halving keeps their addresses), made once per (N, L)
         and kept while the workspace's buffers stay (a batch of one sentence sets up its search in microseconds)."""
         views = self.lane.views.get((N, self.L, self.ws.generation))
@@ -484,109 +524,113 @@ class _Search:
             if len(self.lane.views) >= MAX_VIEW_SETS or any(key[2] != self.ws.generation for key in self.lane.views):
                 self.lane.views.clear()  # views of buffers since replaced, or too many shapes to keep
             self.lane.views[(N, self.L, self.ws.generation)] = views
-        self.__dict__.update(views)
-        self.N = N
-        self.trash = N * self.K  # the finalized slot after the places', which takes what is not kept
         if self.lagged:
             self.finished_host = self.gen.host_flags(self.lane, N)
         self._native = None
+        return views
 
-    def _make_views(self, N: int) -> Dict[str, object]:
+    def _make_views(self, N: int) -> SearchViews:
         K, L, device, take = self.K, self.L, self.device, self.ws.take
         R, slots = N * K, N * K + 1
-        return {
-            "token_pair": [take(f"tokens{i}", (R, L), torch.long, device) for i in range(2)],
-            "score_pair": [take(f"scores{i}", (R, L - 1), torch.float32, device) for i in range(2)],
-            "lprobs": take("lprobs", (R, self.V), torch.float32, device),
-            "cand_scores": take("cand_scores", (N * self.cand_size,), torch.float32, device),
-            "cand_indices": take("cand_indices", (N * self.cand_size,), torch.long, device),
-            "row_offsets": torch.arange(N, out=take("row_offsets", (N,), torch.long, device)).mul_(K).unsqueeze(1),
-            "cands_to_ignore": take("cands_to_ignore", (N, K), torch.bool, device),
-            "finished": take("finished", (N,), torch.bool, device),
-            "fin_count": take("fin_count", (N,), torch.long, device),
-            "fin_tokens": take("fin_tokens", (slots, L), torch.long, device),
-            "fin_scores": take("fin_scores", (slots, L - 1), torch.float32, device),  # cumulative, EOS's at its step
-            "fin_steps": take("fin_steps", (slots,), torch.long, device),
-            "step": take("step", (1,), torch.long, device),
-            "order": take("order", (R,), torch.long, device),
-        }
+        return SearchViews(
+            token_pair=[take(f"tokens{i}", (R, L), torch.long, device) for i in range(2)],
+            score_pair=[take(f"scores{i}", (R, L - 1), torch.float32, device) for i in range(2)],
+            lprobs=take("lprobs", (R, self.V), torch.float32, device),
+            cand_scores=take("cand_scores", (N * self.cand_size,), torch.float32, device),
+            cand_indices=take("cand_indices", (N * self.cand_size,), torch.long, device),
+            row_offsets=torch.arange(N, out=take("row_offsets", (N,), torch.long, device)).mul_(K).unsqueeze(1),
+            cands_to_ignore=take("cands_to_ignore", (N, K), torch.bool, device),
+            finished=take("finished", (N,), torch.bool, device),
+            fin_count=take("fin_count", (N,), torch.long, device),
+            fin_tokens=take("fin_tokens", (slots, L), torch.long, device),
+            fin_scores=take("fin_scores", (slots, L - 1), torch.float32, device),  # cumulative, EOS's at its step
+            fin_steps=take("fin_steps", (slots,), torch.long, device),
+            step=take("step", (1,), torch.long, device),
+            order=take("order", (R,), torch.long, device),
+            step_rows=take("step_rows", (L,), torch.long, device),
+        )
 
     def native(self):
-        """These buffers as the native program's NativeSearch (it reads them by name; made again after a halving's
-        new views)."""
+        """This search as the native program's NativeSearch (it reads the views and constants by name; made again
+        after a halving's new views)."""
         if self._native is None:
             self._native = self.state.runtime.kernels.ext.NativeSearch(self)
         return self._native
 
     @property
+    def trash(self) -> int:
+        """The finalized slot after the places', which takes what is not kept."""
+        return self.rows.sentences * self.K
+
+    @property
     def tokens(self) -> Tensor:
-        return self.token_pair[self.parity]
+        return self.views.token_pair[self.rows.parity]
 
     @property
     def scores(self) -> Tensor:
-        return self.score_pair[self.parity]
+        return self.views.score_pair[self.rows.parity]
 
     def candidates(self, lprobs: Tensor, first: bool, kernels):
         """search.BeamSearch.step: the top 2K (cumulative score, token, row) per sentence, best first
         (kernels.beam_candidates). lprobs (R, V)."""
-        N, K, V = self.N, self.K, self.V
+        v, N, K, V = self.views, self.rows.sentences, self.K, self.V
         k = min(self.cand_size, (V if first else K * V) - 1)  # -1: never pad (SequenceGenerator)
-        cand_scores, flat = self.cand_scores[: N * k].view(N, k), self.cand_indices[: N * k].view(N, k)
-        prev_scores = None if first else torch.index_select(self.scores, 1, self.step - 1).view(-1)  # (R,)
+        cand_scores, flat = v.cand_scores[: N * k].view(N, k), v.cand_indices[: N * k].view(N, k)
+        prev_scores = None if first else torch.index_select(self.scores, 1, v.step - 1).view(-1)  # (R,)
         kernels.beam_candidates(lprobs, prev_scores, K, cand_scores, flat)
         cand_beams = torch.div(flat, V, rounding_mode="trunc")
-        return cand_scores, flat.fmod(V), cand_beams + self.row_offsets
+        return cand_scores, flat.fmod(V), cand_beams + v.row_offsets
 
     def finalize(self, eos_mask: Tensor, eos_rows: Tensor, eos_scores: Tensor, last: bool) -> None:
         """SequenceGenerator.finalize_hypos on the device: the hypotheses ending in EOS among each sentence's top
         K candidates take the sentence's next free slots (at most K per sentence, in candidate order), with their
         tokens and cumulative scores; a sentence whose K slots are full (or any at the last step) is finished.
         eos_mask, eos_rows, eos_scores: (N, K)."""
-        N, K, t = self.N, self.K, self.step
+        v, N, K, t = self.views, self.rows.sentences, self.K, self.views.step
         if not self.lagged and not bool(eos_mask.any()):
             return  # the host can look (the CPU): nothing ends at this step
-        slot = eos_mask.long().cumsum(1) - 1 + self.fin_count.unsqueeze(1)  # (N, K) within the sentence
+        slot = eos_mask.long().cumsum(1) - 1 + v.fin_count.unsqueeze(1)  # (N, K) within the sentence
         accepted = eos_mask & slot.lt(K)
-        slots = torch.where(accepted, self.row_offsets + slot, self.trash).view(-1)  # (N * K,)
+        slots = torch.where(accepted, v.row_offsets + slot, self.trash).view(-1)  # (N * K,)
         rows = eos_rows.reshape(-1)
         tokens = self.tokens.index_select(0, rows)  # (N * K, L)
         tokens.index_fill_(1, t + 1, self.gen.eos)
-        self.fin_tokens.index_copy_(0, slots, tokens)
+        v.fin_tokens.index_copy_(0, slots, tokens)
         scores = self.scores.index_select(0, rows)  # (N * K, L - 1) cumulative
         scores.index_copy_(1, t, eos_scores.reshape(-1, 1))
-        self.fin_scores.index_copy_(0, slots, scores)
-        self.fin_steps.index_copy_(0, slots, t.expand(N * K))
-        self.fin_count.add_(accepted.sum(1))
-        done = self.fin_count.eq(K)  # SequenceGenerator.is_finished
+        v.fin_scores.index_copy_(0, slots, scores)
+        v.fin_steps.index_copy_(0, slots, t.expand(N * K))
+        v.fin_count.add_(accepted.sum(1))
+        done = v.fin_count.eq(K)  # SequenceGenerator.is_finished
         if last:
             done |= eos_mask.any(1)
-        self.finished.logical_or_(done)
+        v.finished.logical_or_(done)
 
     def advance(self, eos_mask: Tensor, cand_scores: Tensor, cand_tokens: Tensor, cand_rows: Tensor) -> None:
         """Continue each sentence with its K best candidates that do not end in EOS (SequenceGenerator's
         active hypotheses): tokens and scores follow their rows into the other buffer of each pair, and the
         rows' new order is what the decoder's next step reads."""
-        K, cand, t = self.K, eos_mask.size(1), self.step
-        eos_mask[:, :K] |= self.cands_to_ignore
+        v, K, cand, t = self.views, self.K, eos_mask.size(1), self.views.step
+        eos_mask[:, :K] |= v.cands_to_ignore
         # EOS candidates sort after every other: the K smallest are the best non-EOS ones
         active_key = eos_mask.long() * self.cand_size + self.cand_offsets[:cand]  # (N, 2K)
         ignored_key, active = torch.topk(active_key, k=K, dim=1, largest=False)  # (N, K)
-        torch.ge(ignored_key, self.cand_size, out=self.cands_to_ignore)
-        torch.gather(cand_rows, 1, active, out=self.order.view(self.N, K))  # (R,) as (N, K)
-        tokens, scores = self.token_pair[1 - self.parity], self.score_pair[1 - self.parity]
-        torch.index_select(self.tokens, 0, self.order, out=tokens)
-        torch.index_select(self.scores, 0, self.order, out=scores)
+        torch.ge(ignored_key, self.cand_size, out=v.cands_to_ignore)
+        torch.gather(cand_rows, 1, active, out=v.order.view(self.rows.sentences, K))  # (R,) as (N, K)
+        tokens, scores = v.token_pair[1 - self.rows.parity], v.score_pair[1 - self.rows.parity]
+        torch.index_select(self.tokens, 0, v.order, out=tokens)
+        torch.index_select(self.scores, 0, v.order, out=scores)
         tokens.index_copy_(1, t + 1, torch.gather(cand_tokens, 1, active).view(-1, 1))
         scores.index_copy_(1, t, torch.gather(cand_scores, 1, active).view(-1, 1))
         t.add_(1)
 
     def after_step(self, state: DecodingState, step: int) -> None:
-        """What a step changes on the host side (a replayed graph runs no Python): the buffer pairs turn; the
-        finished flags start on their way to the host, which reads them one step later (lagged)."""
-        self.parity = 1 - self.parity
+        """What a step changes on the host side (a replayed graph runs no Python): the buffer pairs turn (the rows'
+        parity, the decoding state's and the search's alike); the finished flags start on their way to the host,
+        which reads them one step later (lagged)."""
         state.step_done()
         if self.lagged:  # outside the graph: a copy into pinned memory is queued after it, waited for later
-            self.finished_host[self.parity].copy_(self.finished, non_blocking=True)
+            self.finished_host[self.rows.parity].copy_(self.views.finished, non_blocking=True)
         if self.events is not None:
             self.events[step % 2].record()
 
@@ -596,52 +640,49 @@ class _Search:
         if step < 0 or step <= decided_at:
             return None
         if not self.lagged:
-            return self.finished
+            return self.views.finished
         if self.events is not None:
             self.events[step % 2].synchronize()  # the step before the one just launched: the device is past it
         # step s copied into the buffer that the parity names after it; one step later that is the other one
-        return self.finished_host[1 - self.parity]
+        return self.finished_host[1 - self.rows.parity]
 
     def keep_sentences(self, state: DecodingState, kept: Tensor) -> None:
         """Halve in place: the places `kept` (N',) become the first N' of every buffer; the decoder's state follows
         (its causal rows through the pending order, which keeps naming their sources)."""
-        K = self.K
+        v, K = self.views, self.K
         kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
-        row_sources = self.order.index_select(0, kept_rows)  # each kept row's source in the state read next
-        state.keep_sentences(kept)
-        compacted = {"tokens": self.tokens, "scores": self.scores, "cands_to_ignore": self.cands_to_ignore,
-                     "finished": self.finished, "fin_count": self.fin_count}
-        moved = {name: value.index_select(0, kept_rows if value.size(0) == self.N * K else kept)
-                 for name, value in compacted.items()}
-        fin_moved = [value.index_select(0, kept_rows) for value in (self.fin_tokens, self.fin_scores, self.fin_steps)]
-        parity = self.parity
-        self._views(kept.numel())
-        self.parity = parity
+        row_sources = v.order.index_select(0, kept_rows)  # each kept row's source in the state read next
+        state.keep_sentences(kept)  # the rows' account: N' places
+        moved = {"tokens": self.tokens.index_select(0, kept_rows), "scores": self.scores.index_select(0, kept_rows),
+                 "cands_to_ignore": v.cands_to_ignore.index_select(0, kept), "finished": v.finished.index_select(0, kept),
+                 "fin_count": v.fin_count.index_select(0, kept)}
+        fin_moved = [value.index_select(0, kept_rows) for value in (v.fin_tokens, v.fin_scores, v.fin_steps)]
+        self.views = v = self._views(kept.numel())
         self.tokens[:] = moved["tokens"]
         self.scores[:] = moved["scores"]
-        self.cands_to_ignore[:] = moved["cands_to_ignore"]
-        self.finished[:] = moved["finished"]
-        self.fin_count[:] = moved["fin_count"]
-        for value, new in zip((self.fin_tokens, self.fin_scores, self.fin_steps), fin_moved):
+        v.cands_to_ignore[:] = moved["cands_to_ignore"]
+        v.finished[:] = moved["finished"]
+        v.fin_count[:] = moved["fin_count"]
+        for value, new in zip((v.fin_tokens, v.fin_scores, v.fin_steps), fin_moved):
             value[: new.size(0)] = new
-        self.order.copy_(row_sources)
-        state.use_order_buffer(self.order)
+        v.order.copy_(row_sources)
+        self.rows.use_order_buffer(v.order)
 
     def collect(self, finalized: List[List[Dict[str, Tensor]]], sentence_ids: List[int], places) -> None:
         """Append the finalized hypotheses of `places` that `finalized` does not hold yet (read from the device
         once), as SequenceGenerator.finalize_hypos makes them: tokens without the BOS, per-position scores,
         the score normalized by length ** lenpen."""
-        gen, K = self.gen, self.K
+        gen, K, v = self.gen, self.K, self.views
         places = [n for n in places if sentence_ids[n] is not None]  # None: a finished place kept as a filler
-        counts = self.fin_count.tolist()
+        counts = v.fin_count.tolist()
         slots = [slot for n in places for slot in range(n * K, n * K + counts[n])]
         if not slots:
             return
         rows = torch.tensor(slots, device=self.device)
         # read once, and a copy of their own: the buffers serve the next batch (views of them would change)
-        tokens = self.fin_tokens.index_select(0, rows).cpu()
-        scores = self.fin_scores.index_select(0, rows).cpu()  # cumulative
-        steps = self.fin_steps.index_select(0, rows).tolist()
+        tokens = v.fin_tokens.index_select(0, rows).cpu()
+        scores = v.fin_scores.index_select(0, rows).cpu()  # cumulative
+        steps = v.fin_steps.index_select(0, rows).tolist()
         positional = scores.clone()
         positional[:, 1:] -= scores[:, :-1]  # cumulative -> per position (the ones past a hypothesis' end unread)
         final = scores.gather(1, torch.tensor(steps).unsqueeze(1)).squeeze(1)  # the score at each hypothesis' EOS

@@ -10,12 +10,10 @@ softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -36,6 +34,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
+from .. import fairseq_mirrors
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
 from ..modules.decoding import (
@@ -45,13 +44,12 @@ from ..modules.decoding import (
     DecodingState,
     LayerCache,
     NormRecord,
-    PackedLinears,
     RuntimeCache,
     beam_layout,
     feed_forward,
     step_graphs_for,
 )
-from ..modules.encoding import EncoderLayerRecord, EncodingRuntime
+from ..modules.encoding import EncodingRuntime
 from ..modules.rfa_attention import CausalRecord
 from ..ops import rfa_step_kernels
 from ..ops.triton_self_check import set_step_self_check
@@ -65,9 +63,6 @@ def decoding_options(rfa: RFAConfig) -> tuple:
 logger = logging.getLogger(__name__)
 
 RFA_CONFIG = "rfa_config"  # the model's RFAConfig, in the cfg that build_model hands to fairseq's builders
-# the models fairseq-generate, fairseq-interactive and the hub prepared for inference: their tasks' batches may come
-# several at a time (generation.batch_groups)
-PREPARED_FOR_INFERENCE: "weakref.WeakSet[RFATransformerModel]" = weakref.WeakSet()
 
 
 def _wrap_layer(layer, cfg):
@@ -83,85 +78,6 @@ class RFATransformerEncoderLayer(TransformerEncoderLayerBase):
         return RFAAttention(embed_dim, cfg.encoder.attention_heads, dropout=cfg.attention_dropout, self_attention=True,
                             q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
                             rfa=getattr(cfg, RFA_CONFIG))
-
-
-class SoftmaxEncoderLayer(TransformerEncoderLayerBase):
-    """fairseq's softmax encoder layer (the default: no --rfa-encoder-self-attn), same parameters. Inference
-    (eval, no autograd: fairseq-generate's encoder pass) runs its linear layers on the decoding step's
-    kernels (ops.step_kernels: oneDNN on weights packed once on the CPU, the residual fused) and its
-    attention in torch's scaled_dot_product_attention; training and what inference does not serve run
-    fairseq's forward."""
-
-    def __init__(self, cfg, return_fc=False):
-        super().__init__(cfg, return_fc=return_fc)
-        self.rfa: RFAConfig = getattr(cfg, RFA_CONFIG)
-        self._packed = PackedLinears()  # packed again when a parameter changes; the kernels, picked once
-
-    def train(self, mode: bool = True):
-        if mode:  # a training step changes the weights through .data, which the packed weights' key cannot see
-            self._packed.clear()
-        return super().train(mode)
-
-    def forward(self, x, encoder_padding_mask, attn_mask=None):
-        kernels = None
-        if not (self.training or torch.is_grad_enabled() or attn_mask is not None or self.return_fc) and self.plain():
-            kernels = self._step_kernels(x)
-        if kernels is None:
-            return super().forward(x, encoder_padding_mask, attn_mask)
-        return self._infer(x, encoder_padding_mask, kernels)
-
-    def _step_kernels(self, x):
-        """ops.step_kernels for x's device and dtype (the decoding step's choice), picked once per layer and
-        options; None where they cannot run here (cpp on a GPU, validating while training): fairseq's forward."""
-        where = (x.device, x.dtype, *decoding_options(self.rfa))
-        if self._packed.kernels is None or self._packed.kernels[0] != where:
-            try:
-                kernels = rfa_step_kernels(self.rfa, x.device, x.dtype)
-            except ValueError:
-                kernels = None
-            self._packed.kernels = (where, kernels)
-        return self._packed.kernels[1]
-
-    def plain(self) -> bool:
-        """Whether the self-attention is fairseq's plain one (no bias_kv, zero attention, xformers): inference's."""
-        attn = self.self_attn
-        return (type(attn) is MultiheadAttention and attn.bias_k is None and not attn.add_zero_attn
-                and not attn.use_xformers)
-
-    def _linear(self, name: str, kernels, *modules):
-        """The linear layers `modules` (one, or q, k, v as one) packed for the kernels."""
-        return self._packed.get(name, kernels, modules)
-
-    def encoding_record(self, kernels) -> EncoderLayerRecord:
-        """What the encoder's native pass reads of this layer (modules/encoding.py), packed as `_infer` packs it."""
-        attn = self.self_attn
-        return EncoderLayerRecord(
-            self._linear("qkv", kernels, attn.q_proj, attn.k_proj, attn.v_proj),
-            self._linear("out_proj", kernels, attn.out_proj), NormRecord.of(self.self_attn_layer_norm),
-            self._linear("fc1", kernels, self.fc1), self._linear("fc2", kernels, self.fc2),
-            FFN_ACTIVATIONS[self.activation_fn], NormRecord.of(self.final_layer_norm), self.normalize_before,
-            attn.num_heads, attn.head_dim)
-
-    def _infer(self, x, key_padding_mask, kernels):
-        """x (T, B, C), key_padding_mask (B, T) bool or None -> the layer's output (T, B, C)."""
-        T, B, C = x.shape
-        attn, H = self.self_attn, self.self_attn.num_heads
-        x = x.reshape(T * B, C)
-        h = self.self_attn_layer_norm(x) if self.normalize_before else x
-        qkv = kernels.linear(h, self._linear("qkv", kernels, attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k, v = qkv.view(T, B, 3, H, C // H).permute(2, 1, 3, 0, 4).unbind(0)  # (B, H, T, d) each
-        mask = None if key_padding_mask is None else ~key_padding_mask.view(B, 1, 1, T)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scale d^-0.5, fairseq's scaling
-        o = o.permute(2, 0, 1, 3).reshape(T * B, C)
-        x = kernels.linear(o, self._linear("out_proj", kernels, attn.out_proj), residual=x)
-        if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
-        h = self.final_layer_norm(x) if self.normalize_before else x
-        x = feed_forward(kernels, h, self._linear("fc1", kernels, self.fc1), self._linear("fc2", kernels, self.fc2),
-                         self.activation_fn, residual=x)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
-        return x.view(T, B, C)
 
 
 class RFATransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -267,9 +183,9 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class RFATransformerEncoder(TransformerEncoderBase):
-    """fairseq's encoder with softmax (default) or RFA self-attention layers. Inference where the decoding step is
-    native (the CPU in fp32 weights) runs as one native call (modules/encoding.py's EncodingRuntime, built once per
-    weights): the same output as fairseq's forward, which runs everything else."""
+    """fairseq's encoder with fairseq's softmax (default) or RFA self-attention layers. Inference where the decoding
+    step is native (the CPU in fp32 weights) runs as one native call (modules/encoding.py's EncodingRuntime, built
+    once per weights), which repeats fairseq's forward; fairseq's forward runs everything else."""
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
@@ -278,7 +194,7 @@ class RFATransformerEncoder(TransformerEncoderBase):
 
     def build_encoder_layer(self, cfg):
         if not getattr(cfg, RFA_CONFIG).rfa_encoder_self_attn:
-            return _wrap_layer(SoftmaxEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+            return super().build_encoder_layer(cfg)  # fairseq's softmax layer
         return _wrap_layer(RFATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
     def train(self, mode: bool = True):
@@ -308,7 +224,10 @@ class RFATransformerEncoder(TransformerEncoderBase):
             kernels = rfa_step_kernels(self.rfa, weight.device, weight.dtype)
         except ValueError:  # options that cannot run here: fairseq's forward (the decoder names them)
             return None
-        return EncodingRuntime(self, kernels) if kernels.native else None
+        # a fairseq whose encoder is not the source the program repeats: its own forward, and a warning saying so
+        if not kernels.native or not fairseq_mirrors.native_encoder_mirrors_hold():
+            return None
+        return EncodingRuntime(self, kernels)
 
     def _native_unsupported(self) -> Optional[str]:
         """What of this encoder the native pass does not run (fairseq's forward does), or None."""
@@ -321,9 +240,11 @@ class RFATransformerEncoder(TransformerEncoderBase):
                                       or positions.padding_idx is None):
             return f"position embeddings {type(positions).__name__}"
         for i, layer in enumerate(self.layers):
-            if type(layer) is not SoftmaxEncoderLayer:
+            if type(layer) is not TransformerEncoderLayerBase:
                 return f"layer {i} is a {type(layer).__name__} (RFA self-attention, activation checkpointing, FSDP)"
-            if not layer.plain():
+            attn = layer.self_attn
+            if (type(attn) is not MultiheadAttention or attn.bias_k is not None or attn.add_zero_attn
+                    or attn.use_xformers):
                 return f"layer {i}: self-attention with bias_kv, zero attention or xformers"
             if layer.return_fc:
                 return f"layer {i}: return_fc"
@@ -505,6 +426,9 @@ class RFATransformerModel(TransformerModel):
         # torch with it just before building the model
         seed = getattr(args, "seed", None)
         model.set_random_feature_seed(torch.initial_seed() if seed is None else seed)
+        from ..generation.batch_groups import record_model  # generation: imported as a model is built, not before
+
+        record_model(task, model)  # once prepared for inference, the task's batches may come joined
         return model
 
     @classmethod
@@ -515,10 +439,12 @@ class RFATransformerModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return RFATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
+    prepared_for_inference = False  # set by prepare_for_inference_ (generation.batch_groups reads it)
+
     def prepare_for_inference_(self, cfg):
         """fairseq-generate, fairseq-interactive and the hub call this before they ask their task for batches."""
         super().prepare_for_inference_(cfg)
-        PREPARED_FOR_INFERENCE.add(self)
+        self.prepared_for_inference = True
 
     def set_beam_size(self, beam_size: int) -> None:
         """Called by fairseq's SequenceGenerator: RFA cross-attention keeps one state per sentence."""

@@ -75,6 +75,37 @@ class RowSources:
         return groups[:, 0] if beam == 1 or bool((groups == groups[:, :1]).all()) else None
 
 
+@dataclass
+class BatchRows:
+    """The one account of a batch's rows as a step reads them: `sentences` places of `beam` rows each (row n * beam + b
+    is place n's beam b), the beam order the next step applies to the causal states (`order`: row i continues row
+    order[i] of the state buffer read next; None: row i continues row i), the buffer of each pair the next step reads
+    (`parity`: the causal states', and the static beam search's tokens and scores), and whether that step is the
+    batch's first (no state to read). The decoding state, the static beam search and the native search read and update
+    this one object (the native search's call turns its parity). `order_buffer`: where the order is rewritten each step
+    (the static beam search's buffer; None: fairseq's generator, whose reorders set it)."""
+
+    sentences: int
+    beam: int
+    order: Optional[Tensor] = None
+    order_buffer: Optional[Tensor] = None
+    parity: int = 0
+    first: bool = True
+
+    @property
+    def rows(self) -> int:
+        return self.sentences * self.beam
+
+    def use_order_buffer(self, order: Tensor) -> None:
+        """Every step reads the pending beam order from `order` (>= rows,), which the caller rewrites each step."""
+        self.order = self.order_buffer = order
+
+    def step_done(self) -> None:
+        """A step ran: the buffer pairs turn, and the order is the buffer's again (or none)."""
+        self.parity ^= 1
+        self.order, self.first = self.order_buffer, False
+
+
 def beam_layout(key: Tensor, key_padding_mask: Optional[Tensor], beam: int) -> bool:
     """Whether the encoder output key (S, rows, C) and its padding (rows, S) hold each sentence `beam` times in a row
     (fairseq's beam search expands them so), checked on the values: then K/V are kept once per sentence."""
@@ -91,43 +122,6 @@ def beam_layout(key: Tensor, key_padding_mask: Optional[Tensor], beam: int) -> b
 
 
 # ---------------------------------------------------------------- linear layers packed once
-
-
-class PackedLinears:
-    """Linear layers packed for a kernel set (oneDNN's blocked layout, int8 codes), kept while the kernels and the
-    parameters they derive from stay the same tensors, unmodified: an in-place update bumps a parameter's version
-    and the layer is packed again. Updates through `.data` (fairseq's optimizers) do not: `clear` drops them all,
-    and modules call it from `train()`. A cache: copies and pickles of a model start with an empty one (oneDNN's
-    packed tensors cannot be copied)."""
-
-    def __init__(self):
-        self._packed: Dict[str, tuple] = {}
-        self.kernels = None  # (where, kernels) for a module that picks its kernels once (SoftmaxEncoderLayer)
-
-    def __deepcopy__(self, memo):
-        return PackedLinears()
-
-    def __reduce__(self):
-        return (PackedLinears, ())
-
-    def clear(self) -> None:
-        self._packed.clear()
-
-    def get(self, name: str, kernels, linears: Sequence[torch.nn.Linear]):
-        """The nn.Linear layers `linears` (reading the same input) as one packed product, their outputs side by side
-        (q, k, v or k, v); their biases all present or all absent."""
-        biased = [m.bias is not None for m in linears]
-        if any(biased) != all(biased):
-            raise ValueError(f"{name}: linear layers packed as one need all or none of their biases")
-        sources = [p for m in linears for p in (m.weight, m.bias) if p is not None]
-        key = (kernels.name, kernels.gemm, tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in sources))
-        cached = self._packed.get(name)
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
-                bias = (torch.cat([m.bias for m in linears]) if len(linears) > 1 else linears[0].bias) if all(biased) else None
-                cached = self._packed[name] = (key, kernels.pack_linear(weight, bias))
-        return cached[1]
 
 
 class WeightsWatch:
@@ -370,10 +364,10 @@ class DecodingState:
     two halves for a caller that runs the step itself (the static beam search: captured in its graph, or its native
     whole step): the device work, and what the host does after it.
 
-    rows: the batch's rows (beam search: sentences x beam). beam, sentences: rows n * beam .. n * beam + beam - 1
-    read source sentence n (beam 1 once a reorder breaks that layout). order: the pending beam order, applied by
-    the next step. parity: the causal state buffer the next step reads. A native step runs on the calling thread's
-    OpenMP and MKL teams (a thread that decodes its own part of a batch limits its own: PartThreads).
+    `batch` (BatchRows) is the one account of its rows: rows n * beam .. n * beam + beam - 1 read source sentence n
+    (beam 1 once a reorder breaks that layout), the pending beam order, the causal state buffer the next step reads;
+    the static beam search hands its own to `start` and shares it. A native step runs on the calling thread's OpenMP
+    and MKL teams (a thread that decodes its own part of a batch limits its own: PartThreads).
     """
 
     KEY = "rfa_decoding_state"  # its entry in fairseq's incremental_state
@@ -383,11 +377,8 @@ class DecodingState:
         self.graphs = graphs  # CUDA graphs of the steps (None: every step runs as it is)
         self.runtime: Optional[DecodingRuntime] = None
         self.buffers = StateBuffers()
-        self.rows = self.beam = self.sentences = 0
-        self.rows_map: Optional[RowSources] = None
-        self.order: Optional[Tensor] = None
-        self.order_buffer: Optional[Tensor] = None  # use_order_buffer's
-        self.parity, self.first = 0, True
+        self.batch = BatchRows(0, 1)
+        self.rows_map: Optional[RowSources] = None  # which source sentence each row reads (fairseq's reorders)
         self.generation = 0  # bumped whenever a buffer is (re)allocated: a captured graph is stale then
         self._native = None  # the native program's view of this batch's caches (NativeBatch), made when they change
 
@@ -395,24 +386,36 @@ class DecodingState:
     def layers(self) -> List[LayerCache]:
         return self.buffers.layers
 
+    # the batch's rows, read from its one account (BatchRows)
+    rows = property(lambda self: self.batch.rows)
+    beam = property(lambda self: self.batch.beam)
+    sentences = property(lambda self: self.batch.sentences)
+    order = property(lambda self: self.batch.order)
+    parity = property(lambda self: self.batch.parity)
+    first = property(lambda self: self.batch.first)
+
     @property
     def kernels(self):
         return self.runtime.kernels
 
     def start(self, runtime: DecodingRuntime, rows: int, beam: int, key: Optional[Tensor],
               key_padding_mask: Optional[Tensor], source_len: Optional[int] = None,
-              buffers: Optional[StateBuffers] = None) -> "DecodingState":
+              buffers: Optional[StateBuffers] = None, batch: Optional[BatchRows] = None) -> "DecodingState":
         """A batch of `rows` rows, `beam` per sentence, on `runtime`: key (S, sentences, C) the encoder output once
         per sentence (or None), its padding (sentences, S) or None. source_len >= S pads the cross-attention's K/V
         to that length (masked), so that batches of nearby source lengths share shapes. buffers: decode on these
-        (the last batch's, DecodingCache.buffers_for) instead of this state's own. -> self"""
+        (the last batch's, DecodingCache.buffers_for) instead of this state's own. batch: the account of the rows to
+        share (the static beam search's; a new one otherwise). -> self"""
         if buffers is not None and buffers is not self.buffers:
             self.buffers = buffers
             self.generation += 1
         if self.runtime is not runtime:
             self.runtime = runtime
             self.generation += 1
-        self.rows, self.beam, self.sentences = rows, beam, rows // beam
+        self.batch = batch if batch is not None else BatchRows(rows // beam, beam)
+        if (self.batch.sentences, self.batch.beam) != (rows // beam, beam):
+            raise ValueError(f"RFA decoding: a batch of {rows} rows, {beam} per sentence, on an account of "
+                             f"{self.batch.sentences} x {self.batch.beam}")
         self.rows_map = RowSources.beams(self.sentences, beam, runtime.device)
         caches = []
         for i, record in enumerate(runtime.layers):
@@ -421,14 +424,8 @@ class DecodingState:
             caches.append(cache)
             self.generation += int(allocated)
         self.layers[:] = caches
-        self.order = self.order_buffer = None
-        self.parity, self.first = 0, True
         self._native = None
         return self
-
-    def use_order_buffer(self, order: Tensor) -> None:
-        """Every step reads the pending beam order from `order` (R,), which the caller rewrites each step."""
-        self.order = self.order_buffer = order
 
     # ------------------------------------------------------------ a step
 
@@ -450,7 +447,7 @@ class DecodingState:
                 order.copy_(self.order)
             else:
                 torch.arange(R, out=order)
-            self.order = order
+            self.batch.order = order
             shape = (self.rows, self.beam, self.sentences)
             replayed, attn = self.graphs.run(shape + (self.generation, self.parity), shape,
                                              lambda: self.compute(tokens, positions))
@@ -499,8 +496,7 @@ class DecodingState:
 
     def step_done(self) -> None:
         """What the host does after a step (a replayed graph runs no Python): the causal states turn."""
-        self.parity ^= 1
-        self.order, self.first = self.order_buffer, False
+        self.batch.step_done()
 
     def _input(self, name: str, shape, dtype) -> Tensor:
         buffer, allocated = reuse_or_allocate(self.buffers.inputs.get(name), tuple(shape), dtype, self.runtime.device)
@@ -515,8 +511,9 @@ class DecodingState:
         """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).
         The causal states apply it in the next step; K/V move only when rows read another sentence."""
         new_order = new_order.to(self.runtime.device)
-        self.order = new_order if self.order is None else self.order.index_select(0, new_order)
-        unchanged_rows, self.rows = self.rows == new_order.numel(), new_order.numel()
+        batch = self.batch
+        batch.order = new_order if batch.order is None else batch.order.index_select(0, new_order)
+        unchanged_rows = batch.rows == new_order.numel()
         if not unchanged_rows and self.graphs is not None:
             self.graphs.clear()  # captured for the old shape and the old K/V
         if new_order.device.type in self.NO_HOST_READS_ON:
@@ -524,23 +521,28 @@ class DecodingState:
             # sentence stay together and whose sentences only leave (the batch shrinks). K/V kept once per row
             # (beam 1: greedy search, a caller that sets no beam size) follow every order, as fairseq's own
             # attention does.
-            if unchanged_rows and self.beam > 1:
+            if unchanged_rows and batch.beam > 1:
                 return
-            kept = self.rows_map.source.index_select(0, new_order).view(-1, self.beam)[:, 0]
+            if new_order.numel() % batch.beam:
+                raise RuntimeError(f"RFA decoding: a reorder to {new_order.numel()} rows breaks the batch's beams of "
+                                   f"{batch.beam}")
+            kept = self.rows_map.source.index_select(0, new_order).view(-1, batch.beam)[:, 0]
+            beam = batch.beam
         else:
             followed = self.rows_map.follow(new_order)
-            if followed is None:
+            if followed is None:  # every row reads the sentence it read: nothing moves
                 return
-            kept = followed.beam_layout(self.beam) if self.beam > 1 else None
+            kept = followed.beam_layout(batch.beam) if batch.beam > 1 else None
+            beam = batch.beam
             if kept is None:  # rows of one sentence went apart (or beam 1): keep K/V once per row from now on
-                kept, self.beam = followed.source, 1
+                kept, beam = followed.source, 1
         resized = any([layer.cross.select_sentences(kept) for layer in self.layers if layer.cross is not None])
         if resized:
             self._native = None
             if self.graphs is not None:
                 self.graphs.clear()
-        self.sentences = kept.numel()
-        self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
+        batch.sentences, batch.beam = kept.numel(), beam
+        self.rows_map = RowSources.beams(batch.sentences, beam, self.runtime.device)
 
     def keep_sentences(self, kept: Tensor) -> None:
         """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
@@ -551,7 +553,7 @@ class DecodingState:
         for layer in self.layers:
             if layer.cross is not None:
                 layer.cross.keep_sentences(kept)
-        self.rows, self.sentences = kept.numel() * self.beam, kept.numel()
+        self.batch.sentences = kept.numel()
         self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
         self._native = None
 

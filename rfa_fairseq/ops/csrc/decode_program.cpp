@@ -124,26 +124,31 @@ NativeBatch::NativeBatch(const py::list& layer_caches) {
 
 NativeSearch::NativeSearch(const py::object& object) {
   Record s(object, "search");
-  std::vector<at::Tensor> tokens = s.tensors("token_pair"), scores = s.tensors("score_pair");
+  Record views = s.sub("views"), rows = s.sub("rows");
+  std::vector<at::Tensor> tokens = views.tensors("token_pair"), scores = views.tensors("score_pair");
   TORCH_CHECK(tokens.size() == 2 && scores.size() == 2, "rfa search step: two token and two score buffers");
   tokens0 = tokens[0];
   tokens1 = tokens[1];
   scores0 = scores[0];
   scores1 = scores[1];
-  cand_scores = s.tensor("cand_scores");
-  cand_indices = s.tensor("cand_indices");
-  cands_to_ignore = s.tensor("cands_to_ignore");
-  finished = s.tensor("finished");
-  fin_count = s.tensor("fin_count");
-  fin_tokens = s.tensor("fin_tokens");
-  fin_scores = s.tensor("fin_scores");
-  fin_steps = s.tensor("fin_steps");
-  order = s.tensor("order");
+  cand_scores = views.tensor("cand_scores");
+  cand_indices = views.tensor("cand_indices");
+  cands_to_ignore = views.tensor("cands_to_ignore");
+  finished = views.tensor("finished");
+  fin_count = views.tensor("fin_count");
+  fin_tokens = views.tensor("fin_tokens");
+  fin_scores = views.tensor("fin_scores");
+  fin_steps = views.tensor("fin_steps");
+  order = views.tensor("order");
+  step = views.tensor("step");
+  step_rows = views.tensor("step_rows");
   eos_bias = s.tensor("eos_bias");
   positions = s.optional_tensor("positions");
-  step = s.tensor("step");
-  N = s.integer("N");
-  K = s.integer("K");
+  prefix = s.optional_tensor("prefix_tokens");
+  no_repeat_ngram = s.integer("no_repeat_ngram_size");
+  N = rows.integer("sentences");
+  K = rows.integer("beam");
+  TORCH_CHECK(K == s.integer("K"), "rfa search step: the rows' beam ", K, " is not the search's ", s.integer("K"));
   eos = s.integer("eos");
   pad = s.integer("pad");
   unk = s.integer("unk");
@@ -343,10 +348,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
   return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection");
 }
 
-void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s, int64_t t0, int64_t t_last,
-                                 int64_t parity, int64_t read, bool first) const {
-  TORCH_CHECK(0 <= t0 && t0 <= t_last, "rfa search step: steps ", t0, " to ", t_last);
-  const int64_t t = t_last;  // the sizes must hold up to the last step
+void DecodeProgram::check_search_buffers(const NativeSearch& s, int64_t t, int64_t parity, bool first) const {
   TORCH_CHECK(parity == 0 || parity == 1, "rfa search step: parity must be 0 or 1, got ", parity);
   const int64_t N = s.N, K = s.K, R = N * K, V = embed.size(0);
   TORCH_CHECK(N >= 1 && K >= 1, "rfa search step: ", N, " places x ", K, " beams");
@@ -368,6 +370,7 @@ void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s
   expect(s.fin_steps, "search.fin_steps", at::kLong, {R}, true);
   expect(s.eos_bias, "search.eos_bias", at::kFloat, {t + 1}, true);
   expect(s.step, "search.step", at::kLong, {1});
+  expect(s.step_rows, "search.step_rows", at::kLong, {L});
   if (s.positions.defined()) expect(s.positions, "search.positions", at::kFloat, {t + 1, embed.size(1)}, true);
   for (const int64_t token : {s.eos, s.pad, s.unk}) {
     TORCH_CHECK(token >= 0 && token < V, "rfa search step: the special token ", token, " is not in the vocabulary");
@@ -377,42 +380,59 @@ void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s
     TORCH_CHECK(fin[n] >= 0 && fin[n] <= K, "rfa search step: search.fin_count[", n, "] = ", fin[n], " of ", K);
   }
   expect(s.order, "search.order", at::kLong, {R}, true);
+  if (s.prefix.defined()) expect(s.prefix, "search.prefix_tokens", at::kLong, {N, -1});
+  TORCH_CHECK(s.no_repeat_ngram >= 0, "rfa search step: search.no_repeat_ngram_size = ", s.no_repeat_ngram,
+              " is negative");
+}
+
+void DecodeProgram::check_search_logits(const NativeSearch& s, const at::Tensor& logits, int64_t t, int64_t parity,
+                                        bool first) const {
+  check_search_buffers(s, t, parity, first);
+  expect(logits, "logits", at::kFloat, {-1, embed.size(0)}, false, false);
+}
+
+void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s, int64_t t0, int64_t t_last,
+                                 int64_t parity, int64_t read, bool first) const {
+  TORCH_CHECK(0 <= t0 && t0 <= t_last, "rfa search step: steps ", t0, " to ", t_last);
+  check_search_buffers(s, t_last, parity, first);  // the sizes must hold up to the last step
   // the first step decodes one row per sentence (its beams are one hypothesis), with no state to reorder; later
   // steps read tokens and an order the steps before wrote
+  const int64_t K = s.K, R = s.N * K;
   const at::Tensor column = (parity == 0 ? s.tokens0 : s.tokens1).select(1, t0);
   check_decode(batch, first ? column.slice(0, 0, R, K).contiguous() : column.contiguous(), at::Tensor(),
                first ? at::Tensor() : s.order.narrow(0, 0, R), read, first, at::Tensor(), first ? 1 : K);
+}
+
+std::vector<int64_t> DecodeProgram::live_places(const NativeSearch& s, bool first) {
+  // the places still translating: a finished place finalizes nothing more, and its rows cost nothing (the batch keeps
+  // its places to its end: no halving needed); the first step decodes every place (its rows are one per sentence)
+  std::vector<int64_t> live;
+  const bool* finished = s.finished.data_ptr<bool>();
+  for (int64_t n = 0; n < s.N; ++n) {
+    if (first || !finished[n]) live.push_back(n);
+  }
+  return live;
 }
 
 int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, int64_t t, int64_t parity, int64_t read,
                                    bool first, bool last) const {
   const int64_t N = s.N, K = s.K, R = N * K;
   const at::Tensor& tokens = parity == 0 ? s.tokens0 : s.tokens1;
-  const at::Tensor& scores = parity == 0 ? s.scores0 : s.scores1;
-  at::Tensor& next_tokens = parity == 0 ? s.tokens1 : s.tokens0;
-  at::Tensor& next_scores = parity == 0 ? s.scores1 : s.scores0;
-  const int64_t L = tokens.size(1);
   at::Tensor position = s.positions.defined() ? s.positions.narrow(0, t, 1) : at::Tensor();
-  bool* finished = s.finished.data_ptr<bool>();
-  // the places still translating, each decoded at its place among them (p): a finished place finalizes nothing
-  // more, and its rows cost nothing (the batch keeps its places to its end: no halving needed); the first step
-  // decodes every place (its rows are one per sentence)
-  std::vector<int64_t> live;
-  for (int64_t n = 0; n < N; ++n) {
-    if (first || !finished[n]) live.push_back(n);
-  }
-  const int64_t live_places = static_cast<int64_t>(live.size());
-  if (live_places == 0) {
+  // each live place decoded at its place among them (p)
+  const std::vector<int64_t> live = live_places(s, first);
+  const int64_t live_count = static_cast<int64_t>(live.size());
+  if (live_count == 0) {
+    s.step_rows.data_ptr<int64_t>()[t] = 0;
     s.step.fill_(t + 1);
     return N;
   }
-  const bool all_live = live_places == N;
   at::Tensor last_tokens, state_order, sentences;
   if (first) {
     // the first step decodes one row per sentence: its beams are copies of one hypothesis (BOS, no state), and only
-    // the first beam's candidates count; those rows' states go to rows 0 .. N - 1, which the reorder below names
+    // the first beam's candidates count; those rows' states go to rows 0 .. N - 1, which the reorder names
     last_tokens = tokens.select(1, t).slice(0, 0, R, K).contiguous();
-  } else if (all_live) {
+  } else if (live_count == N) {
     last_tokens = tokens.select(1, t).contiguous();
     state_order = s.order.narrow(0, 0, R);
   } else {  // the live places' rows, packed: row p * K + b is place live[p]'s beam b
@@ -421,15 +441,28 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
     last_tokens = tokens.select(1, t).index_select(0, rows);
     state_order = s.order.index_select(0, rows);
   }
-  at::Tensor logits = decode(batch, last_tokens, position, state_order, read, first, false, at::Tensor(),
-                             first ? 1 : K, sentences);
+  const at::Tensor logits = decode(batch, last_tokens, position, state_order, read, first, false, at::Tensor(),
+                                   first ? 1 : K, sentences);
+  s.step_rows.data_ptr<int64_t>()[t] = logits.size(0);
+  return choose(s, logits, live, t, parity, first, last);
+}
+
+int64_t DecodeProgram::choose(NativeSearch& s, const at::Tensor& logits, const std::vector<int64_t>& live, int64_t t,
+                              int64_t parity, bool first, bool last) const {
+  const int64_t N = s.N, K = s.K, live_count = static_cast<int64_t>(live.size());
+  at::Tensor& tokens = parity == 0 ? s.tokens0 : s.tokens1;
+  at::Tensor& scores = parity == 0 ? s.scores0 : s.scores1;
+  at::Tensor& next_tokens = parity == 0 ? s.tokens1 : s.tokens0;
+  at::Tensor& next_scores = parity == 0 ? s.scores1 : s.scores0;
+  const int64_t L = tokens.size(1);
+  bool* finished = s.finished.data_ptr<bool>();
   const int64_t V = logits.size(1);
   const int64_t k = std::min(2 * K, (first ? V : K * V) - 1);  // -1: never pad (SequenceGenerator)
   const int64_t beams = first ? 1 : K;  // the first step: a sentence's beams are one hypothesis
   const float* lg = logits.data_ptr<float>();
   const int64_t ldl = logits.stride(0);
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const float* sc = scores.data_ptr<float>();
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  float* sc = scores.data_ptr<float>();
   int64_t* next_tok = next_tokens.data_ptr<int64_t>();
   float* next_sc = next_scores.data_ptr<float>();
   float* cand_scores = s.cand_scores.data_ptr<float>();
@@ -443,29 +476,58 @@ int64_t DecodeProgram::search_step(const NativeBatch& batch, NativeSearch& s, in
   const float eos_bias = s.eos_bias.data_ptr<float>()[t];
   const float unk_penalty = static_cast<float>(s.unk_penalty);
   const int64_t eos = s.eos, pad = s.pad, unk = s.unk, Ls = L - 1;
+  // prefix tokens (fairseq's --prefix-size, SequenceGenerator._prefix_tokens): at a step inside the prefix a place's
+  // beams may only take its token there (none where the place's prefix has pad), and the minimum length's EOS mask is
+  // off; a prefix that ends in EOS makes every beam of its place a copy of the first
+  const bool prefix_step = s.prefix.defined() && t < s.prefix.size(1) && !last;
+  const int64_t* prefix = prefix_step ? s.prefix.data_ptr<int64_t>() : nullptr;
+  const int64_t prefix_len = prefix_step ? s.prefix.size(1) : 0;
+  // --no-repeat-ngram-size n: a beam never takes a token that would repeat one of its n-grams (the n - 1 tokens it
+  // ends with, followed by the token that followed them before), over its tokens so far, BOS included
+  const int64_t ngram = s.no_repeat_ngram, check_from = t + 2 - ngram;
 
   const rfa::cpu::Kernels& kernels = library_->kernels();
   RECORD_FUNCTION("rfa::search", std::vector<c10::IValue>());
-  at::parallel_for(0, live_places, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, live_count, 1, [&](int64_t begin, int64_t end) {
     std::vector<char> eos_mask(k), ended(k);
     std::vector<int64_t> active(K);
     std::vector<float> row_max(beams), row_log_sum(beams), row_add(beams);
+    std::vector<std::vector<int64_t>> banned(beams);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n = live[p];
-      auto row = [&](int64_t b) { return lg + (first ? p : p * K + b) * ldl; };  // the logits of place p
+      const int64_t forced = prefix_step ? prefix[n * prefix_len + t] : pad;
+      const bool copy_first_beam = forced == eos && !first;
+      if (copy_first_beam) {  // the place's beams become copies of its first: tokens and scores so far, logits
+        for (int64_t b = 1; b < K; ++b) {
+          std::copy(tok + n * K * L, tok + n * K * L + t + 1, tok + (n * K + b) * L);
+          std::copy(sc + n * K * Ls, sc + n * K * Ls + t, sc + (n * K + b) * Ls);
+        }
+      }
+      // the logits of place p's beam b
+      auto row = [&](int64_t b) { return lg + (first ? p : p * K + (copy_first_beam ? 0 : b)) * ldl; };
       // candidates: per beam, log_softmax(logits) with the masks (pad never, unk penalized, EOS only from the
-      // minimum length and alone at the last step) plus the beam's score so far; the k best over the beams
+      // minimum length and alone at the last step, the prefix's token alone, no repeated n-gram) plus the beam's
+      // score so far; the k best over the beams
       for (int64_t b = 0; b < beams; ++b) {
         kernels.row_log_sum_exp(row(b), V, &row_max[b], &row_log_sum[b]);
         row_add[b] = first ? 0.0f : sc[(n * K + b) * Ls + t - 1];
+        banned[b].clear();
+        if (ngram > 0 && check_from >= 0) {
+          const int64_t* history = tok + (n * K + b) * L;  // tokens 0 .. t
+          const int64_t* tail = history + t + 2 - ngram;   // the last n - 1
+          for (int64_t i = 0; i < check_from; ++i) {
+            if (std::equal(tail, tail + ngram - 1, history + i)) banned[b].push_back(history[i + ngram - 1]);
+          }
+        }
       }
       auto value = [&](int64_t b, int64_t v) {
-        if (v == pad || (last && v != eos)) return kNegInf;
+        if (v == pad || (last && v != eos) || (forced != pad && v != forced)) return kNegInf;
         float lp = (row(b)[v] - row_max[b]) - row_log_sum[b];
         if (!last) {
           if (v == unk) lp -= unk_penalty;
-          if (v == eos) lp += eos_bias;
+          if (v == eos && !prefix_step) lp += eos_bias;
         }
+        if (!banned[b].empty() && std::find(banned[b].begin(), banned[b].end(), v) != banned[b].end()) return kNegInf;
         return std::isnan(lp) ? kNegInf : lp + row_add[b];
       };
       // the block's largest logit bounds its candidates: the masks only lower a value, but for a negative unk
@@ -590,18 +652,43 @@ void bind_decode_program(py::module_& m) {
           py::arg("batch"), py::arg("search"), py::arg("t"), py::arg("parity"), py::arg("read"), py::arg("first"),
           py::arg("last"), "the static beam search's whole step (decode_program.h)")
       .def(
+          "search_choose",
+          [](const DecodeProgram& program, NativeSearch& search, const at::Tensor& logits, int64_t t, int64_t parity,
+             bool first, bool last) {
+            program.check_search_logits(search, logits, t, parity, first);
+            const std::vector<int64_t> live = DecodeProgram::live_places(search, first);
+            TORCH_CHECK(logits.size(0) == static_cast<int64_t>(live.size()) * (first ? 1 : search.K),
+                        "rfa search choose: ", logits.size(0), " rows of logits for ", live.size(), " live places");
+            py::gil_scoped_release release;
+            return program.choose(search, logits, live, t, parity, first, last);
+          },
+          py::arg("search"), py::arg("logits"), py::arg("t"), py::arg("parity"), py::arg("first"), py::arg("last"),
+          "the search's part of step t on given logits of the live places' rows (tests compare it with the torch "
+          "search on the same logits)")
+      .def(
           "search_steps",
-          [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, int64_t t0, int64_t parity,
-             int64_t read, int64_t last_step, int64_t max_len) {
+          [](const DecodeProgram& program, const NativeBatch& batch, NativeSearch& search, py::object rows, int64_t t0,
+             int64_t last_step, int64_t max_len) {
             TORCH_CHECK(last_step <= max_len, "rfa search steps: the last step ", last_step, " is past max_len ",
                         max_len);
-            program.check_search(batch, search, t0, last_step, parity, read, t0 == 0);
-            py::gil_scoped_release release;
-            at::NoGradGuard no_grad;
-            return program.search_steps(batch, search, t0, parity, read, last_step, max_len);
+            Record account(rows, "rows");
+            const int64_t parity = account.integer("parity");
+            TORCH_CHECK(account.flag("first") == (t0 == 0), "rfa search steps: step ", t0, " of a batch whose rows ",
+                        account.flag("first") ? "start at step 0" : "have run steps");
+            program.check_search(batch, search, t0, last_step, parity, parity, t0 == 0);
+            std::pair<int64_t, int64_t> result;
+            {
+              py::gil_scoped_release release;
+              at::NoGradGuard no_grad;
+              result = program.search_steps(batch, search, t0, parity, parity, last_step, max_len);
+            }
+            // the rows' account follows: the buffer pairs turned once per step run
+            rows.attr("parity") = (parity + result.first - t0 + 1) % 2;
+            rows.attr("first") = false;
+            return result;
           },
-          py::arg("batch"), py::arg("search"), py::arg("t0"), py::arg("parity"), py::arg("read"), py::arg("last_step"),
+          py::arg("batch"), py::arg("search"), py::arg("rows"), py::arg("t0"), py::arg("last_step"),
           py::arg("max_len"),
-          "the static beam search's steps until every place has finished or the last step, in one call "
-          "(decode_program.h)");
+          "the static beam search's steps from t0 until every place has finished or the last step, in one call; the "
+          "rows' account (BatchRows: its parity, first) is read and updated (decode_program.h)");
 }

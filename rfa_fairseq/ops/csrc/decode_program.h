@@ -86,6 +86,9 @@ struct NativeSearch {
   at::Tensor eos_bias;            // (>= max_len + 1,) fp32: -inf before the minimum length
   at::Tensor positions;           // (>= max_len + 1, C) or undefined
   at::Tensor step;                // (1,) int64: the step number, set to t + 1 after step t (the torch steps read it)
+  at::Tensor step_rows;           // (L,) int64: the rows step t decoded, written at t (profiles read it)
+  at::Tensor prefix;              // (N, P) int64 prefix tokens (pad: none at that step), or undefined
+  int64_t no_repeat_ngram = 0;    // --no-repeat-ngram-size (0: off)
   int64_t N = 0, K = 1, eos = 2, pad = 1, unk = 3;
   double unk_penalty = 0.0;
   explicit NativeSearch(const pybind11::object& search);
@@ -114,6 +117,13 @@ class DecodeProgram {
   // them), a finished place's rows left as they are. -> how many places have finished (search.finished).
   int64_t search_step(const NativeBatch& batch, NativeSearch& search, int64_t t, int64_t parity, int64_t read,
                       bool first, bool last) const;
+  // the search's part of step t on the logits (live.size() places' rows, packed as search_step packs them) of the
+  // places `live`: log-softmax with the masks (min length, unk, prefix, repeated n-grams, EOS alone at the last
+  // step), the 2K best candidates per place, finalization and the reorder into the other pair. -> finished places
+  int64_t choose(NativeSearch& search, const at::Tensor& logits, const std::vector<int64_t>& live, int64_t t,
+                 int64_t parity, bool first, bool last) const;
+  // the places a step decodes: every place at the first step, else those not finished
+  static std::vector<int64_t> live_places(const NativeSearch& search, bool first);
   // search_step at t = t0, t0 + 1, ... (the first step at t = 0; the last, EOS only, at t = max_len), the buffer
   // pairs and the causal states turning after each, until every place has finished or step `last_step` ran: a
   // batch's whole search in one call, without Python (or the GIL) between its steps (each step decodes only the
@@ -123,6 +133,10 @@ class DecodeProgram {
   // the search's buffers are fit for its steps t0 .. t_last (the tokens read at t0 from pair `parity`)
   void check_search(const NativeBatch& batch, const NativeSearch& search, int64_t t0, int64_t t_last, int64_t parity,
                     int64_t read, bool first) const;
+  // the search's buffers are fit for steps up to t (check_search_buffers), and `logits` for choose at step t
+  void check_search_buffers(const NativeSearch& search, int64_t t, int64_t parity, bool first) const;
+  void check_search_logits(const NativeSearch& search, const at::Tensor& logits, int64_t t, int64_t parity,
+                           bool first) const;
 
   const LinearLibrary& library() const { return *library_; }
 

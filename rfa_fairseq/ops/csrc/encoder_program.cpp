@@ -1,8 +1,9 @@
-// A batch's encoder pass as one native call (encoder_program.h): fairseq's softmax encoder in eval
-// without autograd, the same torch operations in the same order as TransformerEncoderBase.forward_scriptable with
-// SoftmaxEncoderLayer's inference (rfa_fairseq/models/rfa_transformer.py), so the same output to the bit; what it
-// removes is Python between ~25 operations a layer (at one sentence a batch, most of the encoder's time) and the GIL
-// (threads that decode different batches encode at once). The pass is named rfa::encoder for torch's profiler.
+// A batch's encoder pass as one native call (encoder_program.h): fairseq's softmax encoder in eval without autograd,
+// the operations of TransformerEncoderBase.forward_scriptable and TransformerEncoderLayerBase.forward in their order
+// (the fairseq functions it repeats are fingerprinted: fairseq_mirrors.NATIVE_ENCODER_MIRRORS; another fairseq turns
+// it off), on the runtime's linear layers, so fairseq's output within those layers' rounding; what it removes is
+// Python between ~25 operations a layer (at one sentence a batch, most of the encoder's time) and the GIL (threads
+// that decode different batches encode at once). The pass is named rfa::encoder for torch's profiler.
 #include <ATen/record_function.h>
 #include <pybind11/stl.h>
 
@@ -76,7 +77,7 @@ at::Tensor torch_layer_norm(const Norm& norm, const at::Tensor& x) {
   return at::layer_norm(x, {x.size(-1)}, norm.weight, norm.bias, norm.eps);
 }
 
-// SoftmaxEncoderLayer._infer: x (T, B, C), key_padding_mask (B, T) bool or undefined -> the layer's output (T, B, C)
+// fairseq's TransformerEncoderLayerBase.forward: x (T, B, C), key_padding_mask (B, T) bool or undefined -> the layer's output (T, B, C)
 at::Tensor encoder_layer(const EncoderLayerProgram& layer, const LinearLibrary& lib, const at::Tensor& input,
                          const at::Tensor& key_padding_mask) {
   const int64_t T = input.size(0), B = input.size(1), C = input.size(2), H = layer.heads, d = layer.head_dim;

@@ -23,7 +23,7 @@ struct EncoderLayerProgram {  // modules/encoding.py's EncoderLayerRecord: fairs
 
 // A batch's encoder pass as one native call, built from an EncodingRuntime (modules/encoding.py): fairseq's
 // TransformerEncoderBase.forward_scriptable in eval without autograd, the same torch operations in the same order
-// (embedding, positions, padding, each layer as SoftmaxEncoderLayer's inference, the final norm) and the same linear
+// (embedding, positions, padding, each layer as fairseq's encoder layer, the final norm) on the runtime's linear
 // layers, without Python between them.
 class EncoderProgram {
  public:

@@ -38,5 +38,5 @@ class Record {
 // the code `codes` gives a record's text field, or an error naming the record's field and the codes it may have
 int64_t code_of(const std::map<std::string, int64_t>& codes, const std::string& name, const std::string& what);
 
-// an optional tensor argument from Python (None: undefined)
+// an optional tensor argument (None: undefined)
 inline at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
