@@ -41,7 +41,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import REPO, PLUGIN_DIR, detokenized_hypotheses, device_tag, pyplot, write_csv  # noqa: E402
+from benchmark_common import (  # noqa: E402
+    ISA_CAPS,
+    PLUGIN_DIR,
+    REPO,
+    cpu_isa_environment,
+    detokenized_hypotheses,
+    device_tag,
+    pyplot,
+    write_csv,
+)
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from quality_study import DEFAULT_MODEL_VARIANTS, default_model_variant  # noqa: E402
@@ -76,16 +85,21 @@ KEY = ("device", "threads", "batch_size", "model")
 SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8", "rfa_intra", "rfa_int8_intra")
 
 
-def generate_flags(model: str, no_triton_self_check: bool = False) -> list:
-    """fairseq-generate's flags of a model: MODELS' own, and for an RFA model with no_triton_self_check,
-    rfa_triton_self_check False in its --model-overrides."""
+def generate_flags(model: str, no_triton_self_check: bool = False, cpu_isa: str = "") -> list:
+    """fairseq-generate's flags of a model: MODELS' own, and for an RFA model its --model-overrides with
+    rfa_triton_self_check False (no_triton_self_check) and rfa_cpu_isa (cpu_isa: a level's name)."""
     flags = list(MODELS[model][1])
-    if not no_triton_self_check or MODELS[model][0] == "softmax":
+    overrides = {}
+    if no_triton_self_check:
+        overrides["rfa_triton_self_check"] = False
+    if cpu_isa:
+        overrides["rfa_cpu_isa"] = cpu_isa
+    if not overrides or MODELS[model][0] == "softmax":
         return flags
     if "--model-overrides" not in flags:
-        return flags + ["--model-overrides", repr({"rfa_triton_self_check": False})]
+        return flags + ["--model-overrides", repr(overrides)]
     at = flags.index("--model-overrides") + 1
-    flags[at] = repr({**ast.literal_eval(flags[at]), "rfa_triton_self_check": False})
+    flags[at] = repr({**ast.literal_eval(flags[at]), **overrides})
     return flags
 
 
@@ -154,20 +168,23 @@ def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1)):
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctranslate2_generate.py"),
                "--model", args.ct2_models[model], "--source", os.path.join(args.prep, "test.spm.en"),
                "--output", hyp_path + ".txt", "--threads", str(intra), "--inter-threads", str(inter),
-               "--batch-size", str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
+               "--batch-size", str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50",
+               "--forced-length", str(args.forced_length)]
     else:
         # fairseq-generate as a module: the console script need not sit beside this interpreter
         cmd = [sys.executable, "-m", "fairseq_cli.generate", os.path.join(args.prep, "data-bin"),
                "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
-               "--max-len-a", "1", "--max-len-b", "50", "--batch-size", str(batch_size),
+               *length_flags(args.forced_length), "--batch-size", str(batch_size),
                "--required-batch-size-multiple", "1", "--post-process", "sentencepiece", "--num-workers", "0",
-               *generate_flags(model, args.no_triton_self_check)]
+               *generate_flags(model, args.no_triton_self_check, args.cpu_isa)]
         if args.device == "cpu":
             cmd.append("--cpu")
         if args.fp16:
             cmd.append("--fp16")
     # CT2_VERBOSE: CTranslate2 logs the GEMM backend it picked for this CPU (the CSV's gemm_backend)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CT2_VERBOSE="1")
+    if args.cpu_isa:  # every library of the process capped at the level, CTranslate2 too
+        env = cpu_isa_environment(args.cpu_isa, env)
     with open(hyp_path + ".log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
@@ -189,6 +206,14 @@ def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1)):
         hyps = detokenized_hypotheses(text)
     sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
     return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps, gemm_backend(model, text, args.device)
+
+
+def length_flags(forced_length: int) -> list:
+    """fairseq-generate's length flags: source + 50 tokens at most (beam search's natural lengths), or every
+    hypothesis exactly forced_length tokens (then EOS)."""
+    if forced_length > 0:
+        return ["--min-len", str(forced_length), "--max-len-a", "0", "--max-len-b", str(forced_length)]
+    return ["--max-len-a", "1", "--max-len-b", "50"]
 
 
 def gemm_backend(model, log_text, device="cpu") -> str:
@@ -276,6 +301,14 @@ def main(argv=None):
     p.add_argument("--train-timeout", type=float, default=6 * 3600, help="seconds a missing checkpoint may train")
     p.add_argument("--csv", default=None)
     p.add_argument("--redo", action="store_true", help="measure finished rows again")
+    p.add_argument("--cpu-isa", default="", choices=["", *ISA_CAPS],
+                   help="CPU: run every process capped at this instruction-set level (a CPU of that level on one that "
+                        "has more): the RFA models with --rfa-cpu-isa, oneDNN, torch, MKL and CTranslate2 through "
+                        "their own caps (benchmark_common.ISA_CAPS); the CSV's name and cpu_isa column say which")
+    p.add_argument("--forced-length", type=int, default=0,
+                   help="every hypothesis exactly this many tokens (fairseq --min-len L --max-len-a 0 --max-len-b L, "
+                        "CTranslate2 min/max decoding length): both engines do the same work whatever the checkpoints' "
+                        "quality; 0: natural lengths")
     p.add_argument("--no-triton-self-check", action="store_true",
                    help="CUDA: the RFA models decode with --no-rfa-triton-self-check (fairseq-generate's timer would "
                         "count the check; for a GPU checked before: benchmarks/gpu/self_check.py)")
@@ -310,7 +343,8 @@ def main(argv=None):
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA device")
     tag = device_tag(args.device)
-    args.csv = args.csv or os.path.join(REPO, "benchmarks", "results", f"generate_multi30k_{tag}.csv")
+    suffix = (f"_{args.cpu_isa}" if args.cpu_isa else "") + (f"_forced{args.forced_length}" if args.forced_length else "")
+    args.csv = args.csv or os.path.join(REPO, "benchmarks", "results", f"generate_multi30k_{tag}{suffix}.csv")
     args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
     args.updates = {model: updates_of(path) for model, path in args.checkpoints.items()}
     args.ct2_models = {model: ct2_model_of(args, model) for model in args.models if model in CT2_MODELS}
@@ -359,7 +393,8 @@ def main(argv=None):
                         "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
                         "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
                         "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
-                        "machine": description, "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+                        "machine": description, "cpu_isa": args.cpu_isa or "native",
+                        "forced_length": args.forced_length, "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                     }
                     if "softmax" in best:
                         row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"

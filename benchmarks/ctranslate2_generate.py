@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--lenpen", type=float, default=1.0)
     p.add_argument("--max-len-b", type=int, default=50, help="hypotheses end by source length (with </s>) + this")
+    p.add_argument("--forced-length", type=int, default=0,
+                   help="every hypothesis exactly this many tokens (min and max decoding length; 0: natural lengths)")
     args = p.parse_args(argv)
 
     import ctranslate2
@@ -54,10 +56,13 @@ def main(argv=None) -> int:
     # fairseq stops each sentence at its own source length + max-len-b; one bound per call here, so the
     # longest sentence's: it only matters for hypotheses that never end
     max_length = max(len(s) for s in sources) + 1 + args.max_len_b
+    lengths = {"max_decoding_length": max_length}
+    if args.forced_length > 0:  # fairseq-generate --min-len L --max-len-a 0 --max-len-b L
+        lengths = {"min_decoding_length": args.forced_length, "max_decoding_length": args.forced_length}
     start = time.perf_counter()
     results = translator.translate_batch(
         sources, beam_size=args.beam, length_penalty=args.lenpen, max_batch_size=args.batch_size,
-        batch_type="examples", max_decoding_length=max_length, return_scores=False,
+        batch_type="examples", return_scores=False, **lengths,
     )
     seconds = time.perf_counter() - start
     hypotheses = [r.hypotheses[0] for r in results]

@@ -42,7 +42,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import PLUGIN_DIR, write_csv  # noqa: E402
+from benchmark_common import ISA_CAPS, PLUGIN_DIR, cpu_isa_environment, write_csv  # noqa: E402
 
 # the native step's parts (RECORD_FUNCTION names) -> the CSV's parts
 NATIVE_PARTS = {"rfa::linear": "decoder: linear layers", "rfa::output_projection": "decoder: output projection",
@@ -87,7 +87,7 @@ def load(args):
     gen_args = options.parse_args_and_arch(parser, [
         os.path.join(args.prep, "data-bin"), "--user-dir", PLUGIN_DIR, "--path", args.path, "--gen-subset", "test",
         "--beam", "4", "--lenpen", "1", "--max-len-a", "1", "--max-len-b", "50", "--cpu",
-        "--model-overrides", f"{{'rfa_decode_precision': '{args.decode_precision}'}}"])
+        "--model-overrides", repr({"rfa_decode_precision": args.decode_precision, "rfa_cpu_isa": args.cpu_isa or "auto"})])
     cfg = convert_namespace_to_omegaconf(gen_args)
     utils.import_user_module(cfg.common)
     task = tasks.setup_task(cfg.task)
@@ -207,7 +207,12 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "profile_generate_multi30k_cpu.csv"))
+    p.add_argument("--cpu-isa", default="", choices=["", *ISA_CAPS],
+                   help="this process and CTranslate2's capped at this instruction-set level (benchmark_common.ISA_CAPS)")
     args = p.parse_args()
+    if args.cpu_isa and os.environ.get("RFA_PROFILE_CAPPED") != args.cpu_isa:  # the caps are read at start: again
+        env = cpu_isa_environment(args.cpu_isa, dict(os.environ, RFA_PROFILE_CAPPED=args.cpu_isa))
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(args.threads)
     model, generator, batches_of = load(args)
     generator.parts = 1  # one part on every thread (parts decoded at once would overlap each other's parts' times)

@@ -3,7 +3,7 @@
 A torch upgrade may remove or change any of them without notice, so each is named here once, behind a
 small function that says what happens without it:
 
-- `Tensor._version`: `tensor_version`. The version counter that in-place updates bump; the decoding runtime
+- `Tensor._version`: `tensor_version`, `tensor_states`. The version counter that in-place updates bump; the decoding runtime
   is built again (and the encoder's linear layers packed again) when a parameter's version changes. Without it: an AttributeError
   naming it (no fallback: a stale packed weight would give wrong outputs).
 - `torch.ops.mkldnn._reorder_linear_weight`: `onednn_pack_linear_weight`, and `torch.ops.mkldnn._linear_pointwise`
@@ -45,6 +45,15 @@ def tensor_version(tensor: Tensor) -> int:
     """`tensor._version`: the counter that every in-place update of the tensor (or of a view of it) bumps."""
     try:
         return tensor._version
+    except AttributeError:
+        raise _missing("Tensor._version", "packed weights could not see in-place parameter updates") from None
+
+
+def tensor_states(tensors) -> tuple:
+    """(identity, storage address, version) of each tensor, in one pass: what a runtime built from them depends on
+    (checked at every batch: one comprehension, not a call per tensor)."""
+    try:
+        return tuple([(id(t), t.data_ptr(), t._version) for t in tensors])
     except AttributeError:
         raise _missing("Tensor._version", "packed weights could not see in-place parameter updates") from None
 

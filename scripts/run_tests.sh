@@ -10,6 +10,16 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup_env.sh"
 cd "$REPO"
+# The aarch64 build check (tests/test_cpu_levels.py) compiles the C++ sources with Debian's cross compiler: installed
+# here where apt-get can (as root; RFA_NO_APT=1 skips it); elsewhere the test skips, saying why.
+if ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && [[ -z "${RFA_NO_APT:-}" ]] && command -v apt-get >/dev/null 2>&1 &&
+    [[ $(id -u) -eq 0 ]]; then
+    echo "run_tests.sh: installing g++-aarch64-linux-gnu (the aarch64 build check)" >&2
+    if ! { apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1; }; }; then
+        echo "run_tests.sh: warning: apt-get could not install g++-aarch64-linux-gnu: the aarch64 build check skips" >&2
+    fi
+fi
 # PYTHON picked the interpreter that creates .venv; the project's scripts (train.sh, generate.sh, score.sh) read it as
 # the interpreter to run, which in the tests is the environment's own (first on their PATH)
 unset PYTHON

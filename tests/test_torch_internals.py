@@ -54,6 +54,16 @@ def test_tensor_version_counts_in_place_updates():
     assert torch_internals.tensor_version(t) == before + 2
 
 
+def test_tensor_states_name_each_tensors_identity_storage_and_version():
+    a, b = torch.zeros(3), torch.zeros(2)
+    before = torch_internals.tensor_states([a, b])
+    assert before == ((id(a), a.data_ptr(), torch_internals.tensor_version(a)),
+                      (id(b), b.data_ptr(), torch_internals.tensor_version(b)))
+    b.add_(1)
+    after = torch_internals.tensor_states([a, b])
+    assert after[0] == before[0] and after[1][2] == before[1][2] + 1
+
+
 def test_onednn_linear_ops_match_f_linear():
     """oneDNN's linear on a packed weight, through the operators the C++ LinearLibrary calls (their dispatcher names),
     == F.linear: with a bias or none, relu fused, a residual fused, a row count far from the packing hint."""

@@ -678,11 +678,16 @@ class _Search:
         slots = [slot for n in places for slot in range(n * K, n * K + counts[n])]
         if not slots:
             return
-        rows = torch.tensor(slots, device=self.device)
         # read once, and a copy of their own: the buffers serve the next batch (views of them would change)
-        tokens = v.fin_tokens.index_select(0, rows).cpu()
-        scores = v.fin_scores.index_select(0, rows).cpu()  # cumulative
-        steps = v.fin_steps.index_select(0, rows).tolist()
+        if slots == list(range(slots[0], slots[0] + len(slots))):  # every place's K slots (a whole batch): a slice
+            first, count = slots[0], len(slots)
+            tokens, scores = (t.narrow(0, first, count).to("cpu", copy=True) for t in (v.fin_tokens, v.fin_scores))
+            steps = v.fin_steps.narrow(0, first, count).tolist()
+        else:
+            rows = torch.tensor(slots, device=self.device)
+            tokens = v.fin_tokens.index_select(0, rows).cpu()
+            scores = v.fin_scores.index_select(0, rows).cpu()  # cumulative
+            steps = v.fin_steps.index_select(0, rows).tolist()
         positional = scores.clone()
         positional[:, 1:] -= scores[:, :-1]  # cumulative -> per position (the ones past a hypothesis' end unread)
         final = scores.gather(1, torch.tensor(steps).unsqueeze(1)).squeeze(1)  # the score at each hypothesis' EOS

@@ -52,6 +52,7 @@ from ..modules.decoding import (
 from ..modules.encoding import EncodingRuntime
 from ..modules.rfa_attention import CausalRecord
 from ..ops import rfa_step_kernels
+from ..ops.triton_self_check import current as triton_trust
 from ..ops.triton_self_check import set_step_self_check
 
 
@@ -146,13 +147,15 @@ class DecoderLayerRecord:
               runtime) -> "tuple[LayerCache, bool]":
         """A batch's cache for this layer (reusing the previous batch's buffers where they fit). key: (S, sentences,
         C) encoder output, or None; source_len: the cross-attention's K/V length (>= S: padded, masked; None: S).
-        -> (the cache, whether a buffer is new)"""
+        With the native program, softmax cross-attention's K and V are left to it (DecodingState.start: one call for
+        every layer). -> (the cache, whether a buffer is new)"""
         self_attn, allocated = self.self_attn.start(previous.self_attn if previous else None, rows, runtime.device,
                                                         runtime.kernels.state_dtype)
         cross = None
         if self.cross is not None and key is not None:
+            fill = {"fill": runtime.program is None} if self.cross.kind == "softmax" else {}
             cross, new = self.cross.start(previous.cross if previous else None, key, key_padding_mask, source_len,
-                                          runtime.kernels)
+                                          runtime.kernels, **fill)
             allocated = allocated or new
         return LayerCache(self_attn, cross), allocated
 
@@ -265,6 +268,7 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self.beam_size = 1  # set by fairseq's SequenceGenerator (set_beam_size): rows per source sentence
         self._decoding = DecodingCache()  # the runtime (rebuilt when the weights change) and the last batch's buffers
         self._logged_kernels = None
+        self._step_self_check = None  # (device, option, the verdicts' registry) last set for the step's Triton kernel
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
@@ -348,7 +352,10 @@ class RFATransformerDecoder(TransformerDecoderBase):
         parameter or buffer changes (or after training, which updates them through .data). Sets whether the step's
         Triton kernel is self-checked on the weights' device (--rfa-triton-self-check): its calls take no options."""
         self._check_can_decode()
-        set_step_self_check(self.embed_tokens.weight.device, self.rfa.rfa_triton_self_check)
+        self_check = (self.embed_tokens.weight.device, self.rfa.rfa_triton_self_check, id(triton_trust()))
+        if self._step_self_check != self_check:  # set when it changes (each batch asks for the runtime)
+            set_step_self_check(*self_check[:2])
+            self._step_self_check = self_check
         return self._decoding.get(self, self._runtime_options(), self._build_runtime)
 
     def _build_runtime(self) -> DecodingRuntime:

@@ -141,7 +141,7 @@ class WeightsWatch:
         if self._tensors is None or self._listed_at != WeightsWatch.registrations:
             self._tensors = list(module.parameters()) + list(module.buffers())
             self._listed_at = WeightsWatch.registrations
-        return tuple((id(t), t.data_ptr(), torch_internals.tensor_version(t)) for t in self._tensors)
+        return torch_internals.tensor_states(self._tensors)
 
 
 def _count_registration(*_args) -> None:
@@ -425,6 +425,8 @@ class DecodingState:
             self.generation += int(allocated)
         self.layers[:] = caches
         self._native = None
+        if runtime.program is not None and key is not None:  # the softmax cross-attention's K, V: one native call
+            runtime.program.start_sources(self.native_batch(), key, key_padding_mask)
         return self
 
     # ------------------------------------------------------------ a step

@@ -43,17 +43,29 @@ class SoftmaxCrossRecord:
     has_weights = True  # fairseq's alignment: the head-averaged weights
 
     def start(self, previous: Optional[SoftmaxCrossCache], key: Tensor, key_padding_mask: Optional[Tensor],
-              source_len: Optional[int], kernels) -> Tuple[SoftmaxCrossCache, bool]:
+              source_len: Optional[int], kernels, fill: bool = True) -> Tuple[SoftmaxCrossCache, bool]:
         """A batch's start: K, V of key (S, sentences, C) (the previous batch's buffers when large enough), the
         padding as a bias. source_len (>= S): K and V padded to that length with zeros that the bias masks, and the
         bias always present, so that batches of other source lengths up to it run on the same buffers and shapes
-        (CUDA graphs). -> (the cache, whether a buffer is new)"""
+        (CUDA graphs). fill=False: the buffers only (the native program fills them: DecodeProgram.start_sources, the
+        same product and layout). -> (the cache, whether a buffer is new)"""
         S, n, _ = key.shape
         H, d = self.heads, self.head_dim
         length = S if source_len is None else source_len
         if length < S:
             raise ValueError(f"source_len {source_len} is shorter than the source ({S} positions)")
         cache = previous if previous is not None else SoftmaxCrossCache()
+        if not fill:
+            if length != S:
+                raise ValueError("the native program fills K and V of the source's own length (the CPU keeps no padded "
+                                 f"positions), not {length} for {S}")
+            cache.key, new_key = reuse_or_allocate(cache.key, (n, H, S, d), key.dtype, key.device)
+            cache.value, new_value = reuse_or_allocate(cache.value, (n, H, S, d), key.dtype, key.device)
+            cache.key_bias, new_bias = None, False
+            if key_padding_mask is not None and bool(key_padding_mask.any()):
+                cache.key_bias, new_bias = reuse_or_allocate(cache._bias_buffer, (n, S), key.dtype, key.device)
+                cache._bias_buffer = cache.key_bias
+            return cache, new_key or new_value or new_bias
         kv = kernels.linear(key.reshape(S * n, -1), self.kv_proj)
         kv = kv.view(S, n, 2, H, d).permute(2, 1, 3, 0, 4)  # (2, n, H, S, d)
         cache.key, new_key = reuse_or_allocate(cache.key, (n, H, length, d), kv.dtype, kv.device)

@@ -67,4 +67,6 @@ def cpu_name() -> str:
     # x86: "model name"; aarch64: the implementer and part numbers name the core
     name = fields.get("model name") or " ".join(
         f"{key} {fields[key]}" for key in ("CPU implementer", "CPU part", "CPU variant") if key in fields)
-    return f"{platform.machine()} {name or platform.processor() or 'unknown CPU'}"
+    # x86 model names are often a family's ("AMD EPYC"): its family, model and stepping tell the generation
+    version = " ".join(f"{key.split()[-1]} {fields[key]}" for key in ("cpu family", "model", "stepping") if key in fields)
+    return f"{platform.machine()} {name or platform.processor() or 'unknown CPU'}" + (f" ({version})" if version else "")

@@ -7,8 +7,8 @@ blocking wins. Where the two cross depends on the CPU, the level and the shape (
 times both on one thread at 1, 4, 8, ... MEASURED_ROWS[-1] rows (the best of a few products, interleaved; a loss
 timed twice before it counts) and the kernel takes the rows up to the last count where it won before oneDNN first
 did. The limits are kept in a small JSON record per machine (RECORD_NAME under RFA_CACHE_DIR, else
-$XDG_CACHE_HOME/rfa_fairseq, else ~/.cache/rfa_fairseq), keyed by the CPU's name, the level, the library, torch's
-version and the shape: a machine measures a shape once (about a millisecond to a few tens for the vocabulary's
+$XDG_CACHE_HOME/rfa_fairseq, else ~/.cache/rfa_fairseq), keyed by the CPU's name, the level, the library (and oneDNN's
+own cap), torch's version and the shape: a machine measures a shape once (about a millisecond to a few tens for the vocabulary's
 projection), and every later process takes the same kernels, so fp32 decoding, whose two kernels may sum in other
 orders, gives the same hypotheses run after run. Writers take an exclusive lock on the record and replace it whole; a
 record that cannot be read or written is measured again in each process (logged once).
@@ -25,7 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .cpu_isa import cpu_name
+from .cpu_isa import ONEDNN_ENV, cpu_name
 
 CACHE_ENV = "RFA_CACHE_DIR"
 RECORD_NAME = "few_rows_limits.json"
@@ -46,7 +46,10 @@ def record_path() -> Path:
 
 
 def key_of(library, code: str, packed) -> str:
-    return (f"{cpu_name()} | {library.level} | {code} | torch {torch.__version__} | "
+    # oneDNN's own cap (ONEDNN_MAX_CPU_ISA, read by oneDNN at the process's first primitive) sets the other side of
+    # the comparison: a limit measured against an uncapped oneDNN is not one for a capped one
+    onednn = os.environ.get(ONEDNN_ENV) or "the CPU's"
+    return (f"{cpu_name()} | {library.level} | {code} (oneDNN ISA {onednn}) | torch {torch.__version__} | "
             f"{packed.in_features}x{packed.out_features}")
 
 

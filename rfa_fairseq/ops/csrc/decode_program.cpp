@@ -81,6 +81,7 @@ CrossAttention CrossAttention::from(const std::optional<Record>& r) {
   read_heads(*r, a.out_proj, a.heads, a.head_dim);
   if (a.kind == kCrossSoftmax) {
     a.scaling = r->number("scaling");
+    a.kv_proj = LinearLayer::from(r->sub("kv_proj"));
   } else {
     a.eps = r->number("eps");
     a.map = FeatureMapSpec::from(r->sub("map"));
@@ -403,6 +404,55 @@ void DecodeProgram::check_search(const NativeBatch& batch, const NativeSearch& s
                first ? at::Tensor() : s.order.narrow(0, 0, R), read, first, at::Tensor(), first ? 1 : K);
 }
 
+void DecodeProgram::check_sources(const NativeBatch& batch, const at::Tensor& key, const at::Tensor& padding) const {
+  TORCH_CHECK(batch.keys.size() == layers.size(), "rfa decode program: the batch has ", batch.keys.size(),
+              " layers' caches for ", layers.size(), " layers");
+  expect(key, "key", at::kFloat, {-1, -1, embed.size(1)}, false, false);
+  const int64_t S = key.size(0), n = key.size(1);
+  if (padding.defined()) expect(padding, "key_padding_mask", at::kBool, {n, S});
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const CrossAttention& cross = layers[i].cross;
+    if (cross.kind != kCrossSoftmax) continue;
+    const std::string at = "state.layers[" + std::to_string(i) + "].cross";
+    TORCH_CHECK(cross.kv_proj.in_features == embed.size(1) && cross.kv_proj.out_features == 2 * cross.heads * cross.head_dim,
+                "rfa decode program: ", at, ": kv_proj of ", cross.kv_proj.in_features, " -> ",
+                cross.kv_proj.out_features, " for ", cross.heads, " heads of ", cross.head_dim);
+    expect(batch.keys[i], at + ".key", at::kFloat, {n, cross.heads, S, cross.head_dim});
+    expect(batch.values[i], at + ".value", at::kFloat, {n, cross.heads, S, cross.head_dim});
+    if (batch.key_biases[i].defined()) expect(batch.key_biases[i], at + ".key_bias", at::kFloat, {n, S});
+  }
+}
+
+void DecodeProgram::start_sources(const NativeBatch& batch, const at::Tensor& key, const at::Tensor& padding) const {
+  const int64_t S = key.size(0), n = key.size(1), C = key.size(2);
+  const at::Tensor rows = key.reshape({S * n, C});  // row s * n + b: sentence b's position s
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const CrossAttention& cross = layers[i].cross;
+    if (cross.kind != kCrossSoftmax) continue;
+    const int64_t H = cross.heads, d = cross.head_dim, HD = H * d;
+    const at::Tensor kv = library_->unrecorded_linear(cross.kv_proj, rows, false, at::Tensor());  // (S * n, 2 HD)
+    const float* src = kv.data_ptr<float>();
+    const int64_t ld = kv.stride(0);
+    float* keys = batch.keys[i].data_ptr<float>();
+    float* values = batch.values[i].data_ptr<float>();
+    at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {  // K[b, h, s, :] = kv[s * n + b, h * d:]
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        for (int64_t s = 0; s < S; ++s) {
+          const float* row = src + (s * n + b) * ld + h * d;
+          std::copy(row, row + d, keys + (bh * S + s) * d);
+          std::copy(row + HD, row + HD + d, values + (bh * S + s) * d);
+        }
+      }
+    });
+    if (batch.key_biases[i].defined()) {  // the padding as an additive bias: -inf where padded
+      float* bias = batch.key_biases[i].data_ptr<float>();
+      const bool* padded = padding.defined() ? padding.data_ptr<bool>() : nullptr;
+      for (int64_t j = 0; j < n * S; ++j) bias[j] = padded != nullptr && padded[j] ? kNegInf : 0.0f;
+    }
+  }
+}
+
 std::vector<int64_t> DecodeProgram::live_places(const NativeSearch& s, bool first) {
   // the places still translating: a finished place finalizes nothing more, and its rows cost nothing (the batch keeps
   // its places to its end: no halving needed); the first step decodes every place (its rows are one per sentence)
@@ -651,6 +701,19 @@ void bind_decode_program(py::module_& m) {
           },
           py::arg("batch"), py::arg("search"), py::arg("t"), py::arg("parity"), py::arg("read"), py::arg("first"),
           py::arg("last"), "the static beam search's whole step (decode_program.h)")
+      .def(
+          "start_sources",
+          [](const DecodeProgram& program, const NativeBatch& batch, const at::Tensor& key,
+             const std::optional<at::Tensor>& padding) {
+            const at::Tensor mask = padding.has_value() ? padding->contiguous() : at::Tensor();
+            program.check_sources(batch, key, mask);
+            py::gil_scoped_release release;
+            at::NoGradGuard no_grad;
+            program.start_sources(batch, key, mask);
+          },
+          py::arg("batch"), py::arg("key"), py::arg("key_padding_mask"),
+          "a batch's start: every softmax cross-attention layer's K, V and padding bias of the encoder output "
+          "(decode_program.h)")
       .def(
           "search_choose",
           [](const DecodeProgram& program, NativeSearch& search, const at::Tensor& logits, int64_t t, int64_t parity,

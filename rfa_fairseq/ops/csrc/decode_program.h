@@ -46,6 +46,7 @@ struct CausalAttention {  // CausalRecord
 struct CrossAttention {  // SoftmaxCrossRecord or RFACrossRecord (their `kind`), or none
   int64_t kind = kCrossNone;
   LinearLayer q_proj, out_proj;
+  LinearLayer kv_proj;  // softmax cross-attention: [k | v] of the encoder output, at a batch's start
   FeatureMapSpec map;  // RFA cross-attention
   int64_t heads = 0, head_dim = 0;
   double scaling = 1.0, eps = 1e-3;
@@ -109,6 +110,13 @@ class DecodeProgram {
                     int64_t beam, const at::Tensor& sentences = at::Tensor()) const;
   void check_decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& order, int64_t read, bool first, const at::Tensor& weights, int64_t beam) const;
+
+  // A batch's start: each softmax cross-attention layer's K and V (batch.keys / values[i], (n, H, S, d)) of the encoder
+  // output key (S, n, C), and its padding as the additive bias (batch.key_biases[i], (n, S): 0 or -inf) where the
+  // caller gave one, from the (n, S) bool padding mask (undefined: none), in one call over the layers (the RFA
+  // cross-attention's states are made in Python). The caller has checked the tensors (check_sources).
+  void start_sources(const NativeBatch& batch, const at::Tensor& key, const at::Tensor& padding) const;
+  void check_sources(const NativeBatch& batch, const at::Tensor& key, const at::Tensor& padding) const;
 
   // the static beam search's whole step t, reading its tokens/scores pair `parity` (the causal states: `read`):
   // decode, log-softmax with the masks and the 2K best candidates per place, finalization, and the reorder into

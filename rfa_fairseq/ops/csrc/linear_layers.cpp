@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <limits>
+#include <vector>
 
 #include "step_kernels.h"
 
@@ -159,12 +160,9 @@ void LinearLibrary::few_rows_fp32(const LinearLayer& layer, const at::Tensor& x,
   });
 }
 
-void LinearLibrary::few_rows_int8(const LinearLayer& layer, const at::Tensor& codes, const at::Tensor& row_scales,
-                                  const at::Tensor& residual, bool relu, const at::Tensor& y) const {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.device().is_cpu() && codes.is_contiguous(),
-              "rfa few-rows int8: codes must be contiguous uint8 CPU rows");
+void LinearLibrary::check_int8_blocks(const LinearLayer& layer, int64_t I) const {
   const at::Tensor& weight = layer.rows_weight;
-  const int64_t R = codes.size(0), I = codes.size(1), O = layer.out_features, block = kernels_->block;
+  const int64_t O = layer.out_features, block = kernels_->block;
   TORCH_CHECK(weight.defined() && weight.dim() == 4 && weight.scalar_type() == at::kChar &&
                   weight.size(0) == blocks_for(O, block) && weight.size(1) == (I + kInt8Group - 1) / kInt8Group &&
                   weight.size(2) == block && weight.is_contiguous(),
@@ -177,6 +175,16 @@ void LinearLibrary::few_rows_int8(const LinearLayer& layer, const at::Tensor& co
   TORCH_CHECK(layer.w_scales.defined() && layer.w_scales.scalar_type() == at::kFloat && layer.w_scales.numel() == O &&
                   layer.w_scales.is_contiguous(),
               "rfa few-rows int8: w_scales must hold ", O, " fp32 values");
+}
+
+void LinearLibrary::few_rows_int8(const LinearLayer& layer, const at::Tensor& codes, const at::Tensor& row_scales,
+                                  const at::Tensor& residual, bool relu, const at::Tensor& y) const {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.device().is_cpu() && codes.is_contiguous(),
+              "rfa few-rows int8: codes must be contiguous uint8 CPU rows");
+  const at::Tensor& weight = layer.rows_weight;
+  const int64_t R = codes.size(0), I = codes.size(1), O = layer.out_features, block = kernels_->block;
+  check_int8_blocks(layer, I);
+  const at::Tensor& sums = layer.rows_sums;
   TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == R && row_scales.is_contiguous(),
               "rfa few-rows int8: row_scales must hold ", R, " fp32 values");
   check_output("rfa few-rows int8", R, O, layer.bias, residual, y);
@@ -189,6 +197,30 @@ void LinearLibrary::few_rows_int8(const LinearLayer& layer, const at::Tensor& co
   for_each_task(R, I, weight.size(0), block, [&](int64_t begin, int64_t end) {
     k.few_rows_int8(cp, R, I, wp, scales, out, begin, end);
   });
+}
+
+at::Tensor LinearLibrary::few_rows_int8_of(const LinearLayer& layer, const at::Tensor& x, const at::Tensor& residual,
+                                           bool relu) const {
+  // a step's products quantize a few rows each: into the calling thread's scratch, not two new tensors a product
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> row_scales;
+  const int64_t R = x.size(0), I = x.size(1), O = layer.out_features, block = kernels_->block;
+  check_int8_blocks(layer, I);
+  codes.resize(static_cast<size_t>(R * I));
+  row_scales.resize(static_cast<size_t>(R));
+  quantize_rows(x.data_ptr<float>(), x.stride(0), R, I, codes.data(), row_scales.data(), *kernels_);
+  at::Tensor y = at::empty({R, O}, x.options());
+  check_output("rfa few-rows int8", R, O, layer.bias, residual, y);
+  const rfa::cpu::LinearOutput out = output_of(y, layer.bias, residual, relu);
+  const rfa::cpu::Int8Scales scales{layer.rows_sums.data_ptr<int32_t>(), layer.w_scales.data_ptr<float>(),
+                                    row_scales.data()};
+  const uint8_t* cp = codes.data();
+  const int8_t* wp = layer.rows_weight.data_ptr<int8_t>();
+  const rfa::cpu::Kernels& k = *kernels_;
+  for_each_task(R, I, layer.rows_weight.size(0), block, [&](int64_t begin, int64_t end) {
+    k.few_rows_int8(cp, R, I, wp, scales, out, begin, end);
+  });
+  return y;
 }
 
 // ------------------------------------------------------------------------------------------------ the dispatch
@@ -245,14 +277,10 @@ at::Tensor LinearLibrary::product(const LinearLayer& layer, const at::Tensor& x,
       // each row quantized with its own scale, oneDNN's int8 product with the weights' per-channel scales, then
       // the row scales, bias, relu and residual in one pass
       const at::Tensor input = x.is_contiguous() ? x : x.contiguous();
+      if (use_few_rows) return few_rows_int8_of(layer, input, rows_of(residual), relu);
       at::Tensor codes = at::empty(input.sizes(), input.options().dtype(at::kByte));
       at::Tensor row_scales = at::empty({input.size(0)}, input.options());
       quantize_rows(input, codes, row_scales, *kernels_);
-      if (use_few_rows) {
-        at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
-        few_rows_int8(layer, codes, row_scales, rows_of(residual), relu, y);
-        return y;
-      }
       at::Tensor y = call_operator(*qlinear_op_, codes, 1.0, kInt8RowZeroPoint, layer.weight, layer.w_scales,
                                    layer.w_zero_points, c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat),
                                    std::string("none"), empty_scalar_list(), std::string(""));

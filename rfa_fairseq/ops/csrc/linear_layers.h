@@ -68,8 +68,13 @@ class LinearLibrary {
   std::pair<double, double> time_products(const LinearLayer& layer, int64_t rows, int64_t repeats) const;
 
  private:
+  // the layer's int8 blocks, sums and scales are this level's for in_features inputs (else an error naming them)
+  void check_int8_blocks(const LinearLayer& layer, int64_t in_features) const;
   // whether the few-rows kernel takes this product of rows x in_features (its measured limit)
   bool few_rows(const LinearLayer& layer, int64_t rows, int64_t in_features) const;
+  // the few-rows int8 product of fp32 rows x, quantized into the calling thread's scratch
+  at::Tensor few_rows_int8_of(const LinearLayer& layer, const at::Tensor& x, const at::Tensor& residual,
+                              bool relu) const;
   // the product on a chosen path: the few-rows kernel (use_few_rows) or the library's other
   at::Tensor product(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
                      bool use_few_rows) const;

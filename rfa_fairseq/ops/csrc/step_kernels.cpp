@@ -444,17 +444,18 @@ void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const tor
               "rfa static step: codes must be a contiguous (", R, ", ", C, ") uint8 tensor");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
               "rfa static step: scales must be a contiguous fp32 tensor of ", R, " values");
-  const float* xp = x.data_ptr<float>();
-  uint8_t* cp = codes.data_ptr<uint8_t>();
-  float* sp = scales.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), R, C, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), kernels);
+}
+
+void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t C, uint8_t* codes, float* scales,
+                   const Kernels& kernels) {
   const float levels = static_cast<float>(kInt8RowZeroPoint - 1);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float m = kernels.max_abs(xp + r * ldx, C);
+      const float m = kernels.max_abs(x + r * ldx, C);
       const float scale = m > 0.0f ? m / levels : 1.0f;
-      sp[r] = scale;
-      kernels.quantize_row(xp + r * ldx, C, 1.0f / scale, cp + r * C);
+      scales[r] = scale;
+      kernels.quantize_row(x + r * ldx, C, 1.0f / scale, codes + r * C);
     }
   });
 }
