@@ -171,7 +171,7 @@ def torch_level_build_args() -> dict:
 
     compiler = getattr(cpp_extension, "get_cxx_compiler", lambda: os.environ.get("CXX", "c++"))()
     return {"include_dirs": cpp_extension.include_paths(), "compiler": compiler,
-            "abi_flag": f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"}
+            "abi_flag": f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"}
 
 
 def compile_flags(torch_version: str):
