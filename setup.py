@@ -1,7 +1,7 @@
 """Build step of rfa-fairseq (the metadata is in setup.cfg): the fused C++ kernels.
 
-Every .cpp in rfa_fairseq/ops/csrc, and the CPU kernels once per instruction-set level of the machine's architecture
-(ops/extension.py's LEVELS), is compiled ahead of time into one module, `rfa_fairseq.ops._cpp_kernels`, when torch is
+Every .cpp in rfa_fairseq/cpu/csrc, and the CPU kernels once per instruction-set level of the machine's architecture
+(cpu/extension.py's LEVELS), is compiled ahead of time into one module, `rfa_fairseq.cpu._cpp_kernels`, when torch is
 importable in the build environment
 (scripts/setup_env.sh installs with --no-build-isolation into a venv that has the pinned torch).
 Editable installs place it in the source tree, where `import rfa_fairseq` finds it (git-ignored).
@@ -10,7 +10,7 @@ The build is optional: pip's isolated build environment has no torch (listing to
 pyproject.toml would make pip install an unpinned torch, several GB of CUDA wheels, just to build),
 and a machine may have no C++ compiler. Then the package installs without the module, and the first
 decoding step builds it just in time when it can, else decodes on the torch path
-(rfa_fairseq/ops/extension.py, which also names the sources and flags used here).
+(rfa_fairseq/cpu/extension.py, which also names the sources and flags used here).
 """
 import importlib.util
 import os
@@ -27,8 +27,8 @@ def note(message: str) -> None:
 
 
 def extension_spec():
-    """rfa_fairseq/ops/extension.py, loaded by path: importing the package would import fairseq."""
-    path = os.path.join(HERE, "rfa_fairseq", "ops", "extension.py")
+    """rfa_fairseq/cpu/extension.py, loaded by path: importing the package would import fairseq."""
+    path = os.path.join(HERE, "rfa_fairseq", "cpu", "extension.py")
     spec = importlib.util.spec_from_file_location("rfa_fairseq_extension_spec", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -241,7 +241,7 @@ def stream_worker(cmd, deadline: float, on_result) -> str:
 
 # A CPU of an instruction-set level, on a CPU that has more: the environment that caps every library a decoding
 # process runs (set before it starts: each reads its own once). The plugin's own kernels take --rfa-cpu-isa (the
-# callers pass it in the model's overrides), oneDNN ONEDNN_MAX_CPU_ISA (ops/cpu_isa.py's names), torch's operators
+# callers pass it in the model's overrides), oneDNN ONEDNN_MAX_CPU_ISA (cpu/isa.py's names), torch's operators
 # ATEN_CPU_CAPABILITY, MKL (fairseq's softmax model's GEMMs) MKL_ENABLE_INSTRUCTIONS, CTranslate2 CT2_FORCE_CPU_ISA.
 ISA_CAPS = {
     "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "CT2_FORCE_CPU_ISA": "GENERIC"},
@@ -255,8 +255,8 @@ ISA_CAPS = {
 
 
 def cpu_isa_environment(level: str, env: dict) -> dict:
-    """`env` with every library of a decoding process capped at `level` (ISA_CAPS; oneDNN's name from ops/cpu_isa.py)."""
-    from rfa_fairseq.ops.cpu_isa import ONEDNN_ENV, ONEDNN_ISA
+    """`env` with every library of a decoding process capped at `level` (ISA_CAPS; oneDNN's name from cpu/isa.py)."""
+    from rfa_fairseq.cpu.isa import ONEDNN_ENV, ONEDNN_ISA
 
     if level not in ISA_CAPS:
         raise ValueError(f"no instruction-set level named {level!r} (one of {', '.join(ISA_CAPS)})")

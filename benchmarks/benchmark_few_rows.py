@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The linear layers of few rows (ops/csrc/levels/level_kernels.cpp) against oneDNN's, at every instruction-set level
+"""The linear layers of few rows (cpu/csrc/levels/level_kernels.cpp) against oneDNN's, at every instruction-set level
 this CPU runs, on the products of one decoding step at Multi30k dimensions (C = 256, FFN 1,024, the default D = 32's
 fused input projection of 516 columns, V = 7,997), at each --rows (a sentence's beam is 4 rows; a source sentence in
 the encoder ~14), and the few-rows limit the runtime measures for each product at that level
-(ops/few_rows_limits.py, the rows up to which it takes the kernel).
+(cpu/few_rows_limits.py, the rows up to which it takes the kernel).
 
 Each level runs in a process of its own with oneDNN capped to the level (ONEDNN_MAX_CPU_ISA; torch's own operators
 too, ATEN_CPU_CAPABILITY): what a CPU of that level would run. Both products through the library's own entry
@@ -43,9 +43,9 @@ def best_us(fn, calls=200, repeats=5, warmup=20):
 def measure_level(level, rows_list):
     """The rows of one level (this process runs capped to it)."""
     from rfa_fairseq import torch_internals
-    from rfa_fairseq.ops import few_rows_limits
-    from rfa_fairseq.ops.decode_step import OneDNNInt8Linear, OneDNNLinear
-    from rfa_fairseq.ops.extension import require_fused_extension
+    from rfa_fairseq.cpu import few_rows_limits
+    from rfa_fairseq.cpu.native import OneDNNInt8Linear, OneDNNLinear
+    from rfa_fairseq.cpu.extension import require_fused_extension
 
     ext = require_fused_extension()
     torch.set_num_threads(1)
@@ -86,7 +86,7 @@ def main():
     if args.one_level:
         print("ROWS " + json.dumps(measure_level(args.one_level, args.rows)))
         return
-    from rfa_fairseq.ops.extension import require_fused_extension
+    from rfa_fairseq.cpu.extension import require_fused_extension
 
     levels = args.levels or require_fused_extension().runnable_cpu_levels()
     out = []

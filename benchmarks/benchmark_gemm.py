@@ -12,7 +12,7 @@ query and output, fc1 and fc2, then the vocabulary projection (V = 7,997). Each 
     linear       torch.nn.functional.linear: the same BLAS through another entry
     mkl_packed   MKL's packed GEMM (torch.ops.mkl._mkl_linear on cblas-packed weights)
     onednn       oneDNN's linear on weights packed once into its blocked layout (torch.ops.mkldnn): what the
-                 decoding step's kernels use on the CPU (ops/decode_step.py)
+                 decoding step's kernels use on the CPU (cpu/native.py)
 
     python benchmarks/benchmark_gemm.py --threads 1 2    # -> benchmarks/results/gemm_step_shapes_cpu.csv
 """

@@ -78,7 +78,7 @@ def rfa_child(args) -> dict:
 
     sys.path.insert(0, REPO)
     import rfa_fairseq  # noqa: F401  (registers the plugin)
-    from rfa_fairseq.ops.decode_step import PackedLinear
+    from rfa_fairseq.ops.step import PackedLinear
 
     stage(stages, "import fairseq and the plugin")
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .ops import CPU_ISAS, DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, FEATURE_MAPS, SEQUENCE_KERNELS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
+from .kernel_choice import CPU_ISAS, DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES
+from .ops import FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS, SEQUENCE_KERNELS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 

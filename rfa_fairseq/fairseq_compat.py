@@ -123,7 +123,14 @@ from fairseq.data import iterators
 from fairseq.file_io import PathManager
 
 from . import checkpoints, resume, textio
-from .fairseq_sources import ALL_TAGS, CHECKED_FAIRSEQ, owner_of, source_difference, source_fingerprint  # noqa: F401
+from .fairseq_sources import (  # noqa: F401
+    ALL_TAGS,
+    CHECKED_FAIRSEQ,
+    owner_of,
+    record_table,
+    source_difference,
+    source_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -582,8 +589,5 @@ def apply_patches() -> None:
 
 def patch_table_markdown() -> str:
     """docs/design.md's table of PATCHES."""
-    rows = ["| patch | what is patched | why | fairseq versions checked |", "|---|---|---|---|"]
-    for patch in PATCHES:
-        rows.append(f"| `{patch.name}` | `{patch.target}` | {patch.why} Without it, {patch.without}. | "
-                    f"{CHECKED_FAIRSEQ} (`{patch.fingerprint}`); same source: {patch.same_source_in} |")
-    return "\n".join(rows) + "\n"
+    return record_table("| patch | what is patched | why | fairseq versions checked |", PATCHES,
+                        lambda patch: [f"`{patch.name}`", f"`{patch.target}`", f"{patch.why} Without it, {patch.without}."])

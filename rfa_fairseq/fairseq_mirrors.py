@@ -1,4 +1,4 @@
-"""The fairseq functions the native encoder (ops/csrc/encoder_program.cpp, modules/encoding.py) repeats instead of
+"""The fairseq functions the native encoder (cpu/csrc/encoder_program.cpp, modules/encoding.py) repeats instead of
 calling them, fingerprinted as fairseq_compat's patches are (fairseq_sources): NATIVE_ENCODER_MIRRORS, docs/design.md's
 table (`mirror_table_markdown`, a test keeps the two equal). Where one is not the source it repeats (another fairseq
 version, another package's replacement), the native encoder must not run: its output would silently differ from
@@ -7,7 +7,7 @@ import dataclasses
 import warnings
 from typing import List
 
-from .fairseq_sources import ALL_TAGS, CHECKED_FAIRSEQ, owner_of, source_difference
+from .fairseq_sources import ALL_TAGS, CHECKED_FAIRSEQ, owner_of, record_table, source_difference
 
 
 class NativeEncoderDisabled(UserWarning):
@@ -17,7 +17,7 @@ class NativeEncoderDisabled(UserWarning):
 @dataclasses.dataclass(frozen=True)
 class FairseqMirror:
     """A fairseq function (`module`.`attribute`, possibly Class.method) whose computation the native encoder
-    (ops/csrc/encoder_program.cpp, modules/encoding.py) repeats instead of calling it, what repeats it, and the
+    (cpu/csrc/encoder_program.cpp, modules/encoding.py) repeats instead of calling it, what repeats it, and the
     fingerprint of the source it repeats."""
     module: str
     attribute: str
@@ -107,8 +107,5 @@ def native_encoder_mirrors_hold() -> bool:
 
 def mirror_table_markdown() -> str:
     """docs/design.md's table of NATIVE_ENCODER_MIRRORS."""
-    rows = ["| fairseq function | repeated by | fairseq versions checked |", "|---|---|---|"]
-    for mirror in NATIVE_ENCODER_MIRRORS:
-        rows.append(f"| `{mirror.target}` | {mirror.repeated_by} | {CHECKED_FAIRSEQ} (`{mirror.fingerprint}`); "
-                    f"same source: {mirror.same_source_in} |")
-    return "\n".join(rows) + "\n"
+    return record_table("| fairseq function | repeated by | fairseq versions checked |", NATIVE_ENCODER_MIRRORS,
+                        lambda mirror: [f"`{mirror.target}`", mirror.repeated_by])

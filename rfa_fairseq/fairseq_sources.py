@@ -55,3 +55,14 @@ def source_difference(current, fingerprint: str) -> Optional[str]:
         return None
     return (f"has no readable source ({defined_in(current)})" if found is None else
             f"has source fingerprint {found} ({defined_in(current)})")
+
+
+def record_table(header: str, records, cells) -> str:
+    """docs/design.md's table of fingerprinted records: `header` (the first cells), one row per record of its
+    `cells(record)` and the versions checked (CHECKED_FAIRSEQ with the record's fingerprint; its same_source_in)."""
+    columns = header.count("|") - 1
+    rows = [header, "|" + "---|" * columns]
+    for record in records:
+        rows.append(f"| {' | '.join(cells(record))} | {CHECKED_FAIRSEQ} (`{record.fingerprint}`); "
+                    f"same source: {record.same_source_in} |")
+    return "\n".join(rows) + "\n"

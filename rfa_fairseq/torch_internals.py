@@ -9,7 +9,7 @@ small function that says what happens without it:
 - `torch.ops.mkldnn._reorder_linear_weight`: `onednn_pack_linear_weight`, and `torch.ops.mkldnn._linear_pointwise`
   with its `.binary` overload, by their dispatcher names in `onednn_operators()`: oneDNN's linear on weights packed
   once into its blocked layout, with relu / a residual add fused (the CPU decoding step's linear layers, called by
-  the C++ LinearLibrary, ops/csrc/decode_program.cpp; 2.05-2.29x torch's MKL addmm on the step's shapes,
+  the C++ LinearLibrary, cpu/csrc/decode_program.cpp; 2.05-2.29x torch's MKL addmm on the step's shapes,
   docs/design.md). Without them `onednn_linear_available()` is False and the step uses torch's addmm (same results,
   slower); calling one anyway is a RuntimeError naming the missing op.
 - `torch.ops.onednn.qlinear_prepack`: `onednn_int8_pack_linear_weight`, and `qlinear_pointwise` in
@@ -21,7 +21,7 @@ small function that says what happens without it:
   later load waits forever); from 2.14 it is a kernel-released file lock (filelock), left in place and harmless.
   Without the name: False (the newer lock).
 - `torch.utils.cpp_extension._get_build_directory`: `cpp_extension_build_directory`. The directory
-  torch's JIT build of the C++ kernels uses (TORCH_EXTENSIONS_DIR or its default), where ops/extension.py
+  torch's JIT build of the C++ kernels uses (TORCH_EXTENSIONS_DIR or its default), where cpu/extension.py
   takes its build lock first. Without it: a RuntimeError naming it, which extension.py reports as a failed
   just-in-time build (decoding uses the torch path, or --rfa-decode-kernel cpp is an error).
 """

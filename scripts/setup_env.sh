@@ -5,7 +5,7 @@
 #   bash scripts/setup_env.sh --print-stamp   # print the stamp of the current files and exit
 #
 # Idempotent: a stamp in the venv records a hash of what the install depends on (scripts/constraints.txt,
-# setup.cfg, setup.py, pyproject.toml, this script, the C++ sources and rfa_fairseq/ops/extension.py,
+# setup.cfg, setup.py, pyproject.toml, this script, the C++ sources and rfa_fairseq/cpu/extension.py,
 # which sets their compiler flags); when it matches, nothing is installed again, and a changed kernel
 # is rebuilt on the next run. Every pip install runs with -c scripts/constraints.txt: the exact versions the
 # project is tested with (setup.cfg states the ranges the package accepts). The package is installed
@@ -45,7 +45,7 @@ pick_python() {
 # what the install depends on, relative to $REPO: names and contents enter the stamp
 stamp_files() {
     (cd "$REPO" && printf '%s\n' scripts/constraints.txt setup.cfg setup.py pyproject.toml scripts/setup_env.sh \
-        rfa_fairseq/ops/extension.py && find rfa_fairseq/ops/csrc -type f \( -name '*.cpp' -o -name '*.h' \) | LC_ALL=C sort)
+        rfa_fairseq/cpu/extension.py && find rfa_fairseq/cpu/csrc -type f \( -name '*.cpp' -o -name '*.h' \) | LC_ALL=C sort)
 }
 
 stamp_value() {
@@ -77,7 +77,7 @@ esac
 prebuilt_state() {
     "$VENV/bin/python" - "$REPO" <<'EOF'
 import importlib.util, os, sys
-spec = importlib.util.spec_from_file_location("rfa_extension", os.path.join(sys.argv[1], "rfa_fairseq/ops/extension.py"))
+spec = importlib.util.spec_from_file_location("rfa_extension", os.path.join(sys.argv[1], "rfa_fairseq/cpu/extension.py"))
 extension = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(extension)
 module, why_not = extension.import_prebuilt()
@@ -138,9 +138,9 @@ print(f"setup_env.sh: Python {platform.python_version()}, fairseq {fairseq.__ver
 EOF
 # setup.py built the fused C++ kernels unless it could not (no compiler): say which, so that a slow
 # first decoding step (a JIT build) or the slower torch path is no surprise
-"$VENV/bin/python" - <<'EOF' || die "the environment does not import rfa_fairseq.ops.extension"
+"$VENV/bin/python" - <<'EOF' || die "the environment does not import rfa_fairseq.cpu.extension"
 import sys
-from rfa_fairseq.ops import extension
+from rfa_fairseq.cpu import extension
 module, why_not = extension.import_prebuilt()
 if module is None:
     print(f"setup_env.sh: warning: the fused C++ decoding step was not built at install time ({why_not}); "

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take more than ~20 s (still run in CI)")
-    # The few-rows limits the runtimes measure (ops/few_rows_limits.py) are recorded in a directory of the session's
+    # The few-rows limits the runtimes measure (cpu/few_rows_limits.py) are recorded in a directory of the session's
     # own, not the user's cache: set once by the controlling process, inherited by its workers and the CLIs they run
     if not hasattr(config, "workerinput") and "RFA_CACHE_DIR" not in os.environ:
         import tempfile
@@ -50,7 +50,7 @@ def triton_interpreter():
     using it call the kernel modules (and triton_self_check's entry points) with CPU tensors directly."""
     import importlib.util
 
-    from rfa_fairseq.ops import triton_import_error
+    from rfa_fairseq.gpu.triton_support import triton_import_error
 
     if not importlib.util.find_spec("triton"):
         pytest.skip("triton is not installed (the test extra installs it on Linux)")

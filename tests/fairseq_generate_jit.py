@@ -3,7 +3,7 @@
     python tests/fairseq_generate_jit.py [--build-lock-timeout-s S] FAIRSEQ_GENERATE_ARGS...
 
 The prebuilt module (setup.py) is skipped, so the first decoding step takes the JIT path of
-rfa_fairseq/ops/extension.py (our flock, then torch's load in TORCH_EXTENSIONS_DIR), as in an install
+rfa_fairseq/cpu/extension.py (our flock, then torch's load in TORCH_EXTENSIONS_DIR), as in an install
 without the module or with a stale one; --build-lock-timeout-s S waits S seconds for another process's
 build instead of the default. The package reads no switches of its own: this launcher patches it, in
 this process only, and then runs fairseq's own generate entry point with the remaining arguments.
@@ -12,7 +12,7 @@ import sys
 
 from fairseq_cli.generate import cli_main
 
-from rfa_fairseq.ops import extension
+from rfa_fairseq.cpu import extension
 
 
 def skip_prebuilt_module() -> None:

@@ -77,7 +77,7 @@ def cpp_extension():
 
     import pytest
 
-    from rfa_fairseq.ops import extension
+    from rfa_fairseq.cpu import extension
 
     module, why_not = extension._loaded_once()
     if module is not None:
@@ -91,10 +91,10 @@ def cpp_extension():
 def use_decoding_step(path: str, monkeypatch) -> None:
     """Select the decoding step's kernels for a test: "fused" (the C++ kernels; cpp_extension's skip or failure
     where they cannot be had) or "torch"."""
-    from rfa_fairseq.ops import decode_step
+    from rfa_fairseq import kernel_choice
 
     if path == "torch":
-        monkeypatch.setattr(decode_step, "load_fused_extension", lambda: None)
+        monkeypatch.setattr(kernel_choice, "load_fused_extension", lambda: None)
         return
     cpp_extension()
 
@@ -105,7 +105,7 @@ def cpu_level_params(prefix: str = ""):
     "auto" where the C++ module does not load (the test's cpp_extension() then skips or fails, saying why)."""
     import pytest
 
-    from rfa_fairseq.ops import extension
+    from rfa_fairseq.cpu import extension
 
     module, _ = extension._loaded_once()
     if module is None:
@@ -117,7 +117,7 @@ def cpu_level_params(prefix: str = ""):
 
 
 class CppKernels:
-    """The C++ module's kernels with the torch kernels' interface (ops.decode_step.TorchKernels), for testing one
+    """The C++ module's kernels with the torch kernels' interface (ops/step.py's TorchKernels), for testing one
     kernel against the other and the references, on one instruction-set level (`level`, "auto": the CPU's best): the
     native program runs them inside one call, where no test can reach them one by one."""
 

@@ -1,7 +1,7 @@
-"""The CPU kernels' instruction-set levels (ops/csrc/cpu_kernels.h, levels/level_kernels.cpp): each level this CPU runs
+"""The CPU kernels' instruction-set levels (cpu/csrc/cpu_kernels.h, levels/level_kernels.cpp): each level this CPU runs
 against the references (its few-rows products against oneDNN's on the same weights and codes; its exp against
 float64), the one choice of a level (--rfa-cpu-isa), the library's choice between its kernels by the measured
-few-rows limits (ops/few_rows_limits.py) and their record, the level objects' symbols (nothing of a level's
+few-rows limits (cpu/few_rows_limits.py) and their record, the level objects' symbols (nothing of a level's
 instructions reachable from another), and the build for aarch64 with Debian's cross compiler. The decoding step's
 kernels at every level: tests/test_decoding_step.py and tests/test_ops.py (their cpu_level_params)."""
 import dataclasses
@@ -20,8 +20,8 @@ from conftest import REPO
 from helpers import cpp_extension, cpu_level_params
 
 from rfa_fairseq import torch_internals
-from rfa_fairseq.ops import extension, few_rows_limits
-from rfa_fairseq.ops.decode_step import OneDNNInt8Linear, OneDNNLinear
+from rfa_fairseq.cpu import extension, few_rows_limits
+from rfa_fairseq.cpu.native import OneDNNInt8Linear, OneDNNLinear
 
 PRECISIONS = {"fp32": (OneDNNLinear, "onednn"), "int8": (OneDNNInt8Linear, "onednn_int8")}
 AARCH64_CXX = "aarch64-linux-gnu-g++"
@@ -168,7 +168,7 @@ def test_one_place_chooses_the_level_and_a_cap_caps_it(ext):
 
 
 def test_the_decoding_option_names_every_architectures_levels(ext):
-    from rfa_fairseq.ops import CPU_ISAS
+    from rfa_fairseq.kernel_choice import CPU_ISAS
 
     assert set(ext.cpu_levels()) <= set(CPU_ISAS) and CPU_ISAS[0] == "auto"
     assert set(CPU_ISAS) - {"auto"} == {level for levels in extension.LEVELS.values() for level in levels}
@@ -260,7 +260,7 @@ def test_a_real_library_measures_a_limit_within_the_measured_counts(ext, tmp_pat
 MEASURING_PROCESS = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from rfa_fairseq.ops import few_rows_limits
+from rfa_fairseq.cpu import few_rows_limits
 
 class Slow:  # times each count slowly: the other process arrives while this one measures
     level = "avx2"
@@ -348,6 +348,8 @@ def test_the_sources_compile_for_aarch64(tmp_path):
     flags = [*extension.compile_flags(torch.__version__), extension.LEVEL_STD, "-DTORCH_EXTENSION_NAME=rfa_check",
              "-DTORCH_API_INCLUDE_EXTENSION_H", args["abi_flag"], *(f"-I{d}" for d in args["include_dirs"]),
              f"-I{sysconfig.get_paths()['include']}"]
-    for source in extension.source_files():
-        proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(source)], capture_output=True, text=True)
-        assert proc.returncode == 0, f"{source.name}: {proc.stderr[-3000:]}"
+    # the module's sources as one translation unit: torch's headers, most of the time, are parsed once, not per file
+    unity = tmp_path / "all_sources.cpp"
+    unity.write_text("".join(f'#include "{source}"\n' for source in extension.source_files()))
+    proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(unity)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]

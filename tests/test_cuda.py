@@ -20,19 +20,13 @@ from test_decoding_step import assert_beam_grouped_state_follows_reorders_and_sh
 from test_model import _decode_incrementally, assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
-from rfa_fairseq.ops import (
-    causal_rfa,
-    causal_rfa_chunked,
-    causal_rfa_recurrent,
-    causal_rfa_reference,
-    gate_keys,
-    step_kernels,
-    triton_import_error,
-    triton_self_check,
-)
+from rfa_fairseq.gpu import triton_self_check
+from rfa_fairseq.gpu.triton_support import triton_import_error
+from rfa_fairseq.kernel_choice import step_kernels
+from rfa_fairseq.ops import causal_rfa, causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_reference, gate_keys
 from rfa_fairseq.modules.decoding import CountingBackend
-from rfa_fairseq.ops.decode_step import TORCH_KERNELS
-from rfa_fairseq.ops.triton_self_check import SEQUENCE_TOLERANCES, STEP_TOLERANCES, relative_error
+from rfa_fairseq.ops.step import TORCH_KERNELS
+from rfa_fairseq.gpu.triton_self_check import SEQUENCE_TOLERANCES, STEP_TOLERANCES, relative_error
 
 
 def _skip_reason():
@@ -80,7 +74,7 @@ def test_triton_kernels_match_reference_outputs_states_gradients(gated, dtype, w
     """causal_rfa_triton (forward and backward, compiled) == the O(T^2) reference in fp64: outputs, final state and
     gradients w.r.t. phi_q, phi_k, v, gate logits and the initial state; right padding folded in by gate_keys;
     lengths that are not a multiple of the kernels' 32-position chunks."""
-    from rfa_fairseq.ops.triton_chunk import causal_rfa_triton
+    from rfa_fairseq.gpu.triton_chunk import causal_rfa_triton
 
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -109,7 +103,7 @@ def test_triton_kernels_match_reference_outputs_states_gradients(gated, dtype, w
 
 
 def test_dispatch_takes_triton_for_cuda_and_torch_when_disabled_or_fp64():
-    from rfa_fairseq.ops.triton_chunk import causal_rfa_triton
+    from rfa_fairseq.gpu.triton_chunk import causal_rfa_triton
 
     torch.manual_seed(1)
     q, k, v = features(2, H, 100, F_), features(2, H, 100, F_), torch.randn(2, H, 100, D, device="cuda")
@@ -129,7 +123,7 @@ def test_dispatch_takes_triton_for_cuda_and_torch_when_disabled_or_fp64():
 def test_triton_step_kernel_matches_the_torch_step_on_cuda(activation, gated, first, dtype):
     """The decoding step's causal update in one Triton launch == TorchKernels' operations (fp32 state; fp16
     projections as fairseq-generate --fp16 gives them), through a beam order over more rows."""
-    from rfa_fairseq.ops.triton_step import launch_causal_layer_step
+    from rfa_fairseq.gpu.triton_step import launch_causal_layer_step
 
     torch.manual_seed(2)
     R, W = 24, (F_ // 2 if activation == "hedgehog" else F_)

@@ -11,9 +11,10 @@ from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, cpu_leve
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 
 from rfa_fairseq.modules.decoding import DecodingState
+from rfa_fairseq.kernel_choice import step_kernels
 from rfa_fairseq.ops import (AFFINE_FEATURE_MAPS, FEATURE_MAPS, RANDOM_FEATURE_MAPS, activate_learned,
                              causal_rfa_recurrent, draw_random_matrix, feature_map, gate_keys, learned_feature_map,
-                             scale_inputs, step_kernels)
+                             scale_inputs)
 
 TORCH_KERNELS = ["--rfa-decode-kernel", "torch"]
 TORCH = step_kernels("torch", torch.device("cpu"), torch.float32)

@@ -23,7 +23,9 @@ import torch
 from cli_support import TESTS, TINY_MODEL, TINY_TRAIN, assert_exit_code, env, run, synthetic_data
 from conftest import PLUGIN_DIR, REPO
 
-from rfa_fairseq.ops import extension, load_fused_extension, require_fused_extension, step_kernels
+from rfa_fairseq.cpu import extension
+from rfa_fairseq.cpu.extension import load_fused_extension, require_fused_extension
+from rfa_fairseq.kernel_choice import step_kernels
 from rfa_fairseq.torch_internals import torch_build_lock_is_a_baton
 
 # torch <= 2.13: a left `lock` file blocks every later load, and the JIT path removes it; torch >= 2.14: torch's
@@ -39,7 +41,8 @@ JIT_BUILD_CACHE_PREFIX = "rfa_jit_build_"  # pytest's cache directory of the ses
 # when they cannot be had), checked against the torch path; prints the module's file
 JIT_STEP = textwrap.dedent("""
     import torch
-    from rfa_fairseq.ops import extension, step_kernels
+    from rfa_fairseq.cpu import extension
+    from rfa_fairseq.kernel_choice import step_kernels
     extension.import_prebuilt = lambda: (None, "skipped by the test")
     g = torch.Generator().manual_seed(0)
     phi_q, phi_k = torch.rand(3, 16, generator=g), torch.rand(3, 16, generator=g)
@@ -58,7 +61,7 @@ JIT_STEP = textwrap.dedent("""
 HANG_INSIDE_TORCH_LOAD = textwrap.dedent("""
     import sys, time
     import torch.utils.cpp_extension as cpp_extension
-    from rfa_fairseq.ops import extension
+    from rfa_fairseq.cpu import extension
 
     def build_that_never_ends(*args, **kwargs):
         open(sys.argv[1], "w").close()  # tell the test: inside torch's load now
@@ -177,6 +180,12 @@ def test_build_hash_covers_every_source_header_flag_and_torch(tmp_path, monkeypa
     (csrc / "rfa_more_kernels.cpp").write_text("// another kernel, edited\n")
     hashes.append(extension.build_hash("2.13.0"))
     (csrc / "rfa_common.h").write_text("#pragma once\n")
+    hashes.append(extension.build_hash("2.13.0"))
+    (csrc / "levels" / "simd.h").write_text((csrc / "levels" / "simd.h").read_text() + "// edited\n")
+    hashes.append(extension.build_hash("2.13.0"))
+    levels = {machine: {level: [*flags, "-DEDITED"] for level, flags in by_level.items()}
+              for machine, by_level in extension.LEVELS.items()}
+    monkeypatch.setattr(extension, "LEVELS", levels)
     hashes.append(extension.build_hash("2.13.0"))
     hashes.append(extension.build_hash("2.14.0"))
     monkeypatch.setattr(extension, "EXTRA_CFLAGS", [*extension.EXTRA_CFLAGS, "-ffast-math"])
@@ -433,10 +442,10 @@ def test_setup_py_installs_without_the_kernels_when_the_compiler_fails(tmp_path)
 def test_setup_env_stamp_changes_with_the_cpp_sources(tmp_path):
     """A changed or added kernel makes scripts/setup_env.sh reinstall, which rebuilds the module."""
     for name in ("scripts/constraints.txt", "setup.cfg", "setup.py", "pyproject.toml", "scripts/setup_env.sh",
-                 "rfa_fairseq/ops/extension.py"):
+                 "rfa_fairseq/cpu/extension.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(REPO, name), tmp_path / name)
-    shutil.copytree(extension.CSRC_DIR, tmp_path / "rfa_fairseq/ops/csrc")
+    shutil.copytree(extension.CSRC_DIR, tmp_path / "rfa_fairseq/cpu/csrc")
 
     def stamp():
         proc = subprocess.run(["bash", str(tmp_path / "scripts/setup_env.sh"), "--print-stamp"], capture_output=True,
@@ -446,10 +455,13 @@ def test_setup_env_stamp_changes_with_the_cpp_sources(tmp_path):
 
     stamps = [stamp()]
     assert stamp() == stamps[0] and re.fullmatch(r"[0-9a-f]{64}", stamps[0])
-    (tmp_path / "rfa_fairseq/ops/csrc/rfa_more_kernels.cpp").write_text("// another kernel\n")
+    (tmp_path / "rfa_fairseq/cpu/csrc/rfa_more_kernels.cpp").write_text("// another kernel\n")
     stamps.append(stamp())
-    source = tmp_path / "rfa_fairseq/ops/csrc/rfa_decode_step.cpp"
+    source = tmp_path / "rfa_fairseq/cpu/csrc/step_kernels.cpp"
     source.write_text(source.read_text() + "// edited\n")
     stamps.append(stamp())
-    assert len(set(stamps)) == 3, stamps
+    level_header = tmp_path / "rfa_fairseq/cpu/csrc/levels/simd.h"
+    level_header.write_text(level_header.read_text() + "// edited\n")
+    stamps.append(stamp())
+    assert len(set(stamps)) == 4, stamps
     assert not (tmp_path / "no_venv").exists()

@@ -415,7 +415,7 @@ def test_attention_module_builds_without_a_cfg_with_the_flags_defaults():
 
 
 def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_decodes_alike(monkeypatch):
-    from rfa_fairseq.ops import decode_step
+    from rfa_fairseq import kernel_choice
 
     outputs = {}
     cpp_extension()  # the cpp case needs the C++ module (skipped, with the reason, where it cannot be built)
@@ -428,8 +428,8 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
         with torch.no_grad():
             encoder_out = model.encoder(src, src_lengths=src_lengths)  # its layers pick their kernels once
         with monkeypatch.context() as patch:
-            loader = decode_step.load_fused_extension
-            patch.setattr(decode_step, "load_fused_extension", lambda: builds.append(1) or loader())
+            loader = kernel_choice.load_fused_extension
+            patch.setattr(kernel_choice, "load_fused_extension", lambda: builds.append(1) or loader())
             with torch.no_grad():
                 outputs[kernel] = _decode_incrementally(model, encoder_out, prev, state)
         assert len(builds) == (kernel == "auto"), "the kernels are chosen once per batch; torch never loads C++"

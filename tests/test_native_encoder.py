@@ -1,4 +1,4 @@
-"""The encoder's inference as one native call (modules/encoding.py, ops/csrc/encoder_program.cpp): fairseq's forward,
+"""The encoder's inference as one native call (modules/encoding.py, cpu/csrc/encoder_program.cpp): fairseq's forward,
 repeated in C++ (its output within the linear layers' rounding), and fairseq's forward itself wherever the native pass
 does not run, also where a fairseq function it repeats is not the source it was checked against
 (fairseq_mirrors.NATIVE_ENCODER_MIRRORS)."""

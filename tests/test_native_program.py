@@ -1,4 +1,4 @@
-"""The native decoding program at its boundary with Python (ops/csrc/decode_program.cpp): it is built from the
+"""The native decoding program at its boundary with Python (cpu/csrc/decode_program.cpp): it is built from the
 decoding records by name, every tensor it takes a pointer of is checked before the GIL is released (a wrong one is
 a Python error naming it, never a crash), its profile regions do not nest, and the rows a batch's state accounts for
 are the ones it reads, also after a reorder that breaks the beam layout."""

@@ -20,7 +20,7 @@ from test_static_generator import assert_same_hypotheses
 
 from rfa_fairseq.generation import StaticBeamSearchGenerator, static_beam_search
 from rfa_fairseq.modules.decoding import DecodingState
-from rfa_fairseq.ops import step_kernels
+from rfa_fairseq.kernel_choice import step_kernels
 
 N_SENTENCES = 8
 GENERATION = {"beam_size": 4, "max_len_b": 20}

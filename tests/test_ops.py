@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from helpers import CppKernels, cpp_extension, cpu_level_params
 
+from rfa_fairseq.kernel_choice import step_kernels
 from rfa_fairseq.ops import (
     DENOMINATOR_EPS,
     FEATURE_MAPS,
@@ -27,7 +28,6 @@ from rfa_fairseq.ops import (
     noncausal_rfa_reference,
     random_matrix_seed,
     scale_inputs,
-    step_kernels,
 )
 
 

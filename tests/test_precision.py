@@ -11,7 +11,8 @@ from helpers import FP32_STATE, build_model, random_batch
 from rfa_fairseq.config import RFAConfig
 from rfa_fairseq.modules import RFAAttention
 from rfa_fairseq.modules.decoding import DecodingState
-from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, noncausal_rfa, step_kernels
+from rfa_fairseq.kernel_choice import step_kernels
+from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, noncausal_rfa
 
 LONG = 8192
 DECODE_STEPS = 4096

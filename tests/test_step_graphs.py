@@ -15,7 +15,7 @@ from test_model import assert_beam_reorder_equals_decoding_the_reordered_batch
 
 import rfa_fairseq.models.rfa_transformer as rfa_transformer
 from rfa_fairseq.modules.decoding import CUDAGraphBackend, StepGraphs, step_graphs_for
-from rfa_fairseq.ops.decode_step import TorchKernels
+from rfa_fairseq.ops.step import TorchKernels
 
 # the default model's maps, its softmax cross-attention; the torch kernels are the ones CUDA runs
 FLAGS = ["--rfa-feature-map", "hedgehog", "--rfa-gate", "--rfa-softmax-cross-attn", "--rfa-decode-kernel", "torch"]

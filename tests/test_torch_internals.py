@@ -38,7 +38,7 @@ def test_onednn_operators_resolve_in_the_dispatcher():
         pytest.skip(f"torch {torch.__version__} has no oneDNN linear ops: the native program uses addmm")
     for role, (qualified, overload) in torch_internals.onednn_operators().items():
         if role == "qlinear" and not torch_internals.onednn_int8_linear_available():
-            continue  # int8 is then an error naming why (decode_step._int8_kernels)
+            continue  # int8 is then an error naming why (kernel_choice._int8_kernels)
         namespace, op = qualified.split("::")
         packet = getattr(getattr(torch.ops, namespace), op)
         assert hasattr(packet, overload or "default"), f"{role}: {qualified}.{overload or 'default'}"

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from conftest import REPO
 
-from rfa_fairseq.ops import causal_rfa_reference, triton_import_error
-from rfa_fairseq.ops.decode_step import TORCH_KERNELS
-from rfa_fairseq.ops.triton_support import kernels
+from rfa_fairseq.gpu.triton_support import triton_import_error
+from rfa_fairseq.ops import causal_rfa_reference
+from rfa_fairseq.ops.step import TORCH_KERNELS
+from rfa_fairseq.gpu.triton_support import kernels
 
 
 @pytest.fixture(scope="module")

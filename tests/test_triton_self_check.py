@@ -1,4 +1,4 @@
-"""The self-check that vets each Triton kernel on the user's device before its first use (ops/triton_self_check.py),
+"""The self-check that vets each Triton kernel on the user's device before its first use (gpu/triton_self_check.py),
 run here in Triton's interpreter on CPU tensors passed to its entry points directly (the plugin routes only CUDA
 tensors there): the real kernels pass and run; a kernel made to disagree, through the documented seam (a TritonTrust
 with a kernel source of the test's, `installed`), fails its check, says so in one warning line, and its variant runs
@@ -13,12 +13,15 @@ import torch.nn.functional as F
 from helpers import build_model, random_batch
 from test_model import _decode_incrementally
 
-from rfa_fairseq.ops import causal_rfa_chunked, triton_self_check, triton_usable
-from rfa_fairseq.ops.decode_step import TORCH_KERNELS, TRITON_KERNELS
-from rfa_fairseq.ops.triton_self_check import TritonKernelSource, TritonTrust, installed
-from rfa_fairseq.ops.triton_support import kernels
+from rfa_fairseq.gpu import triton_self_check
+from rfa_fairseq.gpu.triton_support import triton_usable
+from rfa_fairseq.ops import causal_rfa_chunked
+from rfa_fairseq.gpu.step import TRITON_KERNELS
+from rfa_fairseq.ops.step import TORCH_KERNELS
+from rfa_fairseq.gpu.triton_self_check import TritonKernelSource, TritonTrust, installed
+from rfa_fairseq.gpu.triton_support import kernels
 
-LOGGER = "rfa_fairseq.ops.triton_self_check"
+LOGGER = "rfa_fairseq.gpu.triton_self_check"
 
 
 class CountingSource(TritonKernelSource):

@@ -47,7 +47,7 @@ def main() -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from rfa_fairseq.ops import triton_chunk, triton_step
+    from rfa_fairseq.gpu import triton_chunk, triton_step
 
     target = GPUTarget("cuda", args.arch, 32)
     variants = []

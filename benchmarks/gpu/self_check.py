@@ -5,7 +5,7 @@ Each --models model of the benchmarks' size (benchmark_common.build_model, rando
 step's forward and backward on padded batches of short and long targets (both chunk sizes of the chunked kernels),
 scores them without gradients and decodes a few steps with the static beam search (fairseq-generate's generator, its
 steps captured as CUDA graphs after each shape's first): every Triton variant met is checked once
-(rfa_fairseq/ops/triton_self_check.py). Writes gpu_self_check_<gpu>.csv, a row per check (the model and dtype that
+(rfa_fairseq/gpu/triton_self_check.py). Writes gpu_self_check_<gpu>.csv, a row per check (the model and dtype that
 met it first, the kernel, its variant and input dtypes, the outcome, the largest difference and its tensor, the
 tolerance, the milliseconds) with the GPU and the versions. Exits 1 when a check failed: run_all.sh then lets the
 later stages check for themselves instead of passing them the skip option.
@@ -68,7 +68,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("self_check.py: no CUDA device (tests/test_triton_self_check.py runs the check in Triton's "
                          "interpreter on the CPU)")
-    from rfa_fairseq.ops import triton_self_check
+    from rfa_fairseq.gpu import triton_self_check
 
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"gpu_self_check_{device_tag('cuda')}.csv")

@@ -17,7 +17,7 @@ batch of that shape (the buffers are the generator's, kept across batches). The 
 sentences finished one step late (a copy into pinned memory that the next step overlaps), which is all
 it needs to stop or halve; on the CPU it reads them at once.
 
-On the CPU the whole step is native (the decoding runtime's program, ops/csrc/decode_program.cpp: the decoder's
+On the CPU the whole step is native (the decoding runtime's program, cpu/csrc/decode_program.cpp: the decoder's
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
 a batch's every step, without Python (or the GIL) between them; each step decodes only the places still
 translating (their rows packed to the front, `order` naming the state rows it wrote), so a finished sentence costs
@@ -454,7 +454,7 @@ class StaticBeamSearchGenerator(nn.Module):
 class SearchViews:
     """One batch's search buffers for N places of K beams (R = N * K rows, L tokens a row): prefixes of its lane's
     workspace (SearchBuffers), made once per (N, L, the workspace's generation). The native search reads them by
-    name (ops/csrc/decode_program.h's NativeSearch)."""
+    name (cpu/csrc/decode_program.h's NativeSearch)."""
 
     token_pair: List[Tensor]  # two (R, L) int64, used in turn: BatchRows.parity names the one the next step reads
     score_pair: List[Tensor]  # two (R, L - 1) fp32 cumulative scores, likewise

@@ -51,9 +51,9 @@ from ..modules.decoding import (
 )
 from ..modules.encoding import EncodingRuntime
 from ..modules.rfa_attention import CausalRecord
-from ..ops import rfa_step_kernels
-from ..ops.triton_self_check import current as triton_trust
-from ..ops.triton_self_check import set_step_self_check
+from ..gpu.triton_self_check import current as triton_trust
+from ..gpu.triton_self_check import set_step_self_check
+from ..kernel_choice import rfa_step_kernels
 
 
 def decoding_options(rfa: RFAConfig) -> tuple:
@@ -126,7 +126,7 @@ class DecoderLayerRecord:
     """A decoder layer's part of the decoding step: its causal attention's and cross-attention's records (cross None
     without encoder attention), its norms, its FFN's packed linear layers; post-norm or pre-norm (normalize_before).
     `step` is its part of the torch step; the native program reads the same fields by name
-    (ops/csrc/decode_program.cpp's DecoderLayerProgram::from)."""
+    (cpu/csrc/decode_program.cpp's DecoderLayerProgram::from)."""
 
     self_attn: CausalRecord
     self_attn_norm: NormRecord

@@ -7,7 +7,7 @@ cross-attention reads a source K/V (or an RFA state) fixed per sentence. So deco
   the kernel set (ops.step_kernels) and one record per decoder layer (`DecoderLayerRecord`: its linear layers
   packed for the kernels, its norms, its attentions' records), with the embedding and output records. On the CPU
   in fp32 (and int8) it also holds the native program: the same step compiled ahead of time in C++
-  (ops/csrc/decode_program.cpp), built from the same records.
+  (cpu/csrc/decode_program.cpp), built from the same records.
 - `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives and the one
   account of its rows: which source sentence each row reads (`RowSources`, with the beam layout it allows), the
   pending beam order, and one cache per layer that owns its buffers (`LayerCache`: the causal attention's

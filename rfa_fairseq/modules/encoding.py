@@ -6,7 +6,7 @@ and MultiheadAttention). At one sentence a batch the Python between those operat
 taken under the GIL. Where the decoding step is native (the CPU in fp32 weights, ops.step_kernels), the encoder's
 pass is too: `EncodingRuntime` holds the encoder's records (one `EncoderLayerRecord` per layer: its linear layers
 packed for the decoding step's kernels, [q | k | v] as one product, its norms) and the native EncoderProgram built
-from them (ops/csrc/encoder_program.cpp), which repeats fairseq's forward in C++: the same operations in the same
+from them (cpu/csrc/encoder_program.cpp), which repeats fairseq's forward in C++: the same operations in the same
 order, the linear layers on the kernels' library (so fairseq's output but for the linear layers' rounding: their
 fp32 summation order, or int8's quantization with --rfa-decode-precision int8), without Python or the GIL. The
 fairseq functions it repeats are fairseq_mirrors.NATIVE_ENCODER_MIRRORS, each fingerprinted: RFATransformerEncoder
@@ -25,7 +25,7 @@ from .decoding import FFN_ACTIVATIONS, NormRecord
 
 @dataclass
 class EncoderLayerRecord:
-    """A softmax encoder layer as the native pass reads it (ops/csrc/encoder_program.cpp's EncoderLayerProgram):
+    """A softmax encoder layer as the native pass reads it (cpu/csrc/encoder_program.cpp's EncoderLayerProgram):
     [q | k | v], the output projection and the FFN packed for the kernels, its two norms, post-norm or pre-norm."""
 
     qkv: object

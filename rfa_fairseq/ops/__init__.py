@@ -1,15 +1,7 @@
-"""Pure tensor functions of RFA: no fairseq imports here."""
-from .decode_step import (  # noqa: F401
-    CPU_ISAS,
-    DECODE_KERNELS,
-    DECODE_PRECISIONS,
-    DECODE_STATES,
-    cpp_can_run,
-    rfa_step_kernels,
-    step_kernels,
-)
+"""The math of RFA: pure tensor functions (the feature maps, causal and cross RFA over whole sequences, the decoding
+step's operations in torch) with their plain references (naive.py); no fairseq imports here. The CPU runtime is in
+rfa_fairseq/cpu/, the GPU kernels in rfa_fairseq/gpu/."""
 from .dispatch import SEQUENCE_KERNELS, causal_rfa  # noqa: F401
-from .extension import load_fused_extension, require_fused_extension  # noqa: F401
 from .feature_maps import (  # noqa: F401
     AFFINE_FEATURE_MAPS,
     FEATURE_MAPS,
@@ -35,7 +27,6 @@ from .naive import (  # noqa: F401
     quantize_rows_reference,
     rfa_attention_weights,
 )
-from .triton_support import triton_import_error, triton_usable  # noqa: F401
 from .rfa import (  # noqa: F401
     DENOMINATOR_EPS,
     POSITIVE_EPS,

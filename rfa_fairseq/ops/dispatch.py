@@ -5,16 +5,16 @@
 causal_rfa_triton (triton_chunk.py: the forward one launch, the backward two) on CUDA when Triton imports,
 --rfa-sequence-kernel is auto and the kernels passed their self-check for the call's variant on its device
 (triton_self_check.py, once per process; --no-rfa-triton-self-check skips it); causal_rfa_chunked (rfa.py, torch
-operations) otherwise. Incremental decoding does not come here: it runs the decoding step's kernels (decode_step.py).
+operations) otherwise. Incremental decoding does not come here: it runs the decoding step's kernels (kernel_choice.py).
 The chunked torch path stays the reference the Triton kernels are tested against (tests/test_triton_kernels.py on
 the CPU through Triton's interpreter, tests/test_cuda.py on a GPU) and checked against on the user's device.
 """
 import functools
 import warnings
 
-from . import triton_self_check
+from ..gpu import triton_self_check
 from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
-from .triton_support import triton_import_error, triton_usable
+from ..gpu.triton_support import triton_import_error, triton_usable
 
 SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 

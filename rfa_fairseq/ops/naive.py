@@ -1,5 +1,5 @@
 """Plain reference implementations: the formulas as written, slow and simple; the fast ops
-(rfa.py, decode_step.py, triton_chunk.py, triton_step.py) and feature maps (feature_maps.py) are tested against them.
+(rfa.py, step.py, gpu/triton_chunk.py, gpu/triton_step.py) and feature maps (feature_maps.py) are tested against them.
 Only torch is imported here: a reference shares no code with what it checks.
 
 As in flash-linear-attention (ops/*/naive.py beside the chunked and fused kernels), the

@@ -29,7 +29,7 @@ clip healthy values. They use POSITIVE_EPS, which only guards an underflow to 0;
 `denominator_eps(feature_map)` picks the guard.
 
 The plain references (`*_reference`, the literal recurrence `causal_rfa_recurrent`) are in
-naive.py; the fast ops here are tested against them. One decoding step is decode_step.py's.
+naive.py; the fast ops here are tested against them. One decoding step is step.py's.
 """
 import math
 from typing import Optional, Tuple

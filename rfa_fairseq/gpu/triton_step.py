@@ -1,6 +1,6 @@
 """One decoding step of a causal RFA layer in one Triton launch: the CUDA kernel set's causal_layer_step.
 
-TorchKernels.causal_layer_step (decode_step.py, the reference) spends 16 kernels on a step of one layer:
+TorchKernels.causal_layer_step (ops/step.py, the reference) spends 16 kernels on a step of one layer:
 the feature map's activation, the gate, the new term, the carried state through the beam order, the read-out and the
 normalization. On a GPU each is a launch, or a node of the step's CUDA graph, costing more than its arithmetic at
 decoding's row counts. Here one program per (row, head) does all of it:
@@ -9,7 +9,7 @@ decoding's row counts. Here one program per (row, head) does all of it:
     the features themselves; g = sigmoid(gate logit), phi(k) scaled by 1 - g (g = 1 and phi(k) = 0 at a padded key);
     S' = g * state_in[order[r]] + phi(k) (x) [v, 1] into state_out[r];  out = (phi(q) S')[:d] / max((phi(q) S')[d], eps)
 
-with the interface of decode_step.py's docstring (`launch_causal_layer_step`; `causal_layer_step`, which
+with the interface of ops/step.py's docstring (`launch_causal_layer_step`; `causal_layer_step`, which
 TritonKernels calls, runs it where triton_self_check trusts it). A hedgehog map's state rows are its two halves
 (features of softmax(p), then of softmax(-p)), each a (D, d + 1) block. Arithmetic in fp32; the output in v's dtype.
 """
@@ -108,7 +108,7 @@ def causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Opti
 def launch_causal_layer_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, gate_logits: Optional[Tensor],
                              key_pad: Optional[Tensor], state_in: Optional[Tensor], order: Optional[Tensor],
                              state_out: Tensor, eps: float, activation: Optional[str] = None) -> Tensor:
-    """TorchKernels.causal_layer_step's contract (decode_step.py) in one launch, unchecked."""
+    """TorchKernels.causal_layer_step's contract (ops/step.py) in one launch, unchecked."""
     _, H, F_, D1 = state_out.shape
     R, D = v.size(0), D1 - 1
     W = phi_q.size(1) // H

@@ -5,6 +5,7 @@
 
 #include <optional>
 
+#include "linear_layers.h"
 #include "records.h"
 
 enum FFNActivation : int64_t { kFFNReLU = 0, kFFNGELU = 1 };
@@ -16,4 +17,14 @@ struct Norm {  // NormRecord, or none
   double eps = 1e-5;
   bool defined() const { return weight.defined(); }
   static Norm from(const std::optional<Record>& record);
+};
+
+// A layer's feed-forward sublayer and what both programs read with it: fc1, its activation, fc2, the norm after (or,
+// pre-norm, before) it and whether the layer normalizes before its sublayers (the record's fields of these names)
+struct FeedForward {
+  LinearLayer fc1, fc2;
+  int64_t activation = kFFNReLU;
+  Norm final_norm;
+  bool normalize_before = false;
+  static FeedForward from(const Record& layer);
 };

@@ -1,6 +1,6 @@
 """The CPU kernels' instruction-set level outside the C++ module (which picks it: csrc/cpu_kernels.h): oneDNN's GEMMs
 capped to match a runtime capped below the CPU's best (--rfa-cpu-isa), and the machine's name (the few-rows limits
-are measured per machine, ops/few_rows_limits.py).
+are measured per machine, cpu/few_rows_limits.py).
 
 oneDNN reads its cap, the ONEDNN_MAX_CPU_ISA environment variable, once, when the process creates its first
 primitive: `cap_onednn_isa` sets it before the plugin's first packed weight (which in fairseq-generate,

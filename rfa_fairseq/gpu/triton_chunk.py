@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .rfa import DENOMINATOR_EPS
+from ..ops.rfa import DENOMINATOR_EPS
 import triton
 import triton.language as tl
 

@@ -25,7 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .cpu_isa import ONEDNN_ENV, cpu_name
+from .isa import ONEDNN_ENV, cpu_name
 
 CACHE_ENV = "RFA_CACHE_DIR"
 RECORD_NAME = "few_rows_limits.json"

@@ -1,6 +1,6 @@
 // The CPU kernels' instruction-set levels and the one table of kernels each level has (levels/level_kernels.h, written
 // once and compiled once per level: levels/<level>.cpp). Plain C++ over raw pointers: the translation units of the
-// levels include no torch operators, and the callers (rfa_decode_step.cpp, few_rows.cpp, decode_program.cpp) check
+// levels include no torch operators, and the callers (step_kernels.cpp, linear_layers.cpp, decode_program.cpp) check
 // their tensors before they pass pointers here.
 //
 // Levels, per architecture, from the lowest (the architecture's baseline, which every CPU of it runs):

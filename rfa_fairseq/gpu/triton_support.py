@@ -41,7 +41,7 @@ def triton_usable(*tensors: Optional[Tensor]) -> bool:
 
 
 def kernels(name: str) -> ModuleType:
-    """The kernel module rfa_fairseq.ops.<name> (triton_chunk, triton_step), imported now if it was not."""
+    """The kernel module rfa_fairseq.gpu.<name> (triton_chunk, triton_step), imported now if it was not."""
     return importlib.import_module(f"{__package__}.{name}")
 
 

@@ -95,11 +95,7 @@ DecoderLayerProgram DecoderLayerProgram::from(const Record& r) {
   layer.self_attn_norm = Norm::from(r.optional_sub("self_attn_norm"));
   layer.cross = CrossAttention::from(r.optional_sub("cross"));
   layer.cross_norm = Norm::from(r.optional_sub("cross_norm"));
-  layer.fc1 = LinearLayer::from(r.sub("fc1"));
-  layer.fc2 = LinearLayer::from(r.sub("fc2"));
-  layer.ffn_activation = ffn_activation_of(r);
-  layer.final_norm = Norm::from(r.optional_sub("final_norm"));
-  layer.normalize_before = r.flag("normalize_before");
+  layer.ffn = FeedForward::from(r);
   return layer;
 }
 
@@ -299,7 +295,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
   const LinearLibrary& lib = *library_;
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerProgram& layer = layers[i];
-    const bool pre = layer.normalize_before;
+    const bool pre = layer.ffn.normalize_before;
     // causal self-attention: one fused input projection [q | k | v | gate logits], the kernel, the output projection
     const CausalAttention& self_attn = layer.self_attn;
     const int64_t H = self_attn.heads, d = self_attn.head_dim, C = H * d, width = H * self_attn.map.width;
@@ -338,12 +334,13 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
       x = pre ? y : layer_norm(layer.cross_norm, y, true, kernels);
     }
     // feed-forward: relu fused into the first product, the residual into the second
-    h = pre ? layer_norm(layer.final_norm, x, false, kernels) : x;
-    const bool relu = layer.ffn_activation == kFFNReLU;
-    at::Tensor hidden = lib.linear(layer.fc1, h, relu, at::Tensor());
+    const FeedForward& ffn = layer.ffn;
+    h = pre ? layer_norm(ffn.final_norm, x, false, kernels) : x;
+    const bool relu = ffn.activation == kFFNReLU;
+    at::Tensor hidden = lib.linear(ffn.fc1, h, relu, at::Tensor());
     if (!relu) hidden = at::gelu(hidden);
-    y = lib.linear(layer.fc2, hidden, false, x);
-    x = pre ? y : layer_norm(layer.final_norm, y, true, kernels);
+    y = lib.linear(ffn.fc2, hidden, false, x);
+    x = pre ? y : layer_norm(ffn.final_norm, y, true, kernels);
   }
   if (final_norm.defined()) x = layer_norm(final_norm, x, true, kernels);
   return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection");

@@ -15,10 +15,10 @@
 #include "step_kernels.h"
 
 // Both builds (setup.py ahead of time, torch's JIT load) pass -DRFA_BUILD_HASH=<hash of the sources,
-// flags and torch version> as a bare token; rfa_fairseq/ops/extension.py refuses a prebuilt module
+// flags and torch version> as a bare token; rfa_fairseq/cpu/extension.py refuses a prebuilt module
 // whose build_hash is not that of the current sources (stale).
 #ifndef RFA_BUILD_HASH
-#error "RFA_BUILD_HASH is not defined: build through setup.py or rfa_fairseq/ops/extension.py"
+#error "RFA_BUILD_HASH is not defined: build through setup.py or rfa_fairseq/cpu/extension.py"
 #endif
 #define RFA_STRINGIFY_(x) #x
 #define RFA_STRINGIFY(x) RFA_STRINGIFY_(x)

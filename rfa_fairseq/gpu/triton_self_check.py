@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rfa import DENOMINATOR_EPS, causal_rfa_chunked
+from ..ops.rfa import DENOMINATOR_EPS, causal_rfa_chunked
 from .triton_support import kernels
 
 logger = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ class StepVariant:
 
 def causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps: float,
                       activation: Optional[str] = None) -> Tensor:
-    """TorchKernels.causal_layer_step's contract (decode_step.py): the Triton launch where it is trusted for this
+    """TorchKernels.causal_layer_step's contract (ops/step.py): the Triton launch where it is trusted for this
     call's variant on its device (checked now if not yet), else TorchKernels'."""
     H, F_, D1 = state_out.shape[1:]
     variant = StepVariant(activation, gate_logits is not None, key_pad is not None, state_in is not None,
@@ -351,7 +351,7 @@ def causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, st
                      device_key(device) not in trust.unchecked_steps):
         return trust.source.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps,
                                               activation)
-    from .decode_step import TORCH_KERNELS
+    from ..ops.step import TORCH_KERNELS
 
     return TORCH_KERNELS.causal_layer_step(phi_q, phi_k, v, gate_logits, key_pad, state_in, order, state_out, eps,
                                            activation)
@@ -361,7 +361,7 @@ def _check_step(source, variant: StepVariant, dtypes, device, eps) -> Tuple[str,
     """The kernel beside TorchKernels.causal_layer_step on 4 rows x 2 heads (the second row padded where the call
     pads), reading a state of 6 rows through a beam order that repeats a row where the call has one: the output and
     the state written."""
-    from .decode_step import TORCH_KERNELS
+    from ..ops.step import TORCH_KERNELS
 
     g = torch.Generator().manual_seed(CHECK_SEED)
     R, H, W, F_, D = 4, 2, variant.width, variant.features, variant.head_dim

@@ -15,16 +15,12 @@ EncoderLayerProgram EncoderLayerProgram::from(const Record& r) {
   EncoderLayerProgram layer;
   layer.qkv = LinearLayer::from(r.sub("qkv"));
   layer.out_proj = LinearLayer::from(r.sub("out_proj"));
-  layer.fc1 = LinearLayer::from(r.sub("fc1"));
-  layer.fc2 = LinearLayer::from(r.sub("fc2"));
   layer.self_attn_norm = Norm::from(r.optional_sub("self_attn_norm"));
-  layer.final_norm = Norm::from(r.optional_sub("final_norm"));
-  TORCH_CHECK(layer.self_attn_norm.defined() && layer.final_norm.defined(), "rfa encoder program: ", r.path(),
+  layer.ffn = FeedForward::from(r);
+  TORCH_CHECK(layer.self_attn_norm.defined() && layer.ffn.final_norm.defined(), "rfa encoder program: ", r.path(),
               " needs both of its norms");
   layer.heads = r.integer("heads");
   layer.head_dim = r.integer("head_dim");
-  layer.ffn_activation = ffn_activation_of(r);
-  layer.normalize_before = r.flag("normalize_before");
   TORCH_CHECK(layer.qkv.out_features == 3 * layer.heads * layer.head_dim, "rfa encoder program: ", r.path(),
               ".qkv has ", layer.qkv.out_features, " outputs for ", layer.heads, " heads of ", layer.head_dim);
   return layer;
@@ -81,7 +77,7 @@ at::Tensor torch_layer_norm(const Norm& norm, const at::Tensor& x) {
 at::Tensor encoder_layer(const EncoderLayerProgram& layer, const LinearLibrary& lib, const at::Tensor& input,
                          const at::Tensor& key_padding_mask) {
   const int64_t T = input.size(0), B = input.size(1), C = input.size(2), H = layer.heads, d = layer.head_dim;
-  const bool pre = layer.normalize_before;
+  const bool pre = layer.ffn.normalize_before;
   at::Tensor x = input.reshape({T * B, C});
   at::Tensor h = pre ? torch_layer_norm(layer.self_attn_norm, x) : x;
   at::Tensor qkv = lib.unrecorded_linear(layer.qkv, h, false, at::Tensor());
@@ -92,12 +88,13 @@ at::Tensor encoder_layer(const EncoderLayerProgram& layer, const LinearLibrary& 
   o = o.permute({2, 0, 1, 3}).reshape({T * B, C});
   x = lib.unrecorded_linear(layer.out_proj, o, false, x);
   if (!pre) x = torch_layer_norm(layer.self_attn_norm, x);
-  h = pre ? torch_layer_norm(layer.final_norm, x) : x;
-  const bool relu = layer.ffn_activation == kFFNReLU;
-  at::Tensor hidden = lib.unrecorded_linear(layer.fc1, h, relu, at::Tensor());
+  const FeedForward& ffn = layer.ffn;
+  h = pre ? torch_layer_norm(ffn.final_norm, x) : x;
+  const bool relu = ffn.activation == kFFNReLU;
+  at::Tensor hidden = lib.unrecorded_linear(ffn.fc1, h, relu, at::Tensor());
   if (!relu) hidden = at::gelu(hidden);
-  x = lib.unrecorded_linear(layer.fc2, hidden, false, x);
-  if (!pre) x = torch_layer_norm(layer.final_norm, x);
+  x = lib.unrecorded_linear(ffn.fc2, hidden, false, x);
+  if (!pre) x = torch_layer_norm(ffn.final_norm, x);
   return x.view({T, B, C});
 }
 

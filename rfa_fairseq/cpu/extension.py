@@ -1,4 +1,4 @@
-"""The fused C++ kernels (every .cpp in ops/csrc and the CPU kernels' levels, compiled into one module), loaded in
+"""The fused C++ kernels (every .cpp in cpu/csrc and the CPU kernels' levels, compiled into one module), loaded in
 one place.
 
     load_fused_extension()     the module, or None (one warning saying why; callers use the torch path)
@@ -7,7 +7,7 @@ one place.
 Where the module comes from, first that works:
 
 1. Prebuilt: `pip install` (scripts/setup_env.sh) compiles the sources ahead of time into
-   `rfa_fairseq.ops._cpp_kernels` (setup.py) when torch is importable in the build environment.
+   `rfa_fairseq.cpu._cpp_kernels` (setup.py) when torch is importable in the build environment.
    Importing it takes no lock. It carries `build_hash`, a hash of the sources, the compiler flags and
    the torch version it was built from (BUILD_HASH_DEFINE); a module whose hash differs from that of
    the files now in csrc/ is stale and not used (logged), nor is one that does not import.
@@ -53,7 +53,7 @@ import warnings
 from pathlib import Path
 
 CSRC_DIR = Path(__file__).with_name("csrc")
-PREBUILT_MODULE = "rfa_fairseq.ops._cpp_kernels"  # setup.py's setuptools extension
+PREBUILT_MODULE = "rfa_fairseq.cpu._cpp_kernels"  # setup.py's setuptools extension
 JIT_NAME = "rfa_fairseq_cpp_kernels"  # torch's build directory and module name for JIT builds
 # -g0: setuptools compiles with Python's own CFLAGS, whose -g makes a 10 MB module instead of 0.3 MB
 EXTRA_CFLAGS = ["-O3", "-fopenmp", "-g0"]

@@ -13,11 +13,10 @@
 
 struct EncoderLayerProgram {  // modules/encoding.py's EncoderLayerRecord: fairseq's softmax encoder layer
   LinearLayer qkv;  // [q | k | v]
-  LinearLayer out_proj, fc1, fc2;
-  Norm self_attn_norm, final_norm;
+  LinearLayer out_proj;
+  Norm self_attn_norm;
+  FeedForward ffn;
   int64_t heads = 0, head_dim = 0;
-  int64_t ffn_activation = kFFNReLU;
-  bool normalize_before = false;
   static EncoderLayerProgram from(const Record& record);
 };
 

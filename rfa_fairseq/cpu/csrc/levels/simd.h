@@ -1,5 +1,5 @@
 // The width-generic vector layer of the CPU kernels (level_kernels.cpp): torch's at::vec::Vectorized<float>, compiled
-// once per level with that level's instructions (ops/extension.py's LEVELS; torch's headers pick the width from the
+// once per level with that level's instructions (cpu/extension.py's LEVELS; torch's headers pick the width from the
 // CPU_CAPABILITY_* macro, as torch builds its own CPU kernels), and the few operations it lacks, each
 // written once per instruction set here:
 //

@@ -58,10 +58,7 @@ struct DecoderLayerProgram {  // DecoderLayerRecord
   Norm self_attn_norm;
   CrossAttention cross;
   Norm cross_norm;
-  LinearLayer fc1, fc2;
-  int64_t ffn_activation = kFFNReLU;
-  Norm final_norm;
-  bool normalize_before = false;
+  FeedForward ffn;
   static DecoderLayerProgram from(const Record& record);
 };
 

@@ -1,10 +1,10 @@
 // The native runtime's linear layers (linear_layers.cpp): one dispatch of a linear layer for the decoding program's
-// steps and the encoder program, on the library Python picked (ops/decode_step.py) and the runtime's instruction-set
+// steps and the encoder program, on the library Python picked (cpu/native.py) and the runtime's instruction-set
 // level (cpu_kernels.h).
 //
 // A oneDNN library's weights are also kept in the blocks of its level's few-rows kernels, which it runs for products of
 // few rows (a sentence's beam), where oneDNN's call costs more than the arithmetic: how many rows is measured on the
-// machine, per level and product shape (time_products; ops/decode_step.py's FewRowsLimits decides and keeps the
+// machine, per level and product shape (time_products; cpu/few_rows_limits.py decides and keeps the
 // limits), never taken from one machine's table.
 #pragma once
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,11 +21,11 @@
 #include "cpu_kernels.h"
 #include "records.h"
 
-// The linear layers' library, decided in Python (ops/decode_step.py's step_kernels): torch's addmm, oneDNN on packed
+// The linear layers' library, decided in Python (kernel_choice.step_kernels): torch's addmm, oneDNN on packed
 // fp32 weights, oneDNN's int8 product.
 enum Gemm : int64_t { kGemmTorch = 0, kGemmOneDNN = 1, kGemmOneDNNInt8 = 2 };
 
-struct LinearLayer {  // decode_step.PackedLinear
+struct LinearLayer {  // ops/step.py's PackedLinear
   at::Tensor weight;                   // torch: (O, I); oneDNN: packed; int8: packed int8 codes
   at::Tensor bias;                     // (O,) or undefined
   at::Tensor w_scales, w_zero_points;  // int8: per output channel

@@ -1,0 +1,108 @@
+"""The one choice of the decoding step's kernel set, per model and batch device: `step_kernels(decode_kernel, device,
+dtype, precision, native_unsupported, state, cpu_isa)` (`rfa_step_kernels` reads them from a model's RFAConfig). The
+encoder's inference takes the same choice.
+
+- `TorchKernels` (ops/step.py): the step's operations in torch, one call each: the reference, bf16 / fp16 weights,
+  --rfa-decode-kernel torch, and on CUDA without Triton.
+- `TritonKernels` (gpu/step.py): on CUDA where Triton imports, the torch step with each causal update one Triton launch.
+- `NativeKernels` (cpu/native.py): on the CPU in fp32 weights where the C++ module loads, the whole step one native
+  call, its linear layers in oneDNN fp32 or int8 (--rfa-decode-precision) or torch, on the CPU's instruction-set level
+  at most --rfa-cpu-isa.
+
+No set falls back to another inside a call: a set that cannot serve is not picked (auto), or its option is an error
+naming why (cpp, int8, an fp16 state where the native step does not run).
+"""
+from typing import Optional
+
+import torch
+
+from . import torch_internals
+from .cpu.extension import load_fused_extension, require_fused_extension
+from .cpu.native import OneDNNInt8Linear, OneDNNLinear, native_kernels
+from .gpu.step import TRITON_KERNELS
+from .gpu.triton_support import triton_import_error
+from .ops.step import TORCH_KERNELS, TorchLinear
+
+DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
+DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
+DECODE_STATES = ("auto", "fp16", "fp32")  # --rfa-decode-state: the causal layers' state between steps
+# --rfa-cpu-isa: the highest instruction-set level of the CPU kernels (csrc/cpu_kernels.h; the names of every
+# architecture's levels: a name of another architecture's is an error where the runtime is built)
+CPU_ISAS = ("auto", "default", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod")
+
+
+def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the native step serves this device and dtype (the CPU in fp32), built or not."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, precision: str = "fp32",
+                 native_unsupported: Optional[str] = None, state: str = "auto", cpu_isa: str = "auto"):
+    """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
+    --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the native step on
+    the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), on CUDA the torch step
+    with the causal layers' step in Triton (where Triton imports), torch otherwise;
+    cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
+    int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
+    native program cannot run (RFATransformerDecoder._native_unsupported), which makes auto take torch.
+    state (--rfa-decode-state): the causal layers' state kept in fp16 (auto: where the native step runs) or fp32.
+    cpu_isa (--rfa-cpu-isa): the cap on the native kernels' instruction-set level."""
+    kernels = _step_kernels(decode_kernel, device, dtype, precision, native_unsupported,
+                            torch.float32 if state == "fp32" else torch.float16, cpu_isa)
+    if state == "fp16" and not kernels.native:
+        raise ValueError(f"--rfa-decode-state fp16 keeps the state in fp16 in the native step, which does not run here "
+                         f"({kernels.name} step on {torch.device(device).type} in {dtype}); use auto or fp32")
+    return kernels
+
+
+def rfa_step_kernels(rfa, device: torch.device, dtype: torch.dtype, native_unsupported: Optional[str] = None):
+    """step_kernels for a model's RFAConfig (its decoding options, read whole)."""
+    return step_kernels(rfa.rfa_decode_kernel, device, dtype, rfa.rfa_decode_precision, native_unsupported,
+                        getattr(rfa, "rfa_decode_state", "auto"), getattr(rfa, "rfa_cpu_isa", "auto"))
+
+
+def _step_kernels(decode_kernel, device, dtype, precision, native_unsupported, state_dtype, cpu_isa):
+    if precision == "int8":
+        if native_unsupported is not None:
+            raise ValueError(f"--rfa-decode-precision int8 runs the native step, which does not support "
+                             f"{native_unsupported}; use fp32")
+        return _int8_kernels(decode_kernel, device, dtype, state_dtype, cpu_isa)
+    if decode_kernel == "torch":
+        return TORCH_KERNELS
+    if decode_kernel == "auto" and torch.device(device).type == "cuda" and dtype != torch.float64:
+        return TRITON_KERNELS if triton_import_error() is None else TORCH_KERNELS
+    if native_unsupported is not None:
+        if decode_kernel == "cpp":
+            raise ValueError(f"--rfa-decode-kernel cpp: the native decoding step does not support {native_unsupported}; "
+                             "use auto or torch")
+        return TORCH_KERNELS
+    native = cpp_can_run(device, dtype)
+    if decode_kernel == "cpp":
+        if not native:
+            raise ValueError(f"--rfa-decode-kernel cpp: the C++ decoding step runs on the CPU in fp32, not on "
+                             f"{torch.device(device).type} in {dtype}; use auto or torch")
+        ext = require_fused_extension()
+    else:
+        ext = load_fused_extension() if native else None
+        if ext is None:
+            return TORCH_KERNELS
+    return native_kernels(ext, OneDNNLinear if torch_internals.onednn_linear_available() else TorchLinear, state_dtype,
+                          cpu_isa)
+
+
+def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, state_dtype: torch.dtype,
+                  cpu_isa: str) -> "NativeKernels":
+    where = f"{torch.device(device).type} in {dtype}"
+    if not cpp_can_run(device, dtype):
+        raise ValueError(f"--rfa-decode-precision int8: the int8 decoding step runs on the CPU in fp32 weights, not on "
+                         f"{where}; use fp32 there")
+    if decode_kernel == "torch":
+        raise ValueError("--rfa-decode-precision int8 needs the C++ kernels (they quantize the activations): drop "
+                         "--rfa-decode-kernel torch")
+    if not torch_internals.onednn_int8_linear_available():
+        raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
+                         f"(torch.ops.onednn.qlinear_*); use fp32")
+    ext = require_fused_extension()
+    return native_kernels(ext, OneDNNInt8Linear, state_dtype, cpu_isa)
+
+
