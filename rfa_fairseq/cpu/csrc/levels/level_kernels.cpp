@@ -310,14 +310,20 @@ void fp32_tile(const float* x, int64_t ldx, int64_t I, const float* weight, cons
   }
 }
 
-// group g's products into the sums: a holds each row's 4 codes of the group, broadcast
+// group g's products into the sums: row r's 4 codes of the group at codes + r * ldc, each row's broadcast just before
+// its products (with AVX2's 16 registers, every row's broadcast held at once made the sums spill to the stack)
 template <int ROWS, int BLOCKS>
-__attribute__((always_inline)) inline void accumulate_group(Int8Acc (&acc)[ROWS][BLOCKS], const Int8Acc (&a)[ROWS],
-                                                            const int8_t* w, int64_t block_stride, int64_t g) {
+__attribute__((always_inline)) inline void accumulate_group(Int8Acc (&acc)[ROWS][BLOCKS], const uint8_t* codes,
+                                                            int64_t ldc, const int8_t* w, int64_t block_stride,
+                                                            int64_t g) {
   Int8W wb[BLOCKS];
   for (int b = 0; b < BLOCKS; ++b) wb[b] = int8_weights(w + b * block_stride + g * kLanes * kInt8Group);
-  for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b) acc[r][b] = dot4(acc[r][b], a[r], wb[b]);
+  for (int r = 0; r < ROWS; ++r) {
+    int32_t word;  // the group's 4 codes as one int32 (rows need no 4-byte alignment)
+    std::memcpy(&word, codes + r * ldc, sizeof(word));
+    const Int8Acc a = broadcast_codes(word);
+    for (int b = 0; b < BLOCKS; ++b) acc[r][b] = dot4(acc[r][b], a, wb[b]);
+  }
 }
 
 template <int ROWS, int BLOCKS>
@@ -326,25 +332,15 @@ void int8_tile(const uint8_t* codes, int64_t I, const int8_t* weight, const Int8
   const int64_t groups = (I + kInt8Group - 1) / kInt8Group, whole = I / kInt8Group;
   const int64_t block_stride = groups * kLanes * kInt8Group;
   const int8_t* w = weight + b0 * block_stride;
+  const uint8_t* rows = codes + r0 * I;
   Int8Acc acc[ROWS][BLOCKS];
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < BLOCKS; ++b) acc[r][b] = int8_zero();
-  Int8Acc a[ROWS];
-  for (int64_t g = 0; g < whole; ++g) {
-    for (int r = 0; r < ROWS; ++r) {
-      int32_t word;  // the group's 4 codes as one int32 (rows need no 4-byte alignment)
-      std::memcpy(&word, codes + (r0 + r) * I + g * kInt8Group, sizeof(word));
-      a[r] = broadcast_codes(word);
-    }
-    accumulate_group<ROWS, BLOCKS>(acc, a, w, block_stride, g);
-  }
+  for (int64_t g = 0; g < whole; ++g) accumulate_group<ROWS, BLOCKS>(acc, rows + g * kInt8Group, I, w, block_stride, g);
   if (whole < groups) {  // a last partial group: its missing codes 0 (their weights are padding)
-    for (int r = 0; r < ROWS; ++r) {
-      int32_t word = 0;
-      std::memcpy(&word, codes + (r0 + r) * I + whole * kInt8Group, I - whole * kInt8Group);
-      a[r] = broadcast_codes(word);
-    }
-    accumulate_group<ROWS, BLOCKS>(acc, a, w, block_stride, whole);
+    uint8_t tail[ROWS][kInt8Group] = {};
+    for (int r = 0; r < ROWS; ++r) std::memcpy(tail[r], rows + r * I + whole * kInt8Group, I - whole * kInt8Group);
+    accumulate_group<ROWS, BLOCKS>(acc, &tail[0][0], kInt8Group, w, block_stride, whole);
   }
   for (int b = 0; b < BLOCKS; ++b) {
     const int64_t n0 = (b0 + b) * kLanes, valid = valid_lanes(out, n0);
