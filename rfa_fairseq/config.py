@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from .kernel_choice import CPU_ISAS, DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES
-from .ops import FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS, SEQUENCE_KERNELS
+from .kernel_choice import CPU_ISAS, DECODE_KERNELS, DECODE_PRECISIONS, DECODE_STATES, SEQUENCE_KERNELS
+from .ops import FEATURE_MAPS, LEARNED_FEATURE_MAPS, RANDOM_MATRIX_KINDS
 
 SIGMA_MODES = ("learned", "fixed", "log")
 

@@ -1,6 +1,16 @@
-"""The one choice of the decoding step's kernel set, per model and batch device: `step_kernels(decode_kernel, device,
-dtype, precision, native_unsupported, state, cpu_isa)` (`rfa_step_kernels` reads them from a model's RFAConfig). The
-encoder's inference takes the same choice.
+"""The one place that picks the kernels: causal RFA over whole sequences per call (`causal_rfa`, training and
+scoring), and the decoding step's kernel set per model and batch device (`step_kernels(decode_kernel, device, dtype,
+precision, native_unsupported, state, cpu_isa)`; `rfa_step_kernels` reads them from a model's RFAConfig). The
+encoder's inference takes the step's choice.
+
+Whole sequences: causal_rfa_triton (gpu/triton_chunk.py: the forward one launch, the backward two) on CUDA when Triton
+imports, --rfa-sequence-kernel is auto and the kernels passed their self-check for the call's variant on its device
+(gpu/triton_self_check.py, once per process; --no-rfa-triton-self-check skips it); causal_rfa_chunked (ops/rfa.py,
+torch operations) otherwise. The chunked torch path stays the reference the Triton kernels are tested against
+(tests/test_triton_kernels.py on the CPU through Triton's interpreter, tests/test_cuda.py on a GPU) and checked against
+on the user's device.
+
+The decoding step:
 
 - `TorchKernels` (ops/step.py): the step's operations in torch, one call each: the reference, bf16 / fp16 weights,
   --rfa-decode-kernel torch, and on CUDA without Triton.
@@ -12,6 +22,8 @@ encoder's inference takes the same choice.
 No set falls back to another inside a call: a set that cannot serve is not picked (auto), or its option is an error
 naming why (cpp, int8, an fp16 state where the native step does not run).
 """
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -19,9 +31,13 @@ import torch
 from . import torch_internals
 from .cpu.extension import load_fused_extension, require_fused_extension
 from .cpu.native import OneDNNInt8Linear, OneDNNLinear, native_kernels
+from .gpu import triton_self_check
 from .gpu.step import TRITON_KERNELS
-from .gpu.triton_support import triton_import_error
+from .gpu.triton_support import triton_import_error, triton_usable
+from .ops.rfa import DENOMINATOR_EPS, causal_rfa_chunked
 from .ops.step import TORCH_KERNELS, TorchLinear
+
+SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
@@ -29,6 +45,30 @@ DECODE_STATES = ("auto", "fp16", "fp32")  # --rfa-decode-state: the causal layer
 # --rfa-cpu-isa: the highest instruction-set level of the CPU kernels (csrc/cpu_kernels.h; the names of every
 # architecture's levels: a name of another architecture's is an error where the runtime is built)
 CPU_ISAS = ("auto", "default", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod")
+
+
+def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size: int, sequence_kernel: str,
+               eps: float = DENOMINATOR_EPS, self_check: bool = True):
+    """phi_q, phi_k: (B, H, T, F)   v: (B, H, T, d)   log_gate: (B, H, T) or None
+    state: None or a (B, H, F, d + 1) tensor entering the sequence -> out (B, H, T, d) fp32, final state
+
+    chunk_size: the torch path's chunks (--rfa-chunk-size). sequence_kernel: "auto" (Triton on CUDA when usable and
+    trusted) or "torch" (--rfa-sequence-kernel). self_check: check the Triton kernels against the torch path before
+    their first use on a device (--rfa-triton-self-check). The model's options (RFAConfig) are their only defaults.
+    """
+    if sequence_kernel == "auto" and phi_q.is_cuda:
+        if triton_usable(phi_q, phi_k, v, log_gate, state):
+            return triton_self_check.causal_rfa(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps,
+                                                self_check=self_check)
+        if triton_import_error() is not None:
+            _warn_once(f"Triton is not usable ({triton_import_error()}): causal RFA on CUDA runs the chunked torch "
+                       f"path (same results, slower); --rfa-sequence-kernel torch silences this")
+    return causal_rfa_chunked(phi_q, phi_k, v, log_gate, state, chunk_size=chunk_size, eps=eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(f"rfa_fairseq: {message}")
 
 
 def cpp_can_run(device: torch.device, dtype: torch.dtype) -> bool:

@@ -463,7 +463,7 @@ def test_a_run_set_to_decode_in_cpp_validates_where_cpp_cannot_run():
 
 
 def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks_triton(monkeypatch):
-    from rfa_fairseq.ops import dispatch
+    from rfa_fairseq import kernel_choice
 
     outputs = {}
     for kernel in ("auto", "torch"):
@@ -475,8 +475,8 @@ def test_sequence_kernel_option_reaches_every_causal_module_and_torch_never_asks
         with monkeypatch.context() as patch:
             # every tensor counts as a CUDA one for the dispatch: auto asks whether Triton can take it
             patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-            patch.setattr(dispatch, "triton_usable", lambda *tensors: asked.append(1) or False)
-            patch.setattr(dispatch, "triton_import_error", lambda: None)
+            patch.setattr(kernel_choice, "triton_usable", lambda *tensors: asked.append(1) or False)
+            patch.setattr(kernel_choice, "triton_import_error", lambda: None)
             with torch.no_grad():
                 outputs[kernel], _ = model(src, src_lengths, prev)
         assert bool(asked) == (kernel == "auto"), "only auto may pick the Triton kernels"

@@ -98,7 +98,7 @@ def sequences(gated=True, T=20, dtype=torch.float32, grad=False, seed=0):
 
 
 def run_sequences(inputs, self_check=True):
-    """triton_self_check.causal_rfa (dispatch.causal_rfa's Triton side) -> out, and the inputs' gradients where
+    """triton_self_check.causal_rfa (kernel_choice.causal_rfa's Triton side) -> out, and the inputs' gradients where
     they require them."""
     out, _ = triton_self_check.causal_rfa(*inputs, chunk_size=8, self_check=self_check)
     leaves = [x for x in inputs if x is not None and x.requires_grad]

@@ -81,7 +81,8 @@ class NativeKernels:
     is below the CPU's best, cpu/isa.py); `pack_linear` is the library's, with the few-rows limit of
     each new shape measured (or read from the machine's record: few_rows_limits); `linear` (the encoder's inference) and
     the program's steps run the C++ LinearLibrary, the one dispatch of a linear layer by library; `beam_candidates` is
-    the C++ kernel (the static beam search's steps that run in Python: prefix tokens, n-gram blocking)."""
+    the C++ kernel of the torch search's candidates (the search CUDA runs, here where a test runs it beside the native
+    search on the same logits)."""
 
     name = "cpp"
     native = True

@@ -15,7 +15,7 @@ the chunk of 16 or 32 positions; the step's activation, padding, carried state, 
 also specializes integer arguments by their divisibility by 16: the same code, compiled apart, not told apart here.)
 A check inside a CUDA graph capture cannot read its result back: that call takes the torch path, unchecked.
 
-    causal_rfa(phi_q, phi_k, v, log_gate, state, chunk_size=, eps=, self_check=)   dispatch.causal_rfa's Triton side
+    causal_rfa(phi_q, phi_k, v, log_gate, state, chunk_size=, eps=, self_check=)   kernel_choice.causal_rfa's Triton side
     causal_layer_step(phi_q, ..., state_out, eps, activation)   TritonKernels' step (via triton_step.causal_layer_step)
     set_step_self_check(device, enabled)    the decoder's --no-rfa-triton-self-check (the step's calls take no options)
     checks() -> [CheckRecord]               the checks this process ran or skipped: outcome, difference, milliseconds
@@ -266,7 +266,7 @@ class SequenceVariant:
 def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size: int, eps: float = DENOMINATOR_EPS,
                self_check: bool = True):
     """causal_rfa_triton where the kernels are trusted for this call's variant on its device (checked now if not
-    yet, unless self_check is off), else causal_rfa_chunked: dispatch.causal_rfa's Triton side (its contract)."""
+    yet, unless self_check is off), else causal_rfa_chunked: kernel_choice.causal_rfa's Triton side (its contract)."""
     inputs = (phi_q, phi_k, v, log_gate, state)
     training = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     variant = SequenceVariant(log_gate is not None, state is not None, training,

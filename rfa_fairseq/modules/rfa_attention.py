@@ -21,7 +21,8 @@ from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor, nn
 
 from ..config import RFAConfig
-from ..ops import activate_learned, causal_rfa, denominator_eps, draw_random_matrix, gate_keys, noncausal_rfa, noncausal_rfa_state, random_matrix_seed
+from ..kernel_choice import causal_rfa
+from ..ops import activate_learned, denominator_eps, draw_random_matrix, gate_keys, noncausal_rfa, noncausal_rfa_state, random_matrix_seed
 from .decoding import CausalCache, SentenceCache, reuse_or_allocate
 from .feature_maps import LEGACY_PARAMETER_NAMES, build_feature_map
 

@@ -1,7 +1,7 @@
 """The math of RFA: pure tensor functions (the feature maps, causal and cross RFA over whole sequences, the decoding
-step's operations in torch) with their plain references (naive.py); no fairseq imports here. The CPU runtime is in
-rfa_fairseq/cpu/, the GPU kernels in rfa_fairseq/gpu/."""
-from .dispatch import SEQUENCE_KERNELS, causal_rfa  # noqa: F401
+step's operations in torch) with their plain references (naive.py); no fairseq imports here, and none of the other
+rooms: the CPU runtime is in rfa_fairseq/cpu/, the GPU kernels in rfa_fairseq/gpu/, and which of them runs a call is
+decided in rfa_fairseq/kernel_choice.py."""
 from .feature_maps import (  # noqa: F401
     AFFINE_FEATURE_MAPS,
     FEATURE_MAPS,
