@@ -9,6 +9,11 @@ the check of RFA options against it.
   record (torch.load does not check them). A file that is not a checkpoint, a truncated or overwritten
   one, a refused class or a missing file raises one error naming the file (`CheckpointLoadError`:
   `NotACheckpointError`, `DamagedCheckpointError`; FileNotFoundError).
+- Sharing: `share_mapped_tensors`, the model's load_state_dict pre-hook: a parameter or buffer whose incoming tensor
+  lies in a file's mapping (a checkpoint loaded mapped), with its shape, dtype and device, takes that tensor's memory
+  instead of a copy of it. The weights stay the file's pages, which the decoding runtime gives back once it has packed
+  them (cpu/native.py); the mapping is private (copy-on-write), so training them later writes only the process's
+  copies, never the file.
 - Saving: `save_atomic(state, path)` writes a temporary file beside `path`, fsyncs it and renames it
   over `path`; `copy_atomic` copies a complete file the same way. A process killed at any instant
   leaves `path` as the old complete file or the new one. `output_file_problem` checks an output path
@@ -256,6 +261,27 @@ def safe_load(path, mmap=False, verify=None):
         if explained is None:
             raise
         raise explained from exc
+
+
+def share_mapped_tensors(module, state_dict, prefix, *_hook_args) -> None:
+    """nn.Module.load_state_dict pre-hook of the model (registered by the rfa_transformer model): every parameter or
+    buffer whose state_dict entry is a file's mapping of the same shape, dtype and device takes that entry's memory
+    (`.data`, so its Parameter object, ties and optimizer entries are kept), and the entry becomes the tensor itself:
+    the load's copy is then of a tensor onto itself, which torch skips. Other entries are copied as usual."""
+    from .file_mappings import FileMappings
+
+    mappings = None
+    own = {**dict(module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False)),
+           **dict(module.named_buffers(prefix=prefix.rstrip("."), remove_duplicate=False))}
+    for key, target in own.items():
+        incoming = state_dict.get(key)
+        if (not isinstance(incoming, torch.Tensor) or target is None or incoming.shape != target.shape
+                or incoming.dtype != target.dtype or incoming.device != target.device):
+            continue
+        mappings = mappings or FileMappings.now()
+        if mappings.holds(incoming):
+            target.data = incoming
+            state_dict[key] = target
 
 
 def num_updates(state):

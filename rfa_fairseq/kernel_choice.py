@@ -16,8 +16,8 @@ The decoding step:
   --rfa-decode-kernel torch, and on CUDA without Triton.
 - `TritonKernels` (gpu/step.py): on CUDA where Triton imports, the torch step with each causal update one Triton launch.
 - `NativeKernels` (cpu/native.py): on the CPU in fp32 weights where the C++ module loads, the whole step one native
-  call, its linear layers in oneDNN fp32 or int8 (--rfa-decode-precision) or torch, on the CPU's instruction-set level
-  at most --rfa-cpu-isa.
+  call, its linear layers fp32 or int8 (--rfa-decode-precision) on the weights kept once in the kernels' blocks, on the
+  CPU's instruction-set level at most --rfa-cpu-isa.
 
 No set falls back to another inside a call: a set that cannot serve is not picked (auto), or its option is an error
 naming why (cpp, int8, an fp16 state where the native step does not run).
@@ -28,14 +28,13 @@ from typing import Optional
 
 import torch
 
-from . import torch_internals
 from .cpu.extension import load_fused_extension, require_fused_extension
-from .cpu.native import OneDNNInt8Linear, OneDNNLinear, native_kernels
+from .cpu.native import native_kernels
 from .gpu import triton_self_check
 from .gpu.step import TRITON_KERNELS
 from .gpu.triton_support import triton_import_error, triton_usable
 from .ops.rfa import DENOMINATOR_EPS, causal_rfa_chunked
-from .ops.step import TORCH_KERNELS, TorchLinear
+from .ops.step import TORCH_KERNELS
 
 SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 
@@ -80,10 +79,10 @@ def step_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, p
                  native_unsupported: Optional[str] = None, state: str = "auto", cpu_isa: str = "auto"):
     """The kernels of the decoding step and of the encoder's inference for --rfa-decode-kernel and
     --rfa-decode-precision (validated by RFAConfig) and the model's device and dtype: auto = the native step on
-    the CPU in fp32 when the C++ module loads (linear layers in oneDNN where torch has it), on CUDA the torch step
+    the CPU in fp32 when the C++ module loads, on CUDA the torch step
     with the causal layers' step in Triton (where Triton imports), torch otherwise;
     cpp = the native step, an error where it cannot run; torch = torch. precision int8: the native step with
-    int8 linear layers (oneDNN), an error naming why where it cannot run. native_unsupported: what of the model the
+    int8 linear layers, an error naming why where it cannot run. native_unsupported: what of the model the
     native program cannot run (RFATransformerDecoder._native_unsupported), which makes auto take torch.
     state (--rfa-decode-state): the causal layers' state kept in fp16 (auto: where the native step runs) or fp32.
     cpu_isa (--rfa-cpu-isa): the cap on the native kernels' instruction-set level."""
@@ -126,8 +125,7 @@ def _step_kernels(decode_kernel, device, dtype, precision, native_unsupported, s
         ext = load_fused_extension() if native else None
         if ext is None:
             return TORCH_KERNELS
-    return native_kernels(ext, OneDNNLinear if torch_internals.onednn_linear_available() else TorchLinear, state_dtype,
-                          cpu_isa)
+    return native_kernels(ext, "fp32", state_dtype, cpu_isa)
 
 
 def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, state_dtype: torch.dtype,
@@ -139,10 +137,7 @@ def _int8_kernels(decode_kernel: str, device: torch.device, dtype: torch.dtype, 
     if decode_kernel == "torch":
         raise ValueError("--rfa-decode-precision int8 needs the C++ kernels (they quantize the activations): drop "
                          "--rfa-decode-kernel torch")
-    if not torch_internals.onednn_int8_linear_available():
-        raise ValueError(f"--rfa-decode-precision int8: torch {torch.__version__} has no oneDNN int8 linear ops "
-                         f"(torch.ops.onednn.qlinear_*); use fp32")
     ext = require_fused_extension()
-    return native_kernels(ext, OneDNNInt8Linear, state_dtype, cpu_isa)
+    return native_kernels(ext, "int8", state_dtype, cpu_isa)
 
 

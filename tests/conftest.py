@@ -28,12 +28,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take more than ~20 s (still run in CI)")
-    # The few-rows limits the runtimes measure (cpu/few_rows_limits.py) are recorded in a directory of the session's
-    # own, not the user's cache: set once by the controlling process, inherited by its workers and the CLIs they run
-    if not hasattr(config, "workerinput") and "RFA_CACHE_DIR" not in os.environ:
-        import tempfile
-
-        os.environ["RFA_CACHE_DIR"] = tempfile.mkdtemp(prefix="rfa-test-cache-")
 
 
 @pytest.fixture(scope="session")

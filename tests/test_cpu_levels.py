@@ -1,29 +1,25 @@
 """The CPU kernels' instruction-set levels (cpu/csrc/cpu_kernels.h, levels/level_kernels.cpp): each level this CPU runs
-against the references (its few-rows products against oneDNN's on the same weights and codes; its exp against
-float64), the one choice of a level (--rfa-cpu-isa), the library's choice between its kernels by the measured
-few-rows limits (cpu/few_rows_limits.py) and their record, the level objects' symbols (nothing of a level's
-instructions reachable from another), and the build for aarch64 with Debian's cross compiler. The decoding step's
-kernels at every level: tests/test_decoding_step.py and tests/test_ops.py (their cpu_level_params)."""
-import dataclasses
-import json
+against the references (its linear products against float64 products of the same weights (fp32) and exact integer
+products of the same codes (int8), a row's result the same whatever rows surround it; its exp against float64), the
+weights packed once and their file pages given back, the one choice of a level (--rfa-cpu-isa), the level objects'
+symbols (nothing of a level's instructions reachable from another), and the build for aarch64 with Debian's cross
+compiler. The decoding step's kernels at every level: tests/test_decoding_step.py and tests/test_ops.py (their
+cpu_level_params)."""
 import os
 import platform
 import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 
 import pytest
 import torch
-from conftest import REPO
 from helpers import cpp_extension, cpu_level_params
 
-from rfa_fairseq import torch_internals
-from rfa_fairseq.cpu import extension, few_rows_limits
-from rfa_fairseq.cpu.native import OneDNNInt8Linear, OneDNNLinear
+from rfa_fairseq.cpu import extension
+from rfa_fairseq.cpu.native import NativeKernels
+from rfa_fairseq.file_mappings import FileMappings
 
-PRECISIONS = {"fp32": (OneDNNLinear, "onednn"), "int8": (OneDNNInt8Linear, "onednn_int8")}
 AARCH64_CXX = "aarch64-linux-gnu-g++"
 
 
@@ -32,108 +28,183 @@ def ext():
     return cpp_extension()
 
 
-def _library(ext, precision, level):
-    available = torch_internals.onednn_int8_linear_available() if precision == "int8" else \
-        torch_internals.onednn_linear_available()
-    if not available:
-        pytest.skip(f"torch {torch.__version__} has no oneDNN {precision} linear ops: nothing to compare with")
-    packer, code = PRECISIONS[precision]
-    library = ext.LinearLibrary(code, torch_internals.onednn_operators(), level)
-    assert library.level == level
-    return packer(library), library
+def _kernels(ext, precision, level):
+    kernels = NativeKernels(ext, precision, torch.float32, level)
+    assert kernels.level == level and kernels.library.precision == precision
+    return kernels
 
 
-def _few_rows(library, precision, packed, x, relu, residual):
-    """The level's few-rows kernel itself on `packed`'s blocks."""
+def _product(kernels, packed, x, relu, residual):
+    """The level's product itself on `packed`'s blocks (int8: from quantize_rows' codes)."""
     y = torch.full((x.size(0), packed.out_features), float("nan"))
-    if precision == "fp32":
-        library.few_rows_fp32(packed, x, residual, relu, y)
+    if kernels.precision == "fp32":
+        kernels.library.linear_fp32(packed, x, residual, relu, y)
     else:
         codes, row_scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.size(0))
-        cpp_extension().quantize_rows(x, codes, row_scales, library.level)
-        library.few_rows_int8(packed, codes, row_scales, residual, relu, y)
+        kernels.ext.quantize_rows(x, codes, row_scales, kernels.level)
+        kernels.library.linear_int8(packed, codes, row_scales, residual, relu, y)
     return y
 
 
-def _onednn(library, packed, x, relu, residual):
-    """oneDNN's product on the packed layer (the library's other path: its few-rows limit 0)."""
-    library.set_few_rows_limit(packed.in_features, packed.out_features, 0)
-    return library.linear(packed, x, relu, residual)
+def _reference(kernels, weight, bias, x, relu, residual):
+    """fp32: the product in float64; int8: the exact integer products of the same codes (the weights' per-channel codes
+    as torch computes them, the rows' as quantize_rows does), scaled in the kernels' order."""
+    if kernels.precision == "fp32":
+        y = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    else:
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        w_codes = torch.round(weight / scales[:, None]).clamp(-127, 127).long()
+        codes, row_scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.size(0))
+        kernels.ext.quantize_rows(x, codes, row_scales, kernels.level)
+        sums = (codes.long() - kernels.ext.int8_row_zero_point) @ w_codes.T  # exact
+        y = (sums.float() * scales) * row_scales[:, None]
+        y = (y + bias if bias is not None else y).double()
+    y = y.relu() if relu else y
+    return (y + residual.double() if residual is not None else y).float()
 
 
-# inputs not a multiple of 4 (int8: a last partial group of codes) and past one fp32 chunk of 512, outputs not a
-# multiple of any vector width (masked lanes, a ragged last tile), rows past a tile of 4
+# inputs not a multiple of 4 (int8: a last partial group of codes) and past one fp32 chunk of 512 (K blocks past a few
+# rows), outputs not a multiple of any vector width (masked lanes, a ragged last tile), rows of a sentence's beam and
+# past every tile's rows (the last rows in smaller tiles), and a batch past one row block (1030 inputs: 127 rows)
 @pytest.mark.parametrize("level", cpu_level_params())
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-@pytest.mark.parametrize("in_features,out_features", [(256, 516), (13, 7), (258, 50), (1030, 131)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
-def test_few_rows_kernel_matches_onednn(ext, level, precision, in_features, out_features, rows):
-    packer, library = _library(ext, precision, level)
+@pytest.mark.parametrize("in_features,out_features,rows", [
+    (256, 516, 1), (256, 516, 4), (256, 516, 9), (13, 7, 3), (13, 7, 40), (258, 50, 6), (258, 50, 17),
+    (1030, 131, 4), (1030, 131, 23), (1030, 60, 300)])
+def test_linear_products_match_the_reference(ext, level, precision, in_features, out_features, rows):
+    kernels = _kernels(ext, precision, level)
     torch.manual_seed(in_features * 1000 + out_features + rows)
     weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
     x, residual = torch.randn(rows, in_features) * 3, torch.randn(rows, out_features)
     for relu, res, b in [(False, None, bias), (True, None, bias), (False, residual, bias), (True, residual, None)]:
-        packed = packer.pack_linear(weight, b)
-        assert packed.rows_weight.shape[-1 if precision == "fp32" else -2] == library.block
-        # int8: the same exact int32 sums and epilogue; fp32: the sums in about oneDNN's order. A few ulps of the terms
-        # apart (a wrong weight, lane or row is off by the terms themselves)
-        torch.testing.assert_close(_few_rows(library, precision, packed, x, relu, res),
-                                   _onednn(library, packed, x, relu, res), rtol=1e-5, atol=1e-4)
+        packed = kernels.pack_linear(weight, b)
+        assert packed.weight.shape[-1 if precision == "fp32" else -2] == kernels.library.block
+        got, want = _product(kernels, packed, x, relu, res), _reference(kernels, weight, b, x, relu, res)
+        # fp32: another summation order than float64's, a few ulps of the terms apart; int8: the same integer sums, the
+        # scales' fp32 roundings (a wrong weight, lane or row is off by the terms themselves)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(kernels.linear(x, packed, "relu" if relu else None, res), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", cpu_level_params())
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_rows_result_does_not_depend_on_the_rows_around_it(ext, level, precision):
+    """A sentence's beam decoded alone (a few rows) and inside a batch (many rows: other tiles, row blocks, K blocks)
+    gives the same bits: the sums of each output run in one order whatever the tiling (the batch's hypotheses are each
+    sentence's alone)."""
+    kernels = _kernels(ext, precision, level)
+    torch.manual_seed(3)
+    for in_features in (96, 1030):
+        weight, bias = torch.randn(70, in_features) * 0.1, torch.randn(70)
+        packed = kernels.pack_linear(weight, bias)
+        batch = torch.randn(300, in_features)
+        whole = kernels.linear(batch, packed)
+        for first in (0, 4, 37, 296):
+            alone = kernels.linear(batch[first:first + 4].contiguous(), packed)
+            assert torch.equal(alone, whole[first:first + 4]), (in_features, first)
 
 
 @pytest.mark.parametrize("level", cpu_level_params())
 def test_int8_products_are_exact_where_7_bit_codes_meet_the_largest_weights(ext, level):
     """The u8 x s8 multiply-adds (AVX2 / AVX-512 vpmaddubsw sums pairs in int16; NEON vmull; VNNI vpdpbusd) on the
     extreme codes: every code 127 against weights of +-127 in every position, the largest pair sums (2 x 127 x 127)
-    that an int16 must hold. The few-rows result equals the exact int64 products scaled."""
-    packer, library = _library(ext, "int8", level)
+    that an int16 must hold. The product equals the exact int64 products scaled, for a beam's rows and a batch's."""
+    kernels = _kernels(ext, "int8", level)
     I, O = 260, 40
     weight = torch.full((O, I), 1.0)
     weight[::2] = -1.0  # codes -127 / 127 after the per-channel scale (1 / 127)
-    x = torch.full((5, I), 7.0)  # every activation code 127 (the row's maximum)
-    packed = packer.pack_linear(weight, None)
-    got = _few_rows(library, "int8", packed, x, False, None)
-    want = (x @ weight.T)  # codes and scales reconstruct x and the weights exactly
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-3)
+    packed = kernels.pack_linear(weight, None)
+    for rows in (5, 33):
+        x = torch.full((rows, I), 7.0)  # every activation code 127 (the row's maximum)
+        got = _product(kernels, packed, x, False, None)
+        torch.testing.assert_close(got, x @ weight.T, rtol=1e-6, atol=1e-3)  # codes and scales reconstruct both exactly
 
 
-@pytest.mark.parametrize("level", cpu_level_params())
-def test_the_library_takes_the_few_rows_kernel_up_to_its_limit_only(ext, level):
-    """The library's pick by rows (linear_layers.cpp's LinearLibrary::few_rows, the measured limit): zeroed few-rows
-    blocks change the output at or below the limit (the kernel runs) and not above it (oneDNN runs), nor without a
-    limit."""
-    packer, library = _library(ext, "fp32", level)
-    torch.manual_seed(0)
-    packed = packer.pack_linear(torch.randn(96, 64) * 0.1, torch.randn(96))
-    plain = _onednn(library, packed, torch.randn(1, 64), False, None)  # sets the limit to 0
-    assert plain.shape == (1, 96)
-    zeroed = dataclasses.replace(packed, rows_weight=torch.zeros_like(packed.rows_weight))
-    few, many = torch.randn(8, 64), torch.randn(9, 64)
-    library.set_few_rows_limit(64, 96, 8)
-    assert library.few_rows_limit(64, 96) == 8
-    assert not torch.allclose(library.linear(zeroed, few), library.linear(packed, few))
-    torch.testing.assert_close(library.linear(zeroed, many), library.linear(packed, many), rtol=0, atol=0)
-    fresh = ext.LinearLibrary("onednn", torch_internals.onednn_operators(), level)
-    assert fresh.few_rows_limit(64, 96) is None
-    torch.testing.assert_close(fresh.linear(zeroed, few), _onednn(library, packed, few, False, None), rtol=0, atol=0)
+def test_int8_packing_quantizes_as_torch(ext):
+    """pack_int8's scales and codes are torch's (w.abs().amax(1) / 127 clamped to tiny, round half to even), the
+    code sums the zero point's: the weights the int8 path decoded with before the packing moved into C++."""
+    kernels = _kernels(ext, "int8", ext.select_cpu_level("auto"))
+    torch.manual_seed(5)
+    weight = torch.randn(37, 21)
+    weight[3] = 0.0  # a channel of zeros: the tiny scale, codes 0
+    weight[5] = torch.arange(21) * 0.5 - 5.0  # codes that land on halves: rounded to even
+    blocks, sums, scales = kernels.library.pack_int8(weight, False)
+    want_scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    assert torch.equal(scales, want_scales)
+    codes = torch.round(weight / want_scales[:, None]).clamp(-127, 127).to(torch.int8)
+    block = kernels.library.block
+    padded = torch.zeros(blocks.size(0) * block, blocks.size(1) * 4, dtype=torch.int8)
+    padded[:37, :21] = codes
+    assert torch.equal(blocks, padded.view(-1, block, blocks.size(1), 4).permute(0, 2, 1, 3))
+    assert torch.equal(sums, padded.int().sum(1) * kernels.ext.int8_row_zero_point)
 
 
-def test_the_kernels_reject_blocks_of_another_shape_or_level(ext):
-    packer, library = _library(ext, "int8", ext.select_cpu_level("auto"))
+def test_the_kernels_reject_blocks_of_another_shape_precision_or_level(ext):
+    level = ext.select_cpu_level("auto")
+    fp32, int8 = _kernels(ext, "fp32", level), _kernels(ext, "int8", level)
     x, y = torch.zeros(4, 64), torch.empty(4, 32)
-    fp32 = OneDNNLinear(ext.LinearLibrary("onednn", torch_internals.onednn_operators(), library.level))
     wrong_inputs = fp32.pack_linear(torch.zeros(32, 60), None)
     with pytest.raises(RuntimeError, match="level's blocks \\(pack_fp32\\) for 64 inputs and 32 outputs"):
-        fp32.native.few_rows_fp32(dataclasses.replace(wrong_inputs, in_features=64), x, None, False, y)
-    packed = packer.pack_linear(torch.zeros(32, 60), None)  # blocks for 60 inputs, not 64
+        fp32.library.linear_fp32(wrong_inputs.__class__(**{**wrong_inputs.__dict__, "in_features": 64}), x, None,
+                                 False, y)
+    packed = int8.pack_linear(torch.zeros(32, 60), None)  # blocks for 60 inputs, not 64
     with pytest.raises(RuntimeError, match="level's blocks \\(pack_int8\\) for 64 inputs"):
-        library.few_rows_int8(packed, torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4), None, False, y)
-    others = [level for level in ext.runnable_cpu_levels() if ext.LinearLibrary(
-        "onednn", torch_internals.onednn_operators(), level).block != library.block]
+        int8.library.linear_int8(packed, torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4), None, False, y)
+    with pytest.raises(RuntimeError, match="this library's layers are int8"):
+        int8.library.linear_fp32(packed, x, None, False, y)
+    others = [other for other in ext.runnable_cpu_levels() if ext.LinearLibrary("fp32", other).block != fp32.library.block]
     if others:  # blocks of another vector width: refused, not misread
-        other = ext.LinearLibrary("onednn", torch_internals.onednn_operators(), others[0])
+        other = ext.LinearLibrary("fp32", others[0])
         with pytest.raises(RuntimeError, match=f"the {others[0]} level's blocks"):
-            other.few_rows_fp32(fp32.pack_linear(torch.zeros(32, 64), None), x, None, False, y)
+            other.linear_fp32(fp32.pack_linear(torch.zeros(32, 64), None), x, None, False, y)
+
+
+def _resident_pages(tensor):
+    """(how many of the pages under `tensor` this process has in memory (/proc/self/pagemap's present bit: what its
+    resident set counts), how many there are)."""
+    page = os.sysconf("SC_PAGESIZE")
+    first = tensor.data_ptr() // page
+    count = (tensor.data_ptr() + tensor.numel() * tensor.element_size() + page - 1) // page - first
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = memoryview(pagemap.read(count * 8)).cast("Q")
+    return sum(entry >> 63 for entry in entries), count
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_packing_a_mapped_weight_gives_its_pages_back_and_keeps_a_written_one(ext, tmp_path, precision):
+    """A weight mapped from a file (a checkpoint loaded mapped) is packed in chunks, each chunk's pages given back once
+    packed: the process keeps the packed copy alone. A weight in memory keeps its pages; a mapped one written since
+    (training's updates, copy-on-write) keeps its values."""
+    release = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    if platform.system() != "Linux" or release < (5, 4):
+        pytest.skip(f"pages are given back on Linux 5.4 and later (madvise MADV_PAGEOUT); this is {platform.system()} "
+                    f"{platform.release()}")
+    kernels = _kernels(ext, precision, ext.select_cpu_level("auto"))
+    torch.manual_seed(0)
+    weight = torch.randn(2048, 512)
+    path = tmp_path / "weights.pt"
+    torch.save({"w": weight, "v": weight.clone()}, path)
+    with open(path, "rb") as saved:  # a checkpoint on disk, not pages still to be written (those cannot be dropped)
+        os.fsync(saved.fileno())
+    state = torch.load(path, mmap=True, weights_only=True)
+    mapped, written = state["w"], state["v"]
+    assert FileMappings.now().holds(mapped) and not FileMappings.now().holds(weight)
+    assert torch.equal(mapped, weight)  # read: every page resident
+    resident, pages = _resident_pages(mapped)
+    assert resident == pages
+    packed = kernels.pack_linear(mapped, None)
+    assert _resident_pages(mapped)[0] <= pages // 100
+    x = torch.randn(3, 512)
+    assert torch.equal(kernels.linear(x, packed), kernels.linear(x, kernels.pack_linear(weight, None)))
+    assert torch.equal(mapped, weight)  # read again from the file
+    in_memory = weight.clone()
+    kernels.pack_linear(in_memory, None)
+    resident, pages = _resident_pages(in_memory)
+    assert resident == pages  # memory, not a file's: kept
+    written.mul_(2)  # copy-on-write: the pages are the process's now
+    kernels.pack_linear(written, None)
+    assert torch.equal(written, weight * 2)
 
 
 @pytest.mark.parametrize("level", cpu_level_params())
@@ -160,7 +231,7 @@ def test_one_place_chooses_the_level_and_a_cap_caps_it(ext):
     with pytest.raises(ValueError, match=f"'{foreign}' is not an instruction-set level of this architecture"):
         ext.select_cpu_level(foreign)
     with pytest.raises(ValueError, match="--rfa-cpu-isa: .*'bogus'"):
-        ext.LinearLibrary("onednn", torch_internals.onednn_operators(), "bogus")
+        ext.LinearLibrary("fp32", "bogus")
     missing = [level for level in levels if level not in runnable]
     if missing:
         with pytest.raises(ValueError, match=f"this CPU does not run the '{missing[0]}' level"):
@@ -173,123 +244,6 @@ def test_the_decoding_option_names_every_architectures_levels(ext):
     assert set(ext.cpu_levels()) <= set(CPU_ISAS) and CPU_ISAS[0] == "auto"
     assert set(CPU_ISAS) - {"auto"} == {level for levels in extension.LEVELS.values() for level in levels}
     assert list(extension.machine_levels()) == ext.cpu_levels()  # the build's levels are the module's
-
-
-# ---------------------------------------------------------------------------------------------- the few-rows limits
-
-
-class ScriptedLibrary:
-    """time_products from a table of (few-rows us, oneDNN us) per rows; counts the calls; records the limit set."""
-
-    level = "avx2"
-
-    def __init__(self, times):
-        self.times, self.calls, self.limits = times, [], {}
-
-    def time_products(self, packed, rows, repeats):
-        self.calls.append(rows)
-        value = self.times[rows]
-        return value.pop(0) if isinstance(value, list) else value
-
-    def set_few_rows_limit(self, in_features, out_features, rows):
-        self.limits[(in_features, out_features)] = rows
-
-
-PACKED = dataclasses.make_dataclass("Packed", [("in_features", int), ("out_features", int)])
-
-
-def test_the_limit_is_the_last_count_won_before_the_first_confirmed_loss():
-    times = {1: (1, 3), 4: (2, 3), 8: [(4, 3), (2.5, 3)], 16: [(9, 6), (8, 6)], 32: (1, 99), 64: (1, 99)}
-    library = ScriptedLibrary(times)
-    # 8: a loss not confirmed by the second timing (the best of both counts: 2.5 < 3); 16: confirmed; 32 never timed
-    assert few_rows_limits.measure_limit(library, PACKED(4, 4), rows=(1, 4, 8, 16, 32, 64)) == 8
-    assert library.calls == [1, 4, 8, 8, 16, 16]
-    assert few_rows_limits.measure_limit(ScriptedLibrary({1: [(5, 1), (5, 1)]}), PACKED(4, 4), rows=(1, 4)) == 0
-    assert few_rows_limits.measure_limit(ScriptedLibrary({1: (1, 2), 4: (1, 2)}), PACKED(4, 4), rows=(1, 4)) == 4
-
-
-def test_limits_are_measured_once_per_machine_and_read_back(tmp_path, monkeypatch):
-    monkeypatch.setenv(few_rows_limits.CACHE_ENV, str(tmp_path))
-    few_rows_limits.forget_known()
-    library = ScriptedLibrary({rows: (1, 2) for rows in few_rows_limits.MEASURED_ROWS})
-    assert few_rows_limits.ensure_limit(library, "onednn", PACKED(8, 12)) == few_rows_limits.MEASURED_ROWS[-1]
-    assert library.limits == {(8, 12): few_rows_limits.MEASURED_ROWS[-1]}
-    record = json.loads((tmp_path / few_rows_limits.RECORD_NAME).read_text())
-    (key, value), = record.items()
-    assert key.endswith("| avx2 | onednn (oneDNN ISA %s) | torch %s | 8x12"
-                        % (os.environ.get("ONEDNN_MAX_CPU_ISA") or "the CPU's", torch.__version__)) and value == 256
-    # another process (this one's limits forgotten): read from the record, nothing timed
-    few_rows_limits.forget_known()
-    again = ScriptedLibrary({})
-    assert few_rows_limits.ensure_limit(again, "onednn", PACKED(8, 12)) == 256 and again.calls == []
-    # a damaged record: measured again, then replaced whole
-    (tmp_path / few_rows_limits.RECORD_NAME).write_text("{not json")
-    few_rows_limits.forget_known()
-    third = ScriptedLibrary({rows: (3, 2) for rows in few_rows_limits.MEASURED_ROWS})
-    assert few_rows_limits.ensure_limit(third, "onednn", PACKED(8, 12)) == 0
-    assert json.loads((tmp_path / few_rows_limits.RECORD_NAME).read_text()) == {key: 0}
-    few_rows_limits.forget_known()
-
-
-def test_an_unwritable_record_still_measures_and_says_so(tmp_path, monkeypatch, caplog):
-    blocked = tmp_path / "file"
-    blocked.write_text("")
-    monkeypatch.setenv(few_rows_limits.CACHE_ENV, str(blocked / "below"))  # a directory under a file: no record
-    monkeypatch.setattr(few_rows_limits, "_unwritable_logged", False)
-    few_rows_limits.forget_known()
-    library = ScriptedLibrary({rows: (1, 2) for rows in few_rows_limits.MEASURED_ROWS})
-    with caplog.at_level("WARNING"):
-        assert few_rows_limits.ensure_limit(library, "onednn", PACKED(8, 12)) == 256
-    assert "cannot be used" in caplog.text and few_rows_limits.CACHE_ENV in caplog.text
-    few_rows_limits.forget_known()
-
-
-def test_a_real_library_measures_a_limit_within_the_measured_counts(ext, tmp_path, monkeypatch):
-    monkeypatch.setenv(few_rows_limits.CACHE_ENV, str(tmp_path))
-    few_rows_limits.forget_known()
-    packer, library = _library(ext, "int8", ext.select_cpu_level("auto"))
-    packed = packer.pack_linear(torch.randn(64, 48), None)
-    limit = few_rows_limits.ensure_limit(library, "onednn_int8", packed)
-    assert limit in (0, *few_rows_limits.MEASURED_ROWS) and library.few_rows_limit(48, 64) == limit
-    few, other = library.time_products(packed, 4, 2)
-    assert few > 0 and other > 0
-    assert torch.get_num_threads() == torch.get_num_threads()  # the teams restored (no exception above)
-    few_rows_limits.forget_known()
-
-
-MEASURING_PROCESS = """
-import sys, time
-sys.path.insert(0, sys.argv[1])
-from rfa_fairseq.cpu import few_rows_limits
-
-class Slow:  # times each count slowly: the other process arrives while this one measures
-    level = "avx2"
-    def time_products(self, packed, rows, repeats):
-        with open(sys.argv[2], "a") as log:
-            log.write(f"{rows}\\n")
-        time.sleep(0.05)
-        return (1.0, 2.0)
-    def set_few_rows_limit(self, *args):
-        pass
-
-class Packed:
-    in_features, out_features = 3, 5
-
-print(few_rows_limits.ensure_limit(Slow(), "onednn", Packed()))
-"""
-
-
-def test_processes_started_together_share_one_measurement(tmp_path):
-    """Writers take the record's lock: of two processes that need the same shape at once, one measures and the other
-    reads its limit."""
-    log = tmp_path / "timed.txt"
-    env = {**os.environ, few_rows_limits.CACHE_ENV: str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, "-c", MEASURING_PROCESS, REPO, str(log)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
-    assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["256", "256"]
-    assert log.read_text().split() == [str(rows) for rows in few_rows_limits.MEASURED_ROWS]  # measured once
 
 
 # ---------------------------------------------------------------------------------------------- the builds

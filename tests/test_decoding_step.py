@@ -502,7 +502,7 @@ def test_fairseq_generate_gives_the_same_output_with_the_cpp_and_the_torch_kerne
     for generator, static in (("static", True), ("fairseq", False)):
         log, int8[generator] = generate("5", "--model-overrides",
                                         f"{{'rfa_decode_precision': 'int8', 'rfa_static_beam_search': {static}}}")
-        assert "linear layers: oneDNN int8" in log and ("static beam search generator" in log) == static
+        assert "linear layers: int8 on the" in log and ("static beam search generator" in log) == static
     hyps = {g: [line.split("\t")[2] for line in lines if line.startswith("H-")] for g, lines in int8.items()}
     assert hyps["static"] == hyps["fairseq"]
 
@@ -552,10 +552,9 @@ def _int8_kernels():
 
 @pytest.mark.parametrize("level", cpu_level_params())
 @torch.no_grad()
-def test_quantize_rows_and_scale_rows_equal_the_reference(level):
+def test_quantize_rows_equals_the_reference(level):
     """The C++ activation quantizer: the reference's per-row scales, codes off by at most one (it multiplies by
-    1/scale where the reference divides) and in 1 .. 127, reconstructing each row to half a step; scale_rows
-    applies a row's scale, the bias, relu and the residual."""
+    1/scale where the reference divides) and in 1 .. 127, reconstructing each row to half a step."""
     from rfa_fairseq.ops import quantize_rows_reference
 
     ext = _int8_kernels().ext
@@ -569,18 +568,11 @@ def test_quantize_rows_and_scale_rows_equal_the_reference(level):
         assert 1 <= int(codes.min()) and int(codes.max()) <= 127
         assert (codes.int() - want.int()).abs().max() <= 1 and (codes != want).float().mean() < 0.01
         assert ((codes.float() - 64) * scales[:, None] - x).abs().max() <= 0.5 * scales.max() * 1.0001
-    y, row_scales = torch.randn(6, 10, generator=g), torch.rand(6, generator=g)
-    bias, residual = torch.randn(10, generator=g), torch.randn(6, 10, generator=g)
-    for relu in (False, True):
-        got = y.clone()
-        ext.scale_rows(got, row_scales, bias, residual, relu, level)
-        want = y * row_scales[:, None] + bias
-        torch.testing.assert_close(got, (want.relu() if relu else want) + residual)
 
 
 @torch.no_grad()
 def test_int8_linear_layers_are_fp32_s_within_their_quantization_error():
-    """oneDNN's int8 product with bias, relu and residual: fp32's linear within 2 % of the output's range
+    """The int8 product with bias, relu and residual: fp32's linear within 2 % of the output's range
     (per-row 7-bit activations, per-channel int8 weights)."""
     kernels = _int8_kernels()
     g = torch.Generator().manual_seed(1)
@@ -610,7 +602,7 @@ def test_int8_decoding_step_logits_stay_within_a_tolerance_of_fp32():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state = {}
         logits = _decode_incrementally(model, encoder_out, prev, state)
-        assert state[DecodingState.KEY].kernels.gemm.startswith("oneDNN int8") == (precision == "int8")
+        assert state[DecodingState.KEY].kernels.gemm.startswith("int8") == (precision == "int8")
         assert model.encoder.encoding_runtime().kernels.gemm == state[DecodingState.KEY].kernels.gemm
         outputs[precision] = torch.log_softmax(logits, dim=-1)
     error = (outputs["int8"] - outputs["fp32"]).abs().max().item()

@@ -519,7 +519,7 @@ def test_attention_dropout_reaches_rfa_and_softmax_layers():
 
 @pytest.mark.parametrize("normalize_before", [False, True], ids=["post_norm", "pre_norm"])
 def test_the_native_encoder_packs_changed_weights_again(normalize_before):
-    """The encoder's native pass (eval, no autograd: oneDNN on packed weights) gives fairseq's own forward (taken with
+    """The encoder's native pass (eval, no autograd: the CPU kernels on packed weights) gives fairseq's own forward (taken with
     autograd on) on padded sources; after an in-place parameter update (an optimizer step between two validations) its
     runtime is built again, on the new weights."""
     cpp_extension()
@@ -582,7 +582,7 @@ def test_a_fairseq_training_step_between_two_validations_repacks_the_weights(bat
 
 
 def test_a_model_that_has_decoded_deep_copies_and_pickles_and_its_copy_decodes_alike():
-    """The packed weights and kernels (a cache in the layers' workspaces: oneDNN's packed tensors cannot be copied)
+    """The packed weights and kernels (a cache in the layers' workspaces: the native programs cannot be copied)
     do not travel with copies of the model (EMA, averaging scripts, whole-module torch.save)."""
     import copy
     import pickle

@@ -21,7 +21,7 @@ VARIANTS = {
                                               "--activation-fn", "gelu"],
     "no_positions": ["--no-token-positional-embeddings"],
 }
-# the native pass's linear layers are the decoding step's (oneDNN: another summation order than torch's, the residual
+# the native pass's linear layers are the decoding step's (the CPU kernels: another summation order than torch's, the residual
 # added inside; int8: quantized activations and weights), fairseq's are torch's: the layers' outputs differ by that
 LINEAR_ROUNDING = {"fp32": 1e-5, "int8": 0.1}
 

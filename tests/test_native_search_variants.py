@@ -272,7 +272,7 @@ def test_static_search_at_int8_equals_sequence_generator_on_the_same_int8_model(
     model.decoder.rfa.rfa_decode_precision = "int8"  # one RFAConfig: the encoder's layers read it too
     want, got, ran = search_both(model, d, sample, monkeypatch)
     runtime = ran["runtime"]
-    assert runtime.kernels.name == "cpp" and runtime.kernels.gemm.startswith("oneDNN int8"), runtime.kernels.gemm
+    assert runtime.kernels.name == "cpp" and runtime.kernels.gemm.startswith("int8"), runtime.kernels.gemm
     assert runtime.program is not None and ran["python_steps"] == 0, ran
     assert_same_hypotheses(want, got)
     assert_sentences_end_apart(got, ran)

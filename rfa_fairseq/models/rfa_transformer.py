@@ -34,7 +34,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
-from .. import fairseq_mirrors
+from .. import checkpoints, fairseq_mirrors
 from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
 from ..modules.decoding import (
@@ -433,6 +433,8 @@ class RFATransformerModel(TransformerModel):
         # torch with it just before building the model
         seed = getattr(args, "seed", None)
         model.set_random_feature_seed(torch.initial_seed() if seed is None else seed)
+        # a checkpoint loaded mapped lends the parameters its pages instead of being copied into them
+        model.register_load_state_dict_pre_hook(checkpoints.share_mapped_tensors)
         from ..generation.batch_groups import record_model  # generation: imported as a model is built, not before
 
         record_model(task, model)  # once prepared for inference, the task's batches may come joined

@@ -59,7 +59,8 @@ def _packed(kernels, *linears: torch.nn.Linear):
     if len(linears) == 1:
         return kernels.pack_linear(linears[0].weight.detach(), None if biases[0] is None else biases[0].detach())
     bias = None if biases[0] is None else torch.cat(biases).detach()
-    return kernels.pack_linear(torch.cat([m.weight for m in linears]).detach(), bias)
+    return kernels.pack_linear(torch.cat([m.weight for m in linears]).detach(), bias,
+                               sources=[m.weight for m in linears])
 
 
 class EncodingRuntime:

@@ -265,10 +265,12 @@ class RFAAttention(nn.Module):
         if not self.causal:
             with torch.no_grad():  # a learned map's linear part folded into the query projection, as below
                 wq, bq = self.q_proj.weight, _bias(self.q_proj, C)
-                q_proj = kernels.pack_linear(*(_fold(*linear, wq, bq, H, d) if linear is not None else (wq, bq)))
+                q_proj = kernels.pack_linear(*(_fold(*linear, wq, bq, H, d) if linear is not None else (wq, bq)),
+                                             sources=(self.q_proj.weight,))
             return RFACrossRecord(self, q_proj, out_proj, q_width, H, d, self.eps, map_record)
         with torch.no_grad():
-            proj = kernels.pack_linear(*self._fused_input_projection())
+            sources = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.gate_proj) if m is not None]
+            proj = kernels.pack_linear(*self._fused_input_projection(), sources=sources)
         return CausalRecord(proj, out_proj, q_width, H, d, self.phi.output_dim, self.gate_proj is not None, self.eps,
                             map_record)
 

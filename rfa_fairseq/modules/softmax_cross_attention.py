@@ -106,7 +106,8 @@ class SoftmaxCrossAttention(MultiheadAttention):
             raise ValueError("RFA incremental decoding does not support cross-attention with bias_kv / zero attention")
         with torch.no_grad():
             kv_bias = None if self.k_proj.bias is None else torch.cat([self.k_proj.bias, self.v_proj.bias])
-            kv = kernels.pack_linear(torch.cat([self.k_proj.weight, self.v_proj.weight]), kv_bias)
+            kv = kernels.pack_linear(torch.cat([self.k_proj.weight, self.v_proj.weight]), kv_bias,
+                                     sources=(self.k_proj.weight, self.v_proj.weight))
             q = kernels.pack_linear(self.q_proj.weight.detach(), _detached(self.q_proj.bias))
             out = kernels.pack_linear(self.out_proj.weight.detach(), _detached(self.out_proj.bias))
         return SoftmaxCrossRecord(q, kv, out, self.num_heads, self.head_dim, float(self.scaling))

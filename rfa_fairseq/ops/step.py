@@ -17,7 +17,9 @@ of a kernel set is kernel_choice.step_kernels. The interface every kernel set ha
         q: (R, H * d) rows n * beam .. n * beam + beam - 1 read sentence n   key, value: (N, H, S, d)
         key_bias: (N, S) (0 or -inf) or None   weights: (R, S) head-averaged, or None (not needed)
     kernels.add_layer_norm(x, residual, weight, bias, eps) -> LayerNorm(x + residual) (residual may be None)
-    kernels.pack_linear(weight, bias) -> packed: a (O, I) weight and (O,) bias (or None) prepared once for `linear`
+    kernels.pack_linear(weight, bias, sources=()) -> packed: a (O, I) weight and (O,) bias (or None) prepared once
+        for `linear`; sources: the module's tensors the weight was computed from (a fused or folded projection), which
+        a library that keeps its own copy no longer needs resident
     kernels.linear(x, packed, activation=None, residual=None) -> y = act(x W^T + b) + residual
         x: (R, I)   activation: None or "relu"   residual: (R, O) or None
     kernels.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out): beam search's candidates
@@ -122,7 +124,7 @@ class TorchKernels:
         torch.topk(totals, k=k, out=(scores_out, indices_out))
 
     @staticmethod
-    def pack_linear(weight: Tensor, bias: Optional[Tensor]):
+    def pack_linear(weight: Tensor, bias: Optional[Tensor], sources=()):
         return TorchLinear.pack_linear(weight, bias)
 
     @staticmethod
@@ -134,25 +136,18 @@ class TorchKernels:
 class PackedLinear:
     """A linear layer prepared once for a library (`pack_linear`); the native program reads these fields by name."""
 
-    weight: Tensor  # torch: (O, I); oneDNN: packed; int8: packed int8 codes
+    weight: Tensor  # torch: (O, I); the native libraries: the level's blocks of the weight (fp32) or of its int8 codes
     bias: Optional[Tensor]  # (O,) fp32, or None
     in_features: int
     out_features: int
     w_scales: Optional[Tensor] = None  # int8: per output channel
-    w_zero_points: Optional[Tensor] = None
-    rows_weight: Optional[Tensor] = None  # the level's few-rows blocks of the weight (oneDNN libraries), or None
-    rows_sums: Optional[Tensor] = None  # int8 there: (O rounded up to a block,) int32, zero point x each channel's code sum
+    w_sums: Optional[Tensor] = None  # int8: (O rounded up to a block,) the zero point x each channel's code sum
 
 
 class TorchLinear:
-    """Linear layers in torch (addmm on the weight's transposed view): any device and dtype. `native`: the C++ library
-    that runs them in the native step (unused here: torch's addmm has no other layout)."""
+    """Linear layers in torch (addmm on the weight's transposed view, the module's own tensor): any device and dtype."""
 
-    code = "torch"
     label = "torch addmm"
-
-    def __init__(self, native=None):
-        pass
 
     @staticmethod
     def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:

@@ -150,14 +150,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("level") = "auto",
       "int8 linear input: 7-bit codes round(x / s) + 64, s = the row's max |x| / 63");
-  m.def(
-      "scale_rows",
-      [](const torch::Tensor& y, const torch::Tensor& scales, const Optional& bias, const Optional& residual, bool relu,
-         const std::string& level) {
-        scale_rows(y, scales, or_undefined(bias), or_undefined(residual), relu, kernels_named(level));
-      },
-      py::arg("y"), py::arg("scales"), py::arg("bias"), py::arg("residual"), py::arg("relu"), py::arg("level") = "auto",
-      "int8 linear output, in place: y * the row's scale + bias, relu, + residual");
   m.attr("int8_row_zero_point") = rfa::cpu::kInt8RowZeroPoint;
   m.attr("activations") = activation_names();  // the names causal_layer_step and rfa_cross_step take
   bind_linear_layers(m);

@@ -36,20 +36,22 @@ struct Int8Scales {
   const float* row_scales;  // (R,)
 };
 
-// One level's kernels. The few-rows linear layers keep each weight in blocks of `block` output channels (the level's
-// vector width), all of a block's inputs contiguous: fp32 (blocks, I, block); int8 (blocks, ceil(I / 4), block, 4)
-// bytes. Each few_rows_* call computes the output blocks [block_begin, block_end) of every row (callers split the
-// blocks over threads).
+// One level's kernels. The linear layers keep each weight in blocks of `block` output channels (the level's vector
+// width), all of a block's inputs contiguous: fp32 (blocks, I, block); int8 (blocks, ceil(I / 4), block, 4) bytes.
+// Each linear_* call computes the output blocks [block_begin, block_end) of every row (callers split the blocks over
+// threads), for any number of rows.
 struct Kernels {
   Level level;
   const char* name;
-  int64_t block;  // output channels per few-rows block
+  int64_t block;  // output channels per block
+  // the blocks a tile of products of `rows` rows spans (callers split the blocks over threads in multiples of it)
+  int64_t (*tile_blocks)(int64_t rows);
   // y = act(x W^T + b) + residual, x: R rows of I (row stride ldx)
-  void (*few_rows_fp32)(const float* x, int64_t ldx, int64_t R, int64_t I, const float* blocks, const LinearOutput& out,
-                        int64_t block_begin, int64_t block_end);
+  void (*linear_fp32)(const float* x, int64_t ldx, int64_t R, int64_t I, const float* blocks, const LinearOutput& out,
+                      int64_t block_begin, int64_t block_end);
   // the same from quantize_row's codes (R rows of I, contiguous): act(((codes W^T - sums) * w_scale) * row_scale + b)
-  void (*few_rows_int8)(const uint8_t* codes, int64_t R, int64_t I, const int8_t* blocks, const Int8Scales& scales,
-                        const LinearOutput& out, int64_t block_begin, int64_t block_end);
+  void (*linear_int8)(const uint8_t* codes, int64_t R, int64_t I, const int8_t* blocks, const Int8Scales& scales,
+                      const LinearOutput& out, int64_t block_begin, int64_t block_end);
   // exp of n floats in place (a polynomial within about 1 ulp of expf on x <= 0, the range used here)
   void (*exp_inplace)(float* x, int64_t n);
   // max and log(sum(exp(x - max))) of a row: log_softmax(x) = (x - max) - log_sum
@@ -72,8 +74,6 @@ struct Kernels {
   float (*max_abs)(const float* x, int64_t n);
   // 7-bit codes round(x * inv_scale) + zero point (round half to even, as torch.round)
   void (*quantize_row)(const float* x, int64_t n, float inv_scale, uint8_t* codes);
-  // y = act(y * s + bias) + residual, in place (bias, residual may be null)
-  void (*scale_row)(float* y, int64_t n, float s, const float* bias, const float* residual, bool relu);
 };
 
 // int8 linear layers' activations: the zero point of the 7-bit codes (x86 without VNNI sums pairs of u8 x s8 products

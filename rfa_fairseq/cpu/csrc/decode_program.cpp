@@ -1,8 +1,8 @@
 // The whole decoding step on the CPU as one native call (decode_program.h). The step is the same function as the
 // torch reference (rfa_fairseq/modules/decoding.py's records and generation/static_beam_search.py's _step): the same
-// kernels (step_kernels.cpp, on the runtime's instruction-set level), the same linear layers (linear_layers.h: oneDNN
-// through torch's operators, named by rfa_fairseq/torch_internals.py, and the few-rows kernels), the same search arithmetic; what it removes is Python between ~250 operations a
-// step. It also fuses the log-softmax into the choice of the candidates: the log-probabilities are never written,
+// kernels (step_kernels.cpp, on the runtime's instruction-set level), the same linear layers (linear_layers.h: the
+// level's kernels on the weights kept once), the same search arithmetic; what it removes is Python between ~250
+// operations a step. It also fuses the log-softmax into the choice of the candidates: the log-probabilities are never written,
 // each row's log-sum-exp is taken in one vectorized pass and the candidates are read off the logits.
 //
 // The step's parts are named for torch's profiler (RECORD_FUNCTION, free when no profiler runs), each region

@@ -14,7 +14,6 @@
 //                       the (sentences, beam x V) sums that torch.topk would read
 //   quantize_rows       an int8 linear layer's input, quantized per row at each call: 7-bit codes
 //                       round(x / s) + 64 with s = the row's max |x| / 63 (symmetric)
-//   scale_rows          an int8 linear layer's output, in place: y * the row's scale + bias, relu, + residual
 //
 // References (tests/test_decoding_step.py, tests/test_cpu_levels.py compare against them): ops/naive.py's
 // causal_rfa_recurrent, ops/feature_maps.py's activate_learned, fairseq's MultiheadAttention,
@@ -456,28 +455,6 @@ void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t C, uint8_t* c
       const float scale = m > 0.0f ? m / levels : 1.0f;
       scales[r] = scale;
       kernels.quantize_row(x + r * ldx, C, 1.0f / scale, codes + r * C);
-    }
-  });
-}
-
-void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias,
-                const torch::Tensor& residual, bool relu, const Kernels& kernels) {
-  const int64_t R = y.size(0), O = y.size(1);
-  check_rows(y, R, O, "y");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
-              "rfa static step: scales must be a contiguous fp32 tensor of ", R, " values");
-  const bool biased = bias.defined(), added = residual.defined();
-  TORCH_CHECK(!biased || (bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 && bias.numel() == O),
-              "rfa static step: bias must be a contiguous fp32 tensor of ", O, " values");
-  if (added) check_rows(residual, R, O, "residual");
-  float* yp = y.data_ptr<float>();
-  const float* sp = scales.data_ptr<float>();
-  const float* bp = biased ? bias.data_ptr<float>() : nullptr;
-  const float* rp = added ? residual.data_ptr<float>() : nullptr;
-  const int64_t ldy = y.stride(0), ldr = added ? residual.stride(0) : 0;
-  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      kernels.scale_row(yp + r * ldy, O, sp[r], bp, added ? rp + r * ldr : nullptr, relu);
     }
   });
 }

@@ -92,12 +92,9 @@ void sentence_candidates(TopK& best, int64_t beams, int64_t V, const Value& valu
     }
   }
 }
-// int8 linear layers' input: each row's 7-bit codes and scale (cpu_kernels.h's kInt8RowZeroPoint); their output, in
-// place: y * the row's scale + bias, relu, + residual
+// int8 linear layers' input: each row's 7-bit codes and scale (cpu_kernels.h's kInt8RowZeroPoint)
 void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                    const rfa::cpu::Kernels& kernels);
 // the same on raw rows (x: R rows of C floats, row stride ldx; codes: R x C contiguous), the caller's checks done
 void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t C, uint8_t* codes, float* scales,
                    const rfa::cpu::Kernels& kernels);
-void scale_rows(const torch::Tensor& y, const torch::Tensor& scales, const torch::Tensor& bias,
-                const torch::Tensor& residual, bool relu, const rfa::cpu::Kernels& kernels);

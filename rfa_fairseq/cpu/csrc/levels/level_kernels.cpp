@@ -4,13 +4,14 @@
 // as rfa::cpu::<CPU_CAPABILITY>::level_table(). Vectors are kLanes floats wide (AVX-512 16, AVX2 8, NEON 4); tiles are
 // sized to the level's registers.
 //
-//   few_rows_fp32 / _int8   linear layers of few rows (a sentence's beam: 4 rows): oneDNN's call costs more than such
-//                           a product's arithmetic. Blocks of kLanes output channels, all inputs of a block contiguous;
-//                           a tile of up to 4 rows x a few blocks reads each weight once per 4 rows. fp32 sums the
-//                           inputs in chunks of 512 (each chunk's sum added to the total) and adds the bias after: oneDNN's
-//                           order on AVX-512 (bit-identical results there for I <= 1024). int8 sums exact int32 products
-//                           of 7-bit u8 codes and s8 weights (simd.h's dot4), then oneDNN's and scale_rows' fp32 epilogue
-//                           in their order: ((sum - zero point x weight sum) * w_scale) * row_scale + bias.
+//   linear_fp32 / _int8     linear layers on the weights in blocks of kLanes output channels, all inputs of a block
+//                           contiguous (the one copy of each weight the runtime keeps), any number of rows: tiles of
+//                           a few rows x a few blocks hold their sums in registers and read each weight vector once
+//                           per tile (below: the tiles' shapes, the row blocks, the prefetch). fp32 sums the inputs in
+//                           chunks of 512 (each chunk's sum added to the total) and adds the bias after: oneDNN's
+//                           order on AVX-512 (bit-identical results there for I <= 1024). int8 sums exact int32
+//                           products of 7-bit u8 codes and s8 weights (simd.h's dot4), then oneDNN's int8 epilogue
+//                           in its order: ((sum - zero point x weight sum) * w_scale) * row_scale + bias.
 //   exp_inplace             Cephes' single-precision exp polynomial, lane for lane
 //   row_log_sum_exp         the search's log-softmax: kLanes partial maxima and sums, then theirs
 //   update_and_read_out     the causal RFA state update and read-out of one head in one pass over the state
@@ -35,9 +36,6 @@ inline namespace CPU_CAPABILITY {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kRowTile = 4;  // rows sharing each loaded weight vector
-// column blocks of a tile: its rows x blocks sums and a tile's weight vectors held in registers
-constexpr int kBlockTile = kRegisters >= 32 ? 4 : 2;
 constexpr int64_t kFp32Chunk = 512;  // fp32: inputs summed in one chain before joining the total (oneDNN's split)
 
 // ------------------------------------------------------------------------------------------------ exp, log-softmax
@@ -256,17 +254,7 @@ void quantize_row(const float* __restrict__ x, int64_t n, float inv_scale, uint8
   }
 }
 
-void scale_row(float* __restrict__ y, int64_t n, float s, const float* __restrict__ bias,
-               const float* __restrict__ residual, bool relu) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float v = y[i] * s + (bias != nullptr ? bias[i] : 0.0f);
-    if (relu) v = std::max(v, 0.0f);
-    y[i] = v + (residual != nullptr ? residual[i] : 0.0f);
-  }
-}
-
-// ------------------------------------------------------------------------------------------------ few-rows products
+// ------------------------------------------------------------------------------------------------ linear products
 
 // v (kLanes channels from n0, `valid` of them) of row r: + bias, relu, + residual, stored
 inline void store_output(const LinearOutput& out, int64_t r, int64_t n0, int64_t valid, Vec v, Vec bias) {
@@ -282,29 +270,50 @@ inline Vec bias_of(const LinearOutput& out, int64_t n0, int64_t valid) {
   return out.bias != nullptr ? Vec::loadu(out.bias + n0, valid) : Vec(0.0f);
 }
 
+// the weights a tile reads kPrefetchSteps steps of its inputs ahead, asked of the memory before they are needed (a
+// panel's first tile meets them coming from memory: the hardware's own prefetch keeps too few lines in flight)
+constexpr int64_t kPrefetchSteps = 16;
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// The inputs [k0, k1) of a tile (whole chunks of kFp32Chunk, or all of them): their chunks' sums added to the total so
+// far (first: none; else the raw sums an earlier call left in y), then stored with the epilogue (last) or raw, for
+// the next call (the K blocks of many rows, for_each_tile)
 template <int ROWS, int BLOCKS>
 void fp32_tile(const float* x, int64_t ldx, int64_t I, const float* weight, const LinearOutput& out, int64_t r0,
-               int64_t b0) {
+               int64_t b0, bool ahead, int64_t k_begin, int64_t k_end, bool first, bool last) {
   const int64_t block_stride = I * kLanes;
   const float* w = weight + b0 * block_stride;
   Vec total[ROWS][BLOCKS];
-  for (int64_t k0 = 0; k0 < I; k0 += kFp32Chunk) {
+  if (!first) {
+    for (int b = 0; b < BLOCKS; ++b) {
+      const int64_t n0 = (b0 + b) * kLanes, valid = valid_lanes(out, n0);
+      for (int r = 0; r < ROWS; ++r) total[r][b] = Vec::loadu(out.y + (r0 + r) * out.ldy + n0, valid);
+    }
+  }
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kFp32Chunk) {
     Vec part[ROWS][BLOCKS];
     for (int r = 0; r < ROWS; ++r)
       for (int b = 0; b < BLOCKS; ++b) part[r][b] = Vec(0.0f);
-    for (int64_t k = k0, end = std::min(I, k0 + kFp32Chunk); k < end; ++k) {
+    for (int64_t k = k0, end = std::min(k_end, k0 + kFp32Chunk); k < end; ++k) {
       Vec wb[BLOCKS];
-      for (int b = 0; b < BLOCKS; ++b) wb[b] = Vec::loadu(w + b * block_stride + k * kLanes);
+      for (int b = 0; b < BLOCKS; ++b) {
+        wb[b] = Vec::loadu(w + b * block_stride + k * kLanes);
+        if (ahead) prefetch(w + b * block_stride + (k + kPrefetchSteps) * kLanes);
+      }
       for (int r = 0; r < ROWS; ++r) {
         const Vec a(x[(r0 + r) * ldx + k]);
         for (int b = 0; b < BLOCKS; ++b) part[r][b] = at::vec::fmadd(a, wb[b], part[r][b]);
       }
     }
     for (int r = 0; r < ROWS; ++r)
-      for (int b = 0; b < BLOCKS; ++b) total[r][b] = k0 == 0 ? part[r][b] : total[r][b] + part[r][b];
+      for (int b = 0; b < BLOCKS; ++b) total[r][b] = first && k0 == k_begin ? part[r][b] : total[r][b] + part[r][b];
   }
   for (int b = 0; b < BLOCKS; ++b) {
     const int64_t n0 = (b0 + b) * kLanes, valid = valid_lanes(out, n0);
+    if (!last) {
+      for (int r = 0; r < ROWS; ++r) total[r][b].store(out.y + (r0 + r) * out.ldy + n0, valid);
+      continue;
+    }
     const Vec bias = bias_of(out, n0, valid);
     for (int r = 0; r < ROWS; ++r) store_output(out, r0 + r, n0, valid, total[r][b], bias);
   }
@@ -315,9 +324,12 @@ void fp32_tile(const float* x, int64_t ldx, int64_t I, const float* weight, cons
 template <int ROWS, int BLOCKS>
 __attribute__((always_inline)) inline void accumulate_group(Int8Acc (&acc)[ROWS][BLOCKS], const uint8_t* codes,
                                                             int64_t ldc, const int8_t* w, int64_t block_stride,
-                                                            int64_t g) {
+                                                            int64_t g, bool ahead) {
   Int8W wb[BLOCKS];
-  for (int b = 0; b < BLOCKS; ++b) wb[b] = int8_weights(w + b * block_stride + g * kLanes * kInt8Group);
+  for (int b = 0; b < BLOCKS; ++b) {
+    wb[b] = int8_weights(w + b * block_stride + g * kLanes * kInt8Group);
+    if (ahead) prefetch(w + b * block_stride + (g + kPrefetchSteps) * kLanes * kInt8Group);
+  }
   for (int r = 0; r < ROWS; ++r) {
     int32_t word;  // the group's 4 codes as one int32 (rows need no 4-byte alignment)
     std::memcpy(&word, codes + r * ldc, sizeof(word));
@@ -328,7 +340,7 @@ __attribute__((always_inline)) inline void accumulate_group(Int8Acc (&acc)[ROWS]
 
 template <int ROWS, int BLOCKS>
 void int8_tile(const uint8_t* codes, int64_t I, const int8_t* weight, const Int8Scales& scales,
-               const LinearOutput& out, int64_t r0, int64_t b0) {
+               const LinearOutput& out, int64_t r0, int64_t b0, bool ahead) {
   const int64_t groups = (I + kInt8Group - 1) / kInt8Group, whole = I / kInt8Group;
   const int64_t block_stride = groups * kLanes * kInt8Group;
   const int8_t* w = weight + b0 * block_stride;
@@ -336,41 +348,64 @@ void int8_tile(const uint8_t* codes, int64_t I, const int8_t* weight, const Int8
   Int8Acc acc[ROWS][BLOCKS];
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < BLOCKS; ++b) acc[r][b] = int8_zero();
-  for (int64_t g = 0; g < whole; ++g) accumulate_group<ROWS, BLOCKS>(acc, rows + g * kInt8Group, I, w, block_stride, g);
+  for (int64_t g = 0; g < whole; ++g)
+    accumulate_group<ROWS, BLOCKS>(acc, rows + g * kInt8Group, I, w, block_stride, g, ahead);
   if (whole < groups) {  // a last partial group: its missing codes 0 (their weights are padding)
     uint8_t tail[ROWS][kInt8Group] = {};
     for (int r = 0; r < ROWS; ++r) std::memcpy(tail[r], rows + r * I + whole * kInt8Group, I - whole * kInt8Group);
-    accumulate_group<ROWS, BLOCKS>(acc, &tail[0][0], kInt8Group, w, block_stride, whole);
+    accumulate_group<ROWS, BLOCKS>(acc, &tail[0][0], kInt8Group, w, block_stride, whole, false);
   }
   for (int b = 0; b < BLOCKS; ++b) {
     const int64_t n0 = (b0 + b) * kLanes, valid = valid_lanes(out, n0);
     const Vec w_scales = Vec::loadu(scales.w_scales + n0, valid), bias = bias_of(out, n0, valid);
     for (int r = 0; r < ROWS; ++r) {
-      // oneDNN's output, float(sum) * w_scale, then scale_rows' y * s + bias (no fused multiply-add: their roundings)
+      // oneDNN's int8 output, float(sum) * w_scale, then the row's scale and the bias in that order (no fused
+      // multiply-add: the roundings of the int8 path this replaced, the same results)
       const Vec v = int8_sums(acc[r][b], scales.sums + n0) * w_scales;
       store_output(out, r0 + r, n0, valid, v * Vec(scales.row_scales[r0 + r]), bias);
     }
   }
 }
 
-// table[rows][blocks] of a tile function: rows 1 .. kRowTile, blocks 1 .. kBlockTile
+// The tiles' shapes, sized to the level's registers (sums + a tile's weight vectors + a broadcast row):
+//   few rows (at most kFewRows: a sentence's beam): kFewRows x kFewBlocks;
+//   more rows: kManyRows x kManyBlocks (fp32; AVX-512 / NEON 8 x 3: 24 sums, 3 weights, 1 broadcast), int8 with the
+//   level's dot product (VNNI vpdpbusd, NEON sdot: one instruction) the same, without it (two products and a
+//   constant of ones in registers too) fewer rows.
+constexpr int64_t kFewRows = 4;
+constexpr int kFewBlocks = kRegisters >= 32 ? 4 : 2;
+constexpr int kManyRows = kRegisters >= 32 ? 8 : 6;
+constexpr int kManyBlocks = kRegisters >= 32 ? 3 : 2;
+#if defined(RFA_LEVEL_VNNI) || defined(__ARM_FEATURE_DOTPROD)
+constexpr int kInt8ManyRows = kManyRows;
+#else
+constexpr int kInt8ManyRows = kRegisters >= 32 ? 6 : kFewRows;
+#endif
+constexpr int kTileRows = static_cast<int>(std::max<int64_t>(kFewRows, std::max(kManyRows, kInt8ManyRows)));
+constexpr int kTileBlocks = std::max(kFewBlocks, kManyBlocks);
+// many rows go in row blocks whose inputs take about this many bytes: they stay in the core's L2 cache while every
+// panel of weights passes over them (larger blocks read the weights fewer times)
+constexpr int64_t kRowBlockBytes = 512 * 1024;
+
+// table[rows][blocks] of a tile function: rows 1 .. kTileRows, blocks 1 .. kTileBlocks
 template <class Tile, template <int, int> class Of>
 struct TileTable {
+  using Row = std::array<Tile, kTileBlocks + 1>;
   template <int ROWS, int... B>
-  static constexpr std::array<Tile, kBlockTile + 1> row(std::integer_sequence<int, B...>) {
+  static constexpr Row row(std::integer_sequence<int, B...>) {
     return {nullptr, Of<ROWS, B + 1>::fn...};
   }
-  static constexpr std::array<Tile, kBlockTile + 1> of_rows(int rows) {
-    constexpr auto blocks = std::make_integer_sequence<int, kBlockTile>{};
-    return rows == 1 ? row<1>(blocks) : rows == 2 ? row<2>(blocks) : rows == 3 ? row<3>(blocks) : row<4>(blocks);
+  template <int... R>
+  static constexpr std::array<Row, kTileRows + 1> rows(std::integer_sequence<int, R...>) {
+    return {Row{}, row<R + 1>(std::make_integer_sequence<int, kTileBlocks>{})...};
   }
-  static constexpr std::array<std::array<Tile, kBlockTile + 1>, kRowTile + 1> table = {
-      std::array<Tile, kBlockTile + 1>{}, of_rows(1), of_rows(2), of_rows(3), of_rows(4)};
+  static constexpr std::array<Row, kTileRows + 1> table = rows(std::make_integer_sequence<int, kTileRows>{});
 };
 
-using Fp32Tile = void (*)(const float*, int64_t, int64_t, const float*, const LinearOutput&, int64_t, int64_t);
+using Fp32Tile = void (*)(const float*, int64_t, int64_t, const float*, const LinearOutput&, int64_t, int64_t, bool,
+                          int64_t, int64_t, bool, bool);
 using Int8Tile = void (*)(const uint8_t*, int64_t, const int8_t*, const Int8Scales&, const LinearOutput&, int64_t,
-                          int64_t);
+                          int64_t, bool);
 template <int R, int B>
 struct Fp32Of {
   static constexpr Fp32Tile fn = fp32_tile<R, B>;
@@ -380,27 +415,53 @@ struct Int8Of {
   static constexpr Int8Tile fn = int8_tile<R, B>;
 };
 
-// the tiles of blocks [block_begin, block_end) x every row: columns outer (a tile's weights stay near over every row)
+// The tiles of blocks [block_begin, block_end) x every row, run(r0, rows, b0, blocks, ahead, k0, k1): up to kFewRows
+// rows, kFewRows x kFewBlocks tiles over every input, columns outer (a tile's weights stay near over every row). More
+// rows: row blocks whose inputs [k0, k1) take about kRowBlockBytes (bytes_per_input per row and input), and in each,
+// panels of many_blocks blocks passing over tiles of many_rows rows (the last rows and blocks in smaller tiles); the
+// inputs in K blocks of k_block (fp32: whole chunks; a K block's sums carried to the next in y), so that a row block
+// holds many rows of long inputs and the weights pass over them fewer times. A panel's first tile prefetches its
+// weights.
 template <class Run>
-void for_each_tile(int64_t R, int64_t block_begin, int64_t block_end, const Run& run) {
-  for (int64_t b0 = block_begin; b0 < block_end; b0 += kBlockTile) {
-    const int64_t blocks = std::min<int64_t>(kBlockTile, block_end - b0);
-    for (int64_t r0 = 0; r0 < R; r0 += kRowTile) run(r0, std::min(kRowTile, R - r0), b0, blocks);
+void for_each_tile(int64_t R, int64_t I, int64_t bytes_per_input, int64_t k_block, int64_t many_rows,
+                   int64_t many_blocks, int64_t block_begin, int64_t block_end, const Run& run) {
+  if (R <= kFewRows) {
+    for (int64_t b0 = block_begin; b0 < block_end; b0 += kFewBlocks)
+      run(0, R, b0, std::min<int64_t>(kFewBlocks, block_end - b0), true, 0, I);
+    return;
+  }
+  const int64_t k_step = std::min(I, k_block);
+  const int64_t row_block = std::max(many_rows, kRowBlockBytes / (k_step * bytes_per_input) / many_rows * many_rows);
+  for (int64_t m0 = 0; m0 < R; m0 += row_block) {
+    const int64_t m1 = std::min(R, m0 + row_block);
+    for (int64_t k0 = 0; k0 < I; k0 += k_step) {
+      for (int64_t b0 = block_begin; b0 < block_end; b0 += many_blocks) {
+        const int64_t blocks = std::min(many_blocks, block_end - b0);
+        for (int64_t r0 = m0; r0 < m1; r0 += many_rows)
+          run(r0, std::min(many_rows, m1 - r0), b0, blocks, r0 == m0, k0, std::min(I, k0 + k_step));
+      }
+    }
   }
 }
 
-void few_rows_fp32(const float* x, int64_t ldx, int64_t R, int64_t I, const float* blocks, const LinearOutput& out,
-                   int64_t block_begin, int64_t block_end) {
-  for_each_tile(R, block_begin, block_end, [&](int64_t r0, int64_t rows, int64_t b0, int64_t n) {
-    TileTable<Fp32Tile, Fp32Of>::table[rows][n](x, ldx, I, blocks, out, r0, b0);
-  });
+int64_t tile_blocks(int64_t rows) { return rows <= kFewRows ? kFewBlocks : kManyBlocks; }
+
+void linear_fp32(const float* x, int64_t ldx, int64_t R, int64_t I, const float* blocks, const LinearOutput& out,
+                 int64_t block_begin, int64_t block_end) {
+  for_each_tile(R, I, sizeof(float), kFp32Chunk, kManyRows, kManyBlocks, block_begin, block_end,
+                [&](int64_t r0, int64_t rows, int64_t b0, int64_t n, bool ahead, int64_t k0, int64_t k1) {
+                  TileTable<Fp32Tile, Fp32Of>::table[rows][n](x, ldx, I, blocks, out, r0, b0, ahead, k0, k1, k0 == 0,
+                                                              k1 == I);
+                });
 }
 
-void few_rows_int8(const uint8_t* codes, int64_t R, int64_t I, const int8_t* blocks, const Int8Scales& scales,
-                   const LinearOutput& out, int64_t block_begin, int64_t block_end) {
-  for_each_tile(R, block_begin, block_end, [&](int64_t r0, int64_t rows, int64_t b0, int64_t n) {
-    TileTable<Int8Tile, Int8Of>::table[rows][n](codes, I, blocks, scales, out, r0, b0);
-  });
+void linear_int8(const uint8_t* codes, int64_t R, int64_t I, const int8_t* blocks, const Int8Scales& scales,
+                 const LinearOutput& out, int64_t block_begin, int64_t block_end) {
+  // int8 rows are a quarter of fp32's: a row block holds many rows of every input, no K blocks
+  for_each_tile(R, I, 1, I, kInt8ManyRows, kManyBlocks, block_begin, block_end,
+                [&](int64_t r0, int64_t rows, int64_t b0, int64_t n, bool ahead, int64_t, int64_t) {
+                  TileTable<Int8Tile, Int8Of>::table[rows][n](codes, I, blocks, scales, out, r0, b0, ahead);
+                });
 }
 
 }  // namespace
@@ -409,8 +470,9 @@ const Kernels& level_table() {
   static const Kernels table{Level::RFA_LEVEL,
                              level_name(Level::RFA_LEVEL),
                              kLanes,
-                             few_rows_fp32,
-                             few_rows_int8,
+                             tile_blocks,
+                             linear_fp32,
+                             linear_int8,
                              exp_inplace,
                              row_log_sum_exp,
                              block_max,
@@ -421,8 +483,7 @@ const Kernels& level_table() {
                              hedgehog,
                              layer_norm_row,
                              max_abs,
-                             quantize_row,
-                             scale_row};
+                             quantize_row};
   return table;
 }
 
