@@ -406,3 +406,50 @@ def test_ctranslate2_reads_the_vmap_and_restricts_to_the_same_union(data_bin, tm
         free = translator.translate_batch([source], beam_size=2, max_decoding_length=12)
         outside_without += len(set(free[0].hypotheses[0]) - union)
     assert outside_without > 0
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def test_shortlist_sizes_benchmark_rows_skip_and_hypothesis_coverage(data_bin, tmp_path):
+    """benchmarks/shortlist_sizes.py on the synthetic data-bin: a row per (split, batch size, k, n) with unions that
+    grow with the batch and with k, a second run measures nothing again, and hypotheses equal to the references (as
+    fairseq-generate prints them) are covered exactly as the references are."""
+    import csv
+
+    from fairseq.data import Dictionary
+
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    shutil.copytree(data_bin, prep / "data-bin")
+    target_dictionary = Dictionary.load(str(data_bin / "dict.tgt.txt"))
+    test = shortlist.read_binarized(str(data_bin / "test.src-tgt.tgt"))
+    generated = tmp_path / "generate-test.txt"
+    generated.write_text("".join(
+        f"S-{i}\tignored\nH-{i}\t-0.5\t{target_dictionary.string(torch.from_numpy(test.tokens[a:b]))}\n"
+        for i, (a, b) in reversed(list(enumerate(zip(test.offsets[:-1], test.offsets[1:]))))), encoding="utf-8")
+    results, builds = tmp_path / "sizes.csv", tmp_path / "build.csv"
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "shortlist_sizes.py"), "--prep", str(prep),
+               "--csv", str(results), "--build-csv", str(builds), "--batch-sizes", "1", "8", "--k", "1", "3",
+               "--n", "0", "4", "--hypotheses", f"src-tgt:test={generated}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(results)))
+    assert {(r["split"], r["batch_size"], r["k"], r["n"]) for r in rows} == set(
+        itertools.product(["valid", "test"], ["1", "8"], ["1", "3"], ["0", "4"]))
+    size = {(r["split"], int(r["batch_size"]), int(r["k"]), int(r["n"])): float(r["union_mean"]) for r in rows}
+    for split, k, n in itertools.product(["valid", "test"], [1, 3], [0, 4]):
+        assert size[(split, 8, k, n)] > size[(split, 1, k, n)]
+    assert all(size[(s, b, 3, n)] >= size[(s, b, 1, n)] for s, b, _, n in size)
+    for r in rows:
+        assert 0 < float(r["token_coverage"]) <= 1 and 0 <= float(r["sentence_coverage"]) <= 1
+        if r["split"] == "test":
+            assert (r["hyp_token_coverage"], r["hyp_sentence_coverage"]) == (r["token_coverage"], r["sentence_coverage"])
+        else:
+            assert r["hyp_token_coverage"] == ""
+    assert [r["pair"] for r in csv.DictReader(open(builds))] == ["src-tgt"]
+    before = results.read_bytes()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr[-2000:]
+    assert results.read_bytes() == before
