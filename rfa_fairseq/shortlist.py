@@ -402,8 +402,12 @@ def read(path: str) -> ShortlistTable:
     if header.get("version") != FORMAT_VERSION:
         raise ShortlistError(f"{path}: shortlist format version {header.get('version')}, this rfa-fairseq reads "
                              f"version {FORMAT_VERSION}: build it again with this version's rfa-build-shortlist")
+    try:
+        source_size, target_size = header["source_dictionary"]["size"], header["target_dictionary"]["size"]
+        header["source_dictionary"]["sha256"], header["target_dictionary"]["sha256"], header["k"], header["n"]
+    except (KeyError, TypeError):
+        raise ShortlistError(f"{path}: damaged shortlist file (its header lacks the dictionaries, K or N)") from None
     candidates, frequent = arrays["candidates"], arrays["frequent"]
-    source_size, target_size = header["source_dictionary"]["size"], header["target_dictionary"]["size"]
     shape_ok = (candidates.shape == (source_size, header["k"]) and arrays["probabilities"].shape == candidates.shape
                 and frequent.ndim == 1 and len(frequent) <= header["n"])
     if not shape_ok or (candidates.size and (candidates.max() >= target_size or candidates.min() < -1)) or \

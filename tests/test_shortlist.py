@@ -357,6 +357,16 @@ def test_command_refuses_a_mismatched_dictionary_and_bad_data(data_bin, tmp_path
     assert "data directory not found" in proc.stderr
 
 
+def test_command_answers_help_without_importing_fairseq():
+    probe = ("import sys, rfa_fairseq_cli\nsys.argv = ['rfa-build-shortlist', '--help']\ntry:\n"
+             "    rfa_fairseq_cli.build_shortlist()\nexcept SystemExit as exc:\n    print('EXIT', exc.code)\n"
+             "print('IMPORTED', sorted(m for m in ('fairseq', 'torch', 'rfa_fairseq') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(REPO))
+    assert proc.stdout.startswith("usage: rfa-build-shortlist"), proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-2:] == ["EXIT 0", "IMPORTED []"], proc.stdout + proc.stderr
+
+
 def test_command_defaults_agree_with_the_library():
     from rfa_fairseq.cli import build_shortlist
 

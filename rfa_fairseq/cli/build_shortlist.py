@@ -56,15 +56,6 @@ def default_output(data, source_lang, target_lang):
     return os.path.join(data, f"shortlist.{source_lang}-{target_lang}.npz")
 
 
-def _split_prefix(data, split, source_lang, target_lang):
-    """DATA/SPLIT.SRC-TGT. or DATA/SPLIT.TGT-SRC. (fairseq-preprocess names a pair's files either way)."""
-    for pair in (f"{source_lang}-{target_lang}", f"{target_lang}-{source_lang}"):
-        prefix = os.path.join(data, f"{split}.{pair}.")
-        if os.path.isfile(prefix + source_lang + ".idx"):
-            return prefix
-    return os.path.join(data, f"{split}.{source_lang}-{target_lang}.")
-
-
 def load_dictionary(path, shortlist):
     """dict.LANG.txt as fairseq reads it."""
     from fairseq.data import Dictionary
@@ -91,7 +82,7 @@ def check_ids(sentences, dictionary, data_path, dictionary_path, shortlist):
 
 def run(args):
     from rfa_fairseq import shortlist
-    from rfa_fairseq.cli.check_data import UsageError, binarized_pairs, pick_pair
+    from rfa_fairseq.cli.check_data import UsageError, _split_prefix, binarized_pairs, pick_pair
 
     if not os.path.isdir(args.data):
         raise shortlist.ShortlistError(f"{args.data}: data directory not found")
@@ -102,7 +93,10 @@ def run(args):
         except UsageError as error:
             raise shortlist.ShortlistError(str(error)) from None
     output = args.output or default_output(args.data, source_lang, target_lang)
-    prefix = _split_prefix(args.data, args.split, source_lang, target_lang)
+    # DATA/SPLIT.SRC-TGT. or DATA/SPLIT.TGT-SRC. (fairseq-preprocess names a pair's files either way); when neither
+    # exists, the first: reading it names the missing file
+    prefix = (_split_prefix(args.data, args.split, source_lang, target_lang)
+              or os.path.join(args.data, f"{args.split}.{source_lang}-{target_lang}."))
     dictionary_paths = {lang: os.path.join(args.data, f"dict.{lang}.txt") for lang in (source_lang, target_lang)}
     source_dictionary = load_dictionary(dictionary_paths[source_lang], shortlist)
     target_dictionary = load_dictionary(dictionary_paths[target_lang], shortlist)
