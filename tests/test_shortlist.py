@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_support import assert_exit_code, run, synthetic_data
+from cli_support import run, synthetic_data
 from conftest import REPO
 from helpers import make_dictionary
 from rfa_fairseq import shortlist
@@ -277,7 +277,7 @@ def data_bin(tmp_path_factory):
     return synthetic_data(tmp_path_factory) / "bin"
 
 
-def test_command_builds_the_known_translations_idempotently(data_bin, tmp_path):
+def test_command_builds_the_known_translations_idempotently(data_bin, tmp_path, capsys):
     """rfa-build-shortlist on the synthetic corpus: every source word's first candidate is its translation, the
     frequent list is the training targets' most frequent tokens, the CTranslate2 map holds the same table; a second
     run leaves the file alone, --force writes the same bytes."""
@@ -310,51 +310,65 @@ def test_command_builds_the_known_translations_idempotently(data_bin, tmp_path):
     assert open(tmp_path / "vmap.txt", encoding="utf-8").readline().startswith("\t<s> <blank> </s> <unk> ")
 
     before = path.read_bytes(), path.stat().st_mtime_ns
-    proc = run("rfa-build-shortlist", data, "--k", "4", "--n", "6")
-    assert "is up to date" in proc.stderr
+    code, err = build_in_process(capsys, data, "--k", "4", "--n", "6")
+    assert code == 0 and "is up to date" in err
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
-    proc = run("rfa-build-shortlist", data, "--k", "4", "--n", "6", "--force", "--quiet")
-    assert "IBM Model 1" not in proc.stderr and "wrote" in proc.stderr
+    code, err = build_in_process(capsys, data, "--k", "4", "--n", "6", "--force", "--quiet")
+    assert code == 0 and "IBM Model 1" not in err and "wrote" in err
     assert path.read_bytes() == before[0]
-    proc = run("rfa-build-shortlist", data, "--k", "3", "--n", "6", "--quiet")  # another K: built again
-    assert "wrote" in proc.stderr and shortlist.read(str(path)).header["k"] == 3
+    code, err = build_in_process(capsys, data, "--k", "3", "--n", "6", "--quiet")  # another K: built again
+    assert code == 0 and "wrote" in err and shortlist.read(str(path)).header["k"] == 3
     assert sorted(p.name for p in data.iterdir() if p.name.startswith(".")) == []  # no temporary file left
 
 
-def test_command_refuses_a_mismatched_dictionary_and_bad_data(data_bin, tmp_path):
+def build_in_process(capsys, *args):
+    """rfa-build-shortlist's main() in this process (no interpreter start, no fairseq import): (exit code, stderr)."""
+    from rfa_fairseq.cli import build_shortlist
+
+    try:
+        code = build_shortlist.main([str(a) for a in args])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_command_refuses_a_mismatched_dictionary_and_bad_data(data_bin, tmp_path, capsys):
     data = tmp_path / "bin"
     shutil.copytree(data_bin, data)
     # a dictionary with fewer symbols than the data's ids
     lines = (data / "dict.tgt.txt").read_text(encoding="utf-8").splitlines()
     (data / "dict.tgt.txt").write_text("\n".join(lines[:5]) + "\n", encoding="utf-8")
-    proc = run("rfa-build-shortlist", data, check=False)
-    assert_exit_code(proc, 1)
-    assert f"rfa-build-shortlist: error: {data / 'dict.tgt.txt'} does not match {data / 'train.src-tgt.tgt.bin'}" in proc.stderr
+    code, err = build_in_process(capsys, data, "--quiet")
+    assert code == 1
+    assert f"rfa-build-shortlist: error: {data / 'dict.tgt.txt'} does not match {data / 'train.src-tgt.tgt.bin'}" in err
     assert not (data / "shortlist.src-tgt.npz").exists()
     (data / "dict.tgt.txt").unlink()
-    proc = run("rfa-build-shortlist", data, check=False)
-    assert_exit_code(proc, 1)
-    assert f"{data / 'dict.tgt.txt'}: dictionary not found" in proc.stderr
+    code, err = build_in_process(capsys, data, "--quiet")
+    assert code == 1 and f"{data / 'dict.tgt.txt'}: dictionary not found" in err
     shutil.copy(data_bin / "dict.tgt.txt", data / "dict.tgt.txt")
     # the two sides of another size
     shutil.copy(data / "valid.src-tgt.tgt.idx", data / "train.src-tgt.tgt.idx")
     shutil.copy(data / "valid.src-tgt.tgt.bin", data / "train.src-tgt.tgt.bin")
-    proc = run("rfa-build-shortlist", data, check=False)
-    assert_exit_code(proc, 1)
-    assert "sentences, but" in proc.stderr and "train.src-tgt.src.idx has 1500" in proc.stderr
+    code, err = build_in_process(capsys, data, "--quiet")
+    assert code == 1 and "sentences, but" in err and "train.src-tgt.src.idx has 1500" in err
     # a truncated .bin
     binary = (data_bin / "train.src-tgt.tgt.bin").read_bytes()
     shutil.copy(data_bin / "train.src-tgt.tgt.idx", data / "train.src-tgt.tgt.idx")
     (data / "train.src-tgt.tgt.bin").write_bytes(binary[:-10])
-    proc = run("rfa-build-shortlist", data, check=False)
-    assert_exit_code(proc, 1)
-    assert f"{data / 'train.src-tgt.tgt.bin'}: {len(binary) - 10} bytes, but" in proc.stderr
-    proc = run("rfa-build-shortlist", data, "--k", "0", check=False)
-    assert_exit_code(proc, 2)
-    assert "--k must be at least 1" in proc.stderr
-    proc = run("rfa-build-shortlist", tmp_path / "nowhere", check=False)
-    assert_exit_code(proc, 1)
-    assert "data directory not found" in proc.stderr
+    code, err = build_in_process(capsys, data, "--quiet")
+    assert code == 1 and f"{data / 'train.src-tgt.tgt.bin'}: {len(binary) - 10} bytes, but" in err
+    # not fairseq's mmap index
+    (data / "train.src-tgt.tgt.idx").write_bytes(b"TNTIDX\x00\x00" + bytes(32))
+    code, err = build_in_process(capsys, data, "--quiet")
+    assert code == 1 and f"{data / 'train.src-tgt.tgt.idx'}: not fairseq's mmap index" in err
+    code, err = build_in_process(capsys, data, "--k", "0")
+    assert code == 2 and "--k must be at least 1" in err
+    code, err = build_in_process(capsys, tmp_path / "nowhere")
+    assert code == 1 and "data directory not found" in err
+    code, err = build_in_process(capsys, data, "-s", "xx")
+    assert code == 1 and "holds no xx-* pair (pairs found: src-tgt)" in err
+    code, err = build_in_process(capsys, data, "-s", "xx", "-t", "tgt")
+    assert code == 1 and f"{data / 'dict.xx.txt'}: dictionary not found" in err
 
 
 def test_command_answers_help_without_importing_fairseq():
@@ -421,6 +435,7 @@ def test_ctranslate2_reads_the_vmap_and_restricts_to_the_same_union(data_bin, tm
 # ---------------------------------------------------------------- the benchmark
 
 
+@pytest.mark.slow
 def test_shortlist_sizes_benchmark_rows_skip_and_hypothesis_coverage(data_bin, tmp_path):
     """benchmarks/shortlist_sizes.py on the synthetic data-bin: a row per (split, batch size, k, n) with unions that
     grow with the batch and with k, a second run measures nothing again, and hypotheses equal to the references (as
