@@ -160,9 +160,8 @@ def file_sha256(path: str, block: int = 1 << 22) -> str:
 def drop_tokens(sentences: Sentences, dropped: Iterable[int]) -> Sentences:
     """The same sentences without the given token ids (the special tokens: eos ends every binarized sentence)."""
     keep = ~np.isin(sentences.tokens, np.fromiter(dropped, dtype=np.int64))
-    lengths = np.add.reduceat(keep.astype(np.int64), sentences.offsets[:-1]) if len(sentences) else np.zeros(0, np.int64)
-    # reduceat gives a wrong value for an empty segment (it reads the next element): such sentences keep nothing
-    lengths[sentences.lengths == 0] = 0
+    sentence_of_token = np.repeat(np.arange(len(sentences)), sentences.lengths)
+    lengths = np.bincount(sentence_of_token[keep], minlength=len(sentences))
     offsets = np.zeros(len(sentences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return Sentences(tokens=sentences.tokens[keep], offsets=offsets)

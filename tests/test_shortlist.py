@@ -114,6 +114,7 @@ def test_ibm_model1_equals_the_textbook_estimate(chunk_pairs, cached, monkeypatc
     the chunking and whether the pairs' indices are kept between iterations."""
     monkeypatch.setattr(shortlist, "CACHED_PAIRS", 10 ** 9 if cached else 0)
     bitext = toy_bitext(pairs=60)
+    bitext[5:5] = [([], [21, 30]), ([5, 6], []), ([], [])]  # a side without tokens (once its specials are dropped)
     source, target = sentences([s for s, _ in bitext]), sentences([t for _, t in bitext])
     table = shortlist.ibm_model1(source, target, source_size=16, target_size=40, iterations=4, chunk_pairs=chunk_pairs)
     reference = reference_model1(bitext, iterations=4)
@@ -146,9 +147,9 @@ def test_most_frequent_and_dropped_tokens():
     tokens = np.array([5, 7, 7, 9, 9, 9, 2, 2, 2, 2], dtype=np.int64)
     assert shortlist.most_frequent(tokens, 12, 2, excluded=[2]).tolist() == [9, 7]
     assert shortlist.most_frequent(tokens, 12, 10, excluded=[2]).tolist() == [9, 7, 5]  # fewer than asked occur
-    data = sentences([[4, 2], [2], [], [5, 6, 2]])
+    data = sentences([[4, 2], [2], [], [5, 6, 2], []])
     kept = shortlist.drop_tokens(data, [2])
-    assert [kept.tokens[a:b].tolist() for a, b in zip(kept.offsets[:-1], kept.offsets[1:])] == [[4], [], [], [5, 6]]
+    assert [kept.tokens[a:b].tolist() for a, b in zip(kept.offsets[:-1], kept.offsets[1:])] == [[4], [], [], [5, 6], []]
 
 
 # ---------------------------------------------------------------- the file
