@@ -108,7 +108,8 @@ def padded(sentences, rows, pad):
 def build(args, data, pair, aligner, k, n, iterations, build_rows):
     """The shortlist file for this grid (built once; its build time recorded in --build-csv)."""
     source, target = pair.split("-")
-    name = f"shortlist.{pair}.k{k}_n{n}.i{iterations}.npz" if aligner == "ibm1" else f"shortlist.{pair}.{aligner}.k{k}_n{n}.npz"
+    name = (f"shortlist.{pair}.k{k}_n{n}.i{iterations}.npz" if aligner == "ibm1"
+            else f"shortlist.{pair}.{aligner}.k{k}_n{n}.npz")
     path = os.path.join(data, name)
     start = time.perf_counter()
     if aligner == "eflomal":
@@ -123,7 +124,8 @@ def build(args, data, pair, aligner, k, n, iterations, build_rows):
         if proc.returncode != 0:
             sys.exit(f"shortlist_sizes: {' '.join(cli)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         sys.stderr.write(proc.stderr)
-        command, fresh = f"rfa-build-shortlist DATA --k {k} --n {n} --iterations {iterations}", "up to date" not in proc.stderr
+        command = f"rfa-build-shortlist DATA --k {k} --n {n} --iterations {iterations}"
+        fresh = "up to date" not in proc.stderr
     seconds = time.perf_counter() - start
     if fresh and args.build_csv:
         same = (pair, aligner, str(k), str(n), str(iterations))

@@ -397,7 +397,8 @@ def read(path: str) -> ShortlistTable:
             raise
         raise ShortlistError(f"{path}: not a shortlist file ({type(error).__name__}: {error})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
-        raise ShortlistError(f"{path}: not a shortlist file (format {header.get('format') if isinstance(header, dict) else header!r})")
+        found = header.get("format") if isinstance(header, dict) else header
+        raise ShortlistError(f"{path}: not a shortlist file (format {found!r})")
     if header.get("version") != FORMAT_VERSION:
         raise ShortlistError(f"{path}: shortlist format version {header.get('version')}, this rfa-fairseq reads "
                              f"version {FORMAT_VERSION}: build it again with this version's rfa-build-shortlist")

@@ -74,8 +74,9 @@ def check_ids(sentences, dictionary, data_path, dictionary_path, shortlist):
     if sentences.tokens.size:
         top, bottom = int(sentences.tokens.max()), int(sentences.tokens.min())
         if top >= len(dictionary) or bottom < 0:
+            bad = top if top >= len(dictionary) else bottom
             raise shortlist.ShortlistError(
-                f"{dictionary_path} does not match {data_path}: the data holds token id {top if top >= len(dictionary) else bottom}, "
+                f"{dictionary_path} does not match {data_path}: the data holds token id {bad}, "
                 f"the dictionary has ids 0..{len(dictionary) - 1} (binarized with another dictionary? binarize again, "
                 "or give the data-bin the dictionary it was binarized with)")
 
