@@ -3,11 +3,12 @@
   rfa-convert-transformer   convert.py            softmax transformer checkpoint -> rfa_transformer
   rfa-average-checkpoints   average_checkpoints.py  average the last N checkpoints
   rfa-check-data            check_data.py         check a parallel corpus before fairseq sees it
+  rfa-build-shortlist       build_shortlist.py    a vocabulary shortlist from a data-bin's training split
   rfa-score                 scoring.py            sacreBLEU/chrF scoring, hypotheses from fairseq-generate
   rfa-train                 train.py              fairseq-train with --bf16 on GPUs/CPUs
 
-Each also runs as `python -m rfa_fairseq.cli.<module>`. The console scripts of check_data, scoring and
-average_checkpoints start in the installed `rfa_fairseq_cli` (scripts/rfa_fairseq_cli), which loads the tool's file alone (without this
+Each also runs as `python -m rfa_fairseq.cli.<module>`. The console scripts of check_data, scoring,
+average_checkpoints and build_shortlist start in the installed `rfa_fairseq_cli` (scripts/rfa_fairseq_cli), which loads the tool's file alone (without this
 package, whose import registers the plugin with fairseq) to answer --help and usage errors at once; those files
 therefore import their package-relative modules only `if __package__`. rfa-user-dir prints the plugin folder.
 """

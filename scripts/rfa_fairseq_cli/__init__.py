@@ -47,6 +47,10 @@ def check_data() -> int:
     return _run("check_data", alone=True)
 
 
+def build_shortlist() -> int:
+    return _run("build_shortlist", alone=False)
+
+
 def score() -> int:
     return _run("scoring", alone=True)
 
