@@ -226,14 +226,32 @@ def train_checkpoint(size: str, model: str, data_bin: str, checkpoint: str, upda
         return
     save_dir = os.path.join(os.path.dirname(checkpoint), "train")
     os.makedirs(save_dir, exist_ok=True)
-    env, argv = train_command(size, model, data_bin, save_dir, updates, max_tokens)
-    log(f"training {size} {model} ({SIZES[size][1][model]}) for {updates} updates on the CPU: {save_dir}")
-    run_logged(argv, os.path.join(save_dir, "train_stdout.log"), f"training {size} {model}", TRAIN_TIMEOUT_S, env=env)
     last = os.path.join(save_dir, "checkpoint_last.pt")
+    # fairseq saves only at the last update here: a checkpoint_last.pt left by a run stopped before the move below is
+    # finished; anything else is trained again (without optimizer state, fairseq could not resume it)
+    if os.path.exists(last) and updates_in(last) < updates:
+        os.remove(last)
     if not os.path.exists(last):
-        raise UserSizeError(f"training {size} {model} wrote no {last} (log: {save_dir}/train.log)")
+        env, argv = train_command(size, model, data_bin, save_dir, updates, max_tokens)
+        log(f"training {size} {model} ({SIZES[size][1][model]}) for {updates} updates on the CPU: {save_dir}")
+        run_logged(argv, os.path.join(save_dir, "train_stdout.log"), f"training {size} {model}", TRAIN_TIMEOUT_S,
+                   env=env)
+    if not os.path.exists(last) or updates_in(last) < updates:
+        raise UserSizeError(f"training {size} {model} wrote no {last} of {updates} updates (log: {save_dir}/train.log)")
     os.replace(last, checkpoint)
     log(f"wrote {checkpoint} ({os.path.getsize(checkpoint) / 2**20:,.0f} MiB)")
+
+
+def updates_in(path: str) -> int:
+    """The training updates behind a checkpoint (fairseq's optimizer history), -1 when it is unreadable."""
+    sys.path.insert(0, REPO)
+    from rfa_fairseq.checkpoints import safe_load
+
+    try:
+        history = safe_load(path, mmap=True).get("optimizer_history") or [{}]
+    except Exception:  # a file cut short: train it again
+        return -1
+    return int(history[-1].get("num_updates", -1))
 
 
 def convert_for_ctranslate2(checkpoint: str, data_bin: str, quantization: str, out: str) -> str:

@@ -15,9 +15,10 @@ decodes) and precision this script computes:
                  cross query and output, the FFN's two. fp32: 4 bytes a weight; int8: 1 byte a weight plus a
                  4-byte scale a row; biases 4 bytes an output. The embedding rows (one per row), the layer norms and
                  the attention's state (a few hundred KB at batch 1) are left out.
-  read_gb_s      this core's read bandwidth from memory: the best of --repeats sums (torch, one thread) over a
-                 float32 buffer of --buffer-mb (default: at least 4x the last-level cache, 1 GiB at the least), in
-                 a process capped at the row's instruction-set level (benchmark_common.ISA_CAPS)
+  read_gb_s      this core's read bandwidth from memory: the fastest of --repeats passes of three reads (torch.sum,
+                 a matrix-vector product torch.mv, numpy's sum; one thread; `read` names the fastest) over a float32
+                 buffer of --buffer-mb (default: 4x the last-level cache, 1 GiB at the least), in a process capped at
+                 the row's instruction-set level (benchmark_common.ISA_CAPS)
   floor_ms       weight_mb / read_gb_s: the step's floor when its weights come from memory
   cached_read_gb_s, cached_floor_ms   the same with a buffer of the step's own bytes read again and again: the
                  floor where the weights stay in the caches between steps (a last-level cache larger than them)
@@ -25,12 +26,14 @@ decodes) and precision this script computes:
 and, from benchmark_generate.py's CSVs (--generate-csv; rows at batch 1, one thread, forced lengths, measured on
 this machine), the step time:
 
-  step_ms        1000 / tokens_per_s: fairseq-generate's generation time over its token count, which counts each
-                 hypothesis's L tokens and its end (L + 1 per sentence, each one decoder step over the beam's rows;
-                 ctranslate2_generate.py counts the same way). The time includes each sentence's encoder pass and
-                 start, spread over its L + 1 steps: an upper bound of the step itself.
+  step_ms        the generation time (fairseq-generate's timer; ctranslate2_generate.py's around translate_batch) over
+                 the decoder steps of one sentence's beam it ran: L + 1 per sentence in fairseq-generate (L tokens,
+                 then a step whose end is forced), L in CTranslate2 (it stops at its maximum length). Both count L + 1
+                 tokens per sentence, so this is 1000 / tokens_per_s x (L + 1) / steps. The time includes each
+                 sentence's encoder pass and start, spread over its steps: an upper bound of the step itself.
   marginal_step_ms   the step without the sentence's fixed costs: the time's growth per step between the shortest
-                 and the longest forced length measured ((t_long - t_short) / (sentences x (L_long - L_short)))
+                 and the longest forced length measured ((t_long - t_short) / (sentences x (L_long - L_short)): each
+                 token more is a step more in both engines)
   step_vs_floor, marginal_vs_floor, step_vs_cached_floor   the ratios
 
     python benchmarks/weight_floor.py                     # the user sizes' CSVs under benchmarks/results
@@ -131,12 +134,18 @@ def floor_ms(weight_bytes: int, read_gb_s: float) -> float:
     return weight_bytes / (read_gb_s * 1e9) * 1e3
 
 
-def step_ms(tokens_per_s: float) -> float:
-    """A step's time from the benchmark's rate: fairseq-generate counts L + 1 tokens per sentence (L forced tokens
-    and the end), one step each, so its seconds per token are the seconds per step (of the beam's rows)."""
-    if tokens_per_s <= 0:
-        raise ValueError(f"tokens/s must be positive, got {tokens_per_s}")
-    return 1e3 / tokens_per_s
+def decoder_steps(model: str, forced_length: int) -> int:
+    """The decoder steps a sentence forced to L tokens takes: fairseq-generate's searches run L + 1 (the last one's
+    end forced), CTranslate2's beam search L (it stops at max_decoding_length, adding no end)."""
+    return forced_length if model.startswith("ct2_") else forced_length + 1
+
+
+def step_ms(tokens_per_s: float, forced_length: int, steps: int) -> float:
+    """A step's time from the benchmark's rate: both engines' summaries count L + 1 tokens per sentence (L forced
+    tokens and the end), made in `steps` decoder steps, so a step takes 1000 / tokens_per_s x (L + 1) / steps ms."""
+    if tokens_per_s <= 0 or steps <= 0:
+        raise ValueError(f"tokens/s and steps must be positive, got {tokens_per_s} and {steps}")
+    return 1e3 * (forced_length + 1) / (tokens_per_s * steps)
 
 
 def marginal_step_ms(points) -> float:
@@ -156,20 +165,30 @@ def marginal_step_ms(points) -> float:
     return (t_long - t_short) / (n_long * (long_ - short)) * 1e3
 
 
-def read_bandwidth_gb_s(buffer_bytes: int, repeats: int) -> float:
-    """This process's read bandwidth on one thread: the best of `repeats` torch sums over a float32 buffer of
-    buffer_bytes (written once first, so every page is resident), in GB/s (1e9 bytes/s)."""
+READ_ROW = 4096  # floats a row of the matrix-vector read
+
+
+def read_bandwidth_gb_s(buffer_bytes: int, repeats: int):
+    """This process's read bandwidth on one thread over a float32 buffer of about buffer_bytes (written once first,
+    so every page is resident), in GB/s (1e9 bytes/s), and the read that gave it: the best of `repeats` passes of each
+    of torch.sum, a matrix-vector product (torch.mv: the BLAS's gemv reads the matrix once, as a step's products read
+    their weights) and numpy's sum; which one reads fastest differs between machines and levels."""
     import torch
 
     torch.set_num_threads(1)
-    buffer = torch.ones(max(1, buffer_bytes // 4), dtype=torch.float32)
-    buffer.sum()  # warm: pages resident, the code loaded
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
+    rows = max(1, buffer_bytes // (4 * READ_ROW))
+    buffer = torch.ones(rows * READ_ROW, dtype=torch.float32)
+    matrix, vector, array = buffer.view(rows, READ_ROW), torch.ones(READ_ROW), buffer.numpy()
+    reads = {"torch.sum": buffer.sum, "torch.mv": lambda: torch.mv(matrix, vector), "numpy.sum": array.sum}
+    best = {}
+    for name, read in reads.items():
+        read()  # warm: pages resident, the code loaded
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    name = min(best, key=best.get)
+    return buffer.numel() * 4 / best[name] / 1e9, name
 
 
 def last_level_cache_bytes() -> int:
@@ -190,7 +209,7 @@ def last_level_cache_bytes() -> int:
 
 
 def measure_bandwidths(cpu_isa: str, sizes_bytes, repeats: int) -> dict:
-    """{buffer bytes: GB/s} measured in a child process capped at cpu_isa (native: not capped)."""
+    """{buffer bytes: (GB/s, the read)} measured in a child process capped at cpu_isa (native: not capped)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if cpu_isa != "native":
         env = cpu_isa_environment(cpu_isa, env)
@@ -199,7 +218,7 @@ def measure_bandwidths(cpu_isa: str, sizes_bytes, repeats: int) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     if proc.returncode != 0:
         raise SystemExit(f"weight_floor: the bandwidth measurement at {cpu_isa} failed:\n{proc.stderr[-2000:]}")
-    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    return {int(k): tuple(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
 def machine() -> str:
@@ -227,6 +246,12 @@ def measured_steps(paths: dict, this_machine: str) -> list:
                     or (r.get("size") or "recipe") != size):
                 continue
             step, precision = MODEL_STEPS[r["model"]]
+            length, sentences = int(r["forced_length"]), int(r["sentences"])
+            if int(r.get("tokens") or -1) != sentences * (length + 1):
+                print(f"weight_floor: {path}: {r['model']} at {length} tokens counted {r.get('tokens')} tokens for "
+                      f"{sentences} sentences, not {length + 1} each (the forced length did not hold): left out",
+                      flush=True)
+                continue
             found.append({"size": size, "model": r["model"], "step": step, "precision": precision,
                           "cpu_isa": r.get("cpu_isa") or "native", "forced_length": int(r["forced_length"]),
                           "sentences": int(r["sentences"]), "seconds": float(r["seconds"]),
@@ -236,18 +261,19 @@ def measured_steps(paths: dict, this_machine: str) -> list:
 
 def floor_rows(sizes, measured, bandwidth, cached_bandwidth, this_machine) -> list:
     """One CSV row per measured step (with its floor), and one floor-only row per size, step and precision that has
-    no measurement. bandwidth: {cpu_isa: GB/s}; cached_bandwidth: {(cpu_isa, bytes): GB/s}."""
+    no measurement. bandwidth: {cpu_isa: (GB/s, read)}; cached_bandwidth: {(cpu_isa, bytes): (GB/s, read)}."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     rows = []
 
     def base_row(size, step, precision, cpu_isa):
         weight = step_weight_bytes(SIZE_DIMS[size], step, precision)
-        gb_s, cached = bandwidth[cpu_isa], cached_bandwidth[cpu_isa, weight]
+        (gb_s, read), (cached, cached_read) = bandwidth[cpu_isa], cached_bandwidth[cpu_isa, weight]
         return {"size": size, "step": step, "precision": precision, "cpu_isa": cpu_isa,
                 "weight_mb": f"{weight / 1e6:.2f}",
                 "output_projection_share": f"{output_projection_share(SIZE_DIMS[size], step, precision):.3f}",
-                "read_gb_s": f"{gb_s:.2f}", "floor_ms": f"{floor_ms(weight, gb_s):.4f}",
-                "cached_read_gb_s": f"{cached:.2f}", "cached_floor_ms": f"{floor_ms(weight, cached):.4f}"}
+                "read_gb_s": f"{gb_s:.2f}", "read": read, "floor_ms": f"{floor_ms(weight, gb_s):.4f}",
+                "cached_read_gb_s": f"{cached:.2f}", "cached_read": cached_read,
+                "cached_floor_ms": f"{floor_ms(weight, cached):.4f}"}
 
     for size in sizes:
         for step in ("rfa", "softmax"):
@@ -261,8 +287,11 @@ def floor_rows(sizes, measured, bandwidth, cached_bandwidth, this_machine) -> li
                     row = base_row(size, step, precision, m["cpu_isa"])
                     same = [(o["forced_length"], o["sentences"], o["seconds"]) for o in mine
                             if (o["model"], o["cpu_isa"]) == (m["model"], m["cpu_isa"])]
-                    step_time, marginal = step_ms(m["tokens_per_s"]), marginal_step_ms(same)
+                    step_time = step_ms(m["tokens_per_s"], m["forced_length"],
+                                        decoder_steps(m["model"], m["forced_length"]))
+                    marginal = marginal_step_ms(same)
                     row.update({"model": m["model"], "forced_length": m["forced_length"], "sentences": m["sentences"],
+                                "steps_per_sentence": decoder_steps(m["model"], m["forced_length"]),
                                 "step_ms": f"{step_time:.4f}",
                                 "step_vs_floor": f"{step_time / float(row['floor_ms']):.3f}",
                                 "step_vs_cached_floor": f"{step_time / float(row['cached_floor_ms']):.3f}"})
@@ -304,7 +333,7 @@ def main(argv=None) -> int:
         p.error(f"--buffer-mb must be positive (or 0: the default), got {args.buffer_mb}")
     if args.child:
         sizes = json.loads(args.child)
-        print(json.dumps({str(s): read_bandwidth_gb_s(s, args.repeats) for s in sizes}))
+        print(json.dumps({str(s): list(read_bandwidth_gb_s(s, args.repeats)) for s in sizes}))
         return 0
     paths = {size: os.path.join(RESULTS, f"generate_user_{size}_cpu.csv") for size in ("base", "big")}
     paths.update(parse_generate_csvs(args.generate_csv, p))
@@ -326,11 +355,14 @@ def main(argv=None) -> int:
         read = measure_bandwidths(level, [buffer_bytes, *weights], args.repeats)
         bandwidth[level] = read[buffer_bytes]
         cached.update({(level, w): read[w] for w in weights})
-        print(f"weight_floor: {level}: one core reads {bandwidth[level]:.2f} GB/s from a "
-              f"{buffer_bytes / 2**20:,.0f} MiB buffer; " + ", ".join(f"{read[w]:.1f} GB/s from {w / 1e6:.1f} MB" for w in weights), flush=True)
+        print(f"weight_floor: {level}: one core reads {bandwidth[level][0]:.2f} GB/s ({bandwidth[level][1]}) from a "
+              f"{buffer_bytes / 2**20:,.0f} MiB buffer; "
+              + ", ".join(f"{read[w][0]:.1f} GB/s from {w / 1e6:.1f} MB" for w in weights), flush=True)
     rows = floor_rows(args.sizes, measured, bandwidth, cached, this_machine)
-    fields = ["size", "step", "precision", "model", "cpu_isa", "forced_length", "sentences", "weight_mb",
-              "output_projection_share", "read_gb_s", "floor_ms", "cached_read_gb_s", "cached_floor_ms", "step_ms",
+    fields = ["size", "step", "precision", "model", "cpu_isa", "forced_length", "sentences", "steps_per_sentence",
+              "weight_mb",
+              "output_projection_share", "read_gb_s", "read", "floor_ms", "cached_read_gb_s", "cached_read",
+              "cached_floor_ms", "step_ms",
               "step_vs_floor", "step_vs_cached_floor", "marginal_step_ms", "marginal_vs_floor", "machine",
               "step_measured_utc", "measured_utc"]
     write_csv(args.csv, [{f: r.get(f, "") for f in fields} for r in rows])

@@ -209,6 +209,36 @@ def test_user_size_training_is_the_wmt_recipe_on_the_cpu(tmp_path):
         assert command[len(command) - 1 - command[::-1].index("--max-tokens") + 1] == "512"  # the last one wins
 
 
+def test_user_size_checkpoint_steps_skip_what_exists(tmp_path, monkeypatch):
+    """A checkpoint that exists is kept; a finished training's checkpoint_last.pt (a run stopped before its move) is
+    moved into place without training again; a conversion that exists is kept: nothing is run for any of them."""
+    import torch
+
+    user_size = _bench_module("user_size_checkpoints")
+    monkeypatch.setattr(user_size, "run_logged", lambda *a, **k: pytest.fail(f"ran {a[0]}"))
+    done = tmp_path / "base" / "rfa" / "checkpoint.pt"
+    done.parent.mkdir(parents=True)
+    done.write_bytes(b"kept")
+    user_size.train_checkpoint("base", "rfa", str(tmp_path), str(done), updates=2, max_tokens=1024)
+    assert done.read_bytes() == b"kept"
+    target = tmp_path / "big" / "softmax" / "checkpoint.pt"
+    (target.parent / "train").mkdir(parents=True)
+    torch.save({"optimizer_history": [{"num_updates": 2}]}, target.parent / "train" / "checkpoint_last.pt")
+    user_size.train_checkpoint("big", "softmax", str(tmp_path), str(target), updates=2, max_tokens=1024)
+    assert target.exists() and user_size.updates_in(str(target)) == 2
+    converted = tmp_path / "ct2"
+    converted.mkdir()
+    (converted / "model.bin").write_bytes(b"")
+    assert user_size.convert_for_ctranslate2(str(target), str(tmp_path), "int8", str(converted)) == str(converted)
+    # a checkpoint_last.pt of fewer updates is trained again (here: the training's command is what would run)
+    short = tmp_path / "base" / "softmax" / "checkpoint.pt"
+    (short.parent / "train").mkdir(parents=True)
+    torch.save({"optimizer_history": [{"num_updates": 1}]}, short.parent / "train" / "checkpoint_last.pt")
+    with pytest.raises(pytest.fail.Exception, match="ran"):
+        user_size.train_checkpoint("base", "softmax", str(tmp_path), str(short), updates=2, max_tokens=1024)
+    assert not (short.parent / "train" / "checkpoint_last.pt").exists() and not short.exists()
+
+
 def test_test_subset_writes_the_first_sentences_once(tmp_path):
     import torch
     from fairseq.data import Dictionary, data_utils, indexed_dataset
@@ -324,7 +354,9 @@ def test_weight_floor_arithmetic_and_the_measured_rows(tmp_path):
     assert floor.step_weight_bytes(base, "softmax", "fp32") == 4 * (6 * layer + 32004 * 512) + biases
     assert 0.4 < floor.output_projection_share(base, "softmax", "fp32") < 0.45
     assert floor.floor_ms(150_000_000, 15.0) == pytest.approx(10.0)  # 150 MB at 15 GB/s
-    assert floor.step_ms(400.0) == pytest.approx(2.5)
+    # 16 forced tokens, 17 counted a sentence: fairseq-generate runs 17 steps for them, CTranslate2 16
+    assert floor.step_ms(400.0, 16, floor.decoder_steps("rfa_int8", 16)) == pytest.approx(2.5)
+    assert floor.step_ms(400.0, 16, floor.decoder_steps("ct2_softmax", 16)) == pytest.approx(2.5 * 17 / 16)
     # 20 sentences: 16 tokens (17 steps each) in 3.4 s, 64 tokens (65 steps) in 8.2 s -> 4.8 s over 20 x 48 steps
     assert floor.marginal_step_ms([(16, 20, 3.4), (64, 20, 8.2), (32, 20, 5.0)]) == pytest.approx(5.0)
     assert floor.marginal_step_ms([(16, 20, 3.4)]) is None
@@ -335,10 +367,13 @@ def test_weight_floor_arithmetic_and_the_measured_rows(tmp_path):
     # the CSV rows that count: batch 1, one thread, forced lengths, this machine, the size's own
     here = "Test CPU, 2 cores"
     rows = [{"size": "base", "model": "rfa", "batch_size": "1", "threads": "1", "forced_length": "16",
-             "sentences": "20", "seconds": "3.4", "tokens_per_s": "100.0", "machine": here, "cpu_isa": "native"}]
+             "sentences": "20", "tokens": "340", "seconds": "3.4", "tokens_per_s": "100.0", "machine": here,
+             "cpu_isa": "native"}]
     rows += [dict(rows[0], batch_size="32"), dict(rows[0], threads="2"), dict(rows[0], forced_length="0"),
              dict(rows[0], machine="Another CPU"), dict(rows[0], size="big"),
-             dict(rows[0], model="ct2_softmax_int8", forced_length="64", seconds="8.2", tokens_per_s="160.0")]
+             dict(rows[0], tokens="300"),  # the forced length did not hold
+             dict(rows[0], model="ct2_softmax_int8", forced_length="64", tokens="1300", seconds="8.2",
+                  tokens_per_s="160.0")]
     common = _bench_module("benchmark_common")
     common.write_csv(str(tmp_path / "base.csv"), rows)
     measured = floor.measured_steps({"base": str(tmp_path / "base.csv")}, here)
@@ -346,7 +381,8 @@ def test_weight_floor_arithmetic_and_the_measured_rows(tmp_path):
         ("rfa", "rfa", "fp32", 16), ("ct2_softmax_int8", "softmax", "int8", 64)]
     weights = {floor.step_weight_bytes(floor.SIZE_DIMS[s], step, p) for s in ("base",) for step in ("rfa", "softmax")
                for p in floor.PRECISIONS}
-    out = floor.floor_rows(["base"], measured, {"native": 10.0}, {("native", w): 40.0 for w in weights}, here)
+    out = floor.floor_rows(["base"], measured, {"native": (10.0, "torch.mv")},
+                           {("native", w): (40.0, "torch.sum") for w in weights}, here)
     by = {(r["step"], r["precision"]): r for r in out}
     assert set(by) == {(s, p) for s in ("rfa", "softmax") for p in floor.PRECISIONS}  # floor-only rows too
     rfa = by["rfa", "fp32"]
@@ -361,7 +397,8 @@ def test_weight_floor_arithmetic_and_the_measured_rows(tmp_path):
 def test_weight_floor_reads_memory(capsys):
     """The bandwidth measurement runs (a small buffer: no timing is asserted, only that it reads)."""
     floor = _bench_module("weight_floor")
-    assert floor.read_bandwidth_gb_s(8 * 2**20, 2) > 0
+    gb_s, read = floor.read_bandwidth_gb_s(8 * 2**20, 2)
+    assert gb_s > 0 and read in ("torch.sum", "torch.mv", "numpy.sum")
     assert floor.last_level_cache_bytes() >= 0
     for argv, message in ((["--repeats", "0"], "--repeats must be at least 1"),
                           (["--generate-csv", "huge=x.csv"], "expected SIZE=PATH")):
