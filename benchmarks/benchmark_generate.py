@@ -21,17 +21,29 @@ over ct2_softmax's (ct2_softmax_int8's) in the same repeat loop, and a CTranslat
 fairseq's softmax hypotheses (how faithful the conversion is). The CTranslate2 rows need the `ctranslate2`
 package (the bench extra); without it they are left out with a message.
 
+--size base / big decodes the users' sizes instead of the recipe model: transformer base / big with a 32k joint
+vocabulary, the default rfa_transformer and its softmax twin trained a few updates, made once by
+benchmarks/user_size_checkpoints.py (under outputs/user_size), with forced lengths (--forced-length, required there:
+the work of a step does not depend on the weights then). --sentences N decodes the first N test sentences only.
+--cpu-isa and --forced-length take several values: every point is measured at each (the CSV's cpu_isa and
+forced_length columns), `native` being the CPU's own level (no cap).
+
     python benchmarks/benchmark_generate.py --prep outputs/multi30k                # CPU, batch 32 and 128, 1 and 2 threads
     python benchmarks/benchmark_generate.py --prep outputs/multi30k --device cuda  # on a GPU
+    python benchmarks/benchmark_generate.py --size base --sentences 100 --forced-length 16 32 64 \
+        --batch-sizes 1 32 128 --threads 1 2 --cpu-isa native avx2                 # the users' base size
 
-Finished rows are kept (the CSV is rewritten whole after each point); --redo measures them again.
-Files: benchmarks/results/generate_multi30k_<device>.csv and .png.
+Finished rows are kept (the CSV is rewritten whole after each point): a row is done when the CSV has one for its
+device, size, instruction-set level, forced length, number of sentences, threads, batch size and model; --redo
+measures them again. Files: benchmarks/results/generate_multi30k_<device>[_<isa>][_forced<L>].csv and .png
+(--size recipe), benchmarks/results/generate_user_<size>_<device>.csv and .png (--size base / big).
 """
 import argparse
 import ast
 import csv
 import datetime
 import importlib.util
+import itertools
 import os
 import re
 import shlex
@@ -51,6 +63,8 @@ from benchmark_common import (  # noqa: E402
     pyplot,
     write_csv,
 )
+
+import user_size_checkpoints  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from quality_study import DEFAULT_MODEL_VARIANTS, default_model_variant  # noqa: E402
@@ -78,9 +92,17 @@ CT2_MODELS = {
     "ct2_softmax_int8": ("softmax", "int8"),
 }
 DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch", *CT2_MODELS]
+# --size: recipe, the quality study's Multi30k checkpoints; base / big, user_size_checkpoints.py's
+SIZES = ("recipe", *user_size_checkpoints.SIZES)
+# the models of a user size (its two checkpoints decoded each way) and the default ones there
+USER_SIZE_MODELS = ("softmax", "rfa", "rfa_torch", "rfa_int8", "rfa_intra", "rfa_int8_intra", "rfa_eager", *CT2_MODELS)
+DEFAULT_USER_SIZE_MODELS = ["rfa", "rfa_int8", *CT2_MODELS]
+NATIVE_ISA = "native"  # --cpu-isa: the CPU's own level, nothing capped (the CSV's cpu_isa column)
 # fairseq-generate's summary; its seconds have one decimal, its sentences/s two: the time is taken from the rate
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
-KEY = ("device", "threads", "batch_size", "model")
+# a row's identity: one is measured once per CSV (rows of CSVs written before a column existed read its default)
+KEY = ("device", "size", "cpu_isa", "forced_length", "sentences", "threads", "batch_size", "model")
+KEY_DEFAULTS = {"size": "recipe", "cpu_isa": NATIVE_ISA, "forced_length": "0"}
 # the rfa models whose hypotheses are compared with rfa's (the same checkpoint, another decoding path)
 SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8", "rfa_intra", "rfa_int8_intra")
 
@@ -134,14 +156,11 @@ def ct2_model_of(args, model) -> str:
     out = os.path.join(os.path.dirname(checkpoint), f"ctranslate2_{quantization}")
     if os.path.exists(os.path.join(out, "model.bin")):
         return out
-    converter = os.path.join(os.path.dirname(sys.executable), "ct2-fairseq-converter")
-    cmd = [converter, "--model_path", checkpoint, "--data_dir", os.path.join(args.prep, "data-bin"),
-           "--source_lang", "en", "--target_lang", "de", "--user_dir", PLUGIN_DIR, "--quantization", quantization,
-           "--output_dir", out + ".tmp", "--force"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"benchmark_generate: {' '.join(map(shlex.quote, cmd))} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    os.replace(out + ".tmp", out)  # a conversion cut short is never taken for a finished one
+    data_bin = getattr(args, "data_bin", None) or os.path.join(args.prep, "data-bin")
+    try:
+        user_size_checkpoints.convert_for_ctranslate2(checkpoint, data_bin, quantization, out)
+    except user_size_checkpoints.UserSizeError as exc:
+        sys.exit(f"benchmark_generate: {exc}")
     log(f"converted {checkpoint} for CTranslate2 ({quantization}): {out}")
     return out
 
@@ -159,32 +178,35 @@ def ct2_configs(threads: int):
     return [(threads, 1)] + ([(1, threads)] if threads > 1 else [])
 
 
-def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1)):
-    """One fairseq-generate (or CTranslate2, at ct2_config = (intra_threads, inter_threads)) run; returns
-    (sentences, tokens, seconds, peak MB, hypotheses by id, GEMM backend)."""
+def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1), cpu_isa="", forced_length=0):
+    """One fairseq-generate (or CTranslate2, at ct2_config = (intra_threads, inter_threads)) run over args.subset (the
+    first args.sentences test sentences, or all), every library capped at cpu_isa ("" / native: not capped), every
+    hypothesis forced_length tokens (0: natural lengths); returns (sentences, tokens, seconds, peak MB, hypotheses by
+    id, GEMM backend)."""
     checkpoint = args.checkpoints[model]
+    cpu_isa = "" if cpu_isa == NATIVE_ISA else cpu_isa
     if model in CT2_MODELS:
         intra, inter = ct2_config
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctranslate2_generate.py"),
-               "--model", args.ct2_models[model], "--source", os.path.join(args.prep, "test.spm.en"),
+               "--model", args.ct2_models[model], "--source", args.source,
                "--output", hyp_path + ".txt", "--threads", str(intra), "--inter-threads", str(inter),
                "--batch-size", str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50",
-               "--forced-length", str(args.forced_length)]
+               "--forced-length", str(forced_length), "--sentences", str(args.sentences)]
     else:
         # fairseq-generate as a module: the console script need not sit beside this interpreter
-        cmd = [sys.executable, "-m", "fairseq_cli.generate", os.path.join(args.prep, "data-bin"),
-               "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", "test", "--beam", "4", "--lenpen", "1",
-               *length_flags(args.forced_length), "--batch-size", str(batch_size),
+        cmd = [sys.executable, "-m", "fairseq_cli.generate", args.data_bin,
+               "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", args.subset, "--beam", "4", "--lenpen", "1",
+               *length_flags(forced_length), "--batch-size", str(batch_size),
                "--required-batch-size-multiple", "1", "--post-process", "sentencepiece", "--num-workers", "0",
-               *generate_flags(model, args.no_triton_self_check, args.cpu_isa)]
+               *generate_flags(model, args.no_triton_self_check, cpu_isa)]
         if args.device == "cpu":
             cmd.append("--cpu")
         if args.fp16:
             cmd.append("--fp16")
     # CT2_VERBOSE: CTranslate2 logs the GEMM backend it picked for this CPU (the CSV's gemm_backend)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CT2_VERBOSE="1")
-    if args.cpu_isa:  # every library of the process capped at the level, CTranslate2 too
-        env = cpu_isa_environment(args.cpu_isa, env)
+    if cpu_isa:  # every library of the process capped at the level, CTranslate2 too
+        env = cpu_isa_environment(cpu_isa, env)
     with open(hyp_path + ".log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
@@ -242,29 +264,62 @@ def bleu(hyps, refs) -> float:
 
 
 def plot(rows, png_path):
+    """Sentences/s by (threads, batch size) and model: one panel per (instruction-set level, forced length) in rows."""
     plt = pyplot()
     if plt is None:
         return
+    panels = sorted({(r.get("cpu_isa") or NATIVE_ISA, int(r.get("forced_length") or 0)) for r in rows})
     points = sorted({(int(r["threads"]), int(r["batch_size"])) for r in rows})
     models = [m for m in [*MODELS, *CT2_MODELS] if any(r["model"] == m for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(points)), 4.5))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 2.2 * len(points)), 4.5 * len(panels)), squeeze=False)
     width = 0.8 / max(1, len(models))
-    for j, model in enumerate(models):
-        values = []
-        for threads, batch in points:
-            row = next((r for r in rows if r["model"] == model and int(r["threads"]) == threads
-                        and int(r["batch_size"]) == batch), None)
-            values.append(float(row["sentences_per_s"]) if row else 0.0)
-        bars = ax.bar([i + j * width for i in range(len(points))], values, width, label=model)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(points))])
-    ax.set_xticklabels([f"batch {b}\n{t} thread{'s' if t > 1 else ''}" for t, b in points])
-    ax.set_ylabel("sentences / s (beam 4)")
-    ax.set_title(f"Multi30k test_2016_flickr, {rows[0]['machine']}", fontsize=9)
-    ax.legend(fontsize=8)
+    for ax, (isa, forced) in zip(axes[:, 0], panels):
+        panel = [r for r in rows
+                 if (r.get("cpu_isa") or NATIVE_ISA) == isa and int(r.get("forced_length") or 0) == forced]
+        for j, model in enumerate(models):
+            values = []
+            for threads, batch in points:
+                row = next((r for r in panel if r["model"] == model and int(r["threads"]) == threads
+                            and int(r["batch_size"]) == batch), None)
+                values.append(float(row["sentences_per_s"]) if row else 0.0)
+            bars = ax.bar([i + j * width for i in range(len(points))], values, width, label=model)
+            ax.bar_label(bars, labels=[f"{v:.1f}" if v < 10 else f"{v:.0f}" for v in values], fontsize=7)
+        ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(points))])
+        ax.set_xticklabels([f"batch {b}\n{t} thread{'s' if t > 1 else ''}" for t, b in points])
+        ax.set_ylabel("sentences / s (beam 4)")
+        size = (panel[0].get("size") or "recipe") if panel else "recipe"
+        what = "Multi30k recipe model" if size == "recipe" else f"{size} size, 32k vocabulary"
+        lengths = f"forced to {forced} tokens" if forced else "natural lengths"
+        sentences = panel[0]["sentences"] if panel else "?"
+        ax.set_title(f"{what}, {sentences} test_2016_flickr sentences, {lengths}, {isa}\n{rows[0]['machine']}",
+                     fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=90)
     log(f"wrote {png_path}")
+
+
+def row_key(row) -> tuple:
+    """A CSV row's identity (KEY), as strings; a column an older CSV lacks reads its KEY_DEFAULTS value."""
+    return tuple(str(row.get(k) if row.get(k) not in (None, "") else KEY_DEFAULTS.get(k, "")) for k in KEY)
+
+
+def models_to_measure(rows, key_of_model, models, redo=False) -> list:
+    """The models of one point that have no row yet (all of them with redo); key_of_model(model) is the row_key the
+    point's row for that model would have."""
+    done = {row_key(r) for r in rows}
+    return [m for m in models if redo or key_of_model(m) not in done]
+
+
+def csv_name(tag: str, size: str, cpu_isas, forced_lengths) -> str:
+    """The default CSV's file name. The recipe model's: generate_multi30k_<device> with _<isa> and _forced<L> where
+    one level (not native) and one forced length are measured; a user size's: generate_user_<size>_<device>, every
+    level and length in one file (its columns say which)."""
+    if size != "recipe":
+        return f"generate_user_{size}_{tag}.csv"
+    suffix = f"_{cpu_isas[0]}" if len(cpu_isas) == 1 and cpu_isas[0] != NATIVE_ISA else ""
+    suffix += f"_forced{forced_lengths[0]}" if len(forced_lengths) == 1 and forced_lengths[0] else ""
+    return f"generate_multi30k_{tag}{suffix}.csv"
 
 
 def machine(device) -> str:
@@ -284,8 +339,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
                    help="output of data-prep/prepare-multi30k.sh (data-bin/, test.raw.de)")
+    p.add_argument("--size", default="recipe", choices=SIZES,
+                   help="recipe (default): the quality study's Multi30k checkpoints; base / big: transformer base / "
+                        "big with a 32k joint vocabulary (benchmarks/user_size_checkpoints.py, made when missing under "
+                        "--user-size-dir; --forced-length required)")
+    p.add_argument("--user-size-dir", default=user_size_checkpoints.DEFAULT_OUT_DIR,
+                   help="--size base / big: user_size_checkpoints.py's --out-dir (default outputs/user_size)")
+    p.add_argument("--sentences", type=int, default=0,
+                   help="decode the first N test_2016_flickr sentences only (0, the default: all 1,000)")
     p.add_argument("--models", nargs="+", default=None, choices=[*MODELS, *CT2_MODELS],
-                   help=f"default: {' '.join(DEFAULT_MODELS)}")
+                   help=f"default: {' '.join(DEFAULT_MODELS)}; --size base / big: {' '.join(DEFAULT_USER_SIZE_MODELS)}")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 128])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeats", type=int, default=2, help="runs per point, models alternating; the fastest counts")
@@ -301,20 +364,48 @@ def main(argv=None):
     p.add_argument("--train-timeout", type=float, default=6 * 3600, help="seconds a missing checkpoint may train")
     p.add_argument("--csv", default=None)
     p.add_argument("--redo", action="store_true", help="measure finished rows again")
-    p.add_argument("--cpu-isa", default="", choices=["", *ISA_CAPS],
+    p.add_argument("--cpu-isa", nargs="+", default=[NATIVE_ISA], choices=["", NATIVE_ISA, *ISA_CAPS],
                    help="CPU: run every process capped at this instruction-set level (a CPU of that level on one that "
                         "has more): the RFA models with --rfa-cpu-isa, oneDNN, torch, MKL and CTranslate2 through "
-                        "their own caps (benchmark_common.ISA_CAPS); the CSV's name and cpu_isa column say which")
-    p.add_argument("--forced-length", type=int, default=0,
+                        "their own caps (benchmark_common.ISA_CAPS); native (the default): the CPU's own level. "
+                        "Several: each point at each; the CSV's cpu_isa column (and, for the recipe model and one "
+                        "level, its name) say which")
+    p.add_argument("--forced-length", nargs="+", type=int, default=None,
                    help="every hypothesis exactly this many tokens (fairseq --min-len L --max-len-a 0 --max-len-b L, "
                         "CTranslate2 min/max decoding length): both engines do the same work whatever the checkpoints' "
-                        "quality; 0: natural lengths")
+                        "quality; 0: natural lengths (the default of --size recipe). Several: each point at each")
     p.add_argument("--no-triton-self-check", action="store_true",
                    help="CUDA: the RFA models decode with --no-rfa-triton-self-check (fairseq-generate's timer would "
                         "count the check; for a GPU checked before: benchmarks/gpu/self_check.py)")
     args = p.parse_args(argv)
+    args.cpu_isa = list(dict.fromkeys(isa or NATIVE_ISA for isa in args.cpu_isa))  # "" (the old default): native
+    user_size = args.size != "recipe"
+    if args.forced_length is None:
+        if user_size:
+            p.error(f"--size {args.size}: --forced-length L is required (its checkpoints are trained a few updates "
+                    f"only: at natural lengths their hypotheses' lengths, hence the work, would be arbitrary)")
+        args.forced_length = [0]
+    if any(length < 0 for length in args.forced_length):
+        p.error(f"--forced-length must be 0 (natural lengths) or positive, got {args.forced_length}")
+    if user_size and 0 in args.forced_length:
+        p.error(f"--size {args.size}: --forced-length 0 (natural lengths) has no meaning for checkpoints trained a few "
+                f"updates; give lengths above 0")
+    if args.sentences < 0:
+        p.error(f"--sentences must be 0 (all) or positive, got {args.sentences}")
+    if min(args.batch_sizes) < 1 or min(args.threads) < 1 or args.repeats < 1:
+        p.error("--batch-sizes, --threads and --repeats must be positive")
+    if args.device != "cpu" and args.cpu_isa != [NATIVE_ISA]:
+        p.error("--cpu-isa caps CPU processes only (--device cpu)")
+    if user_size and args.models is not None:
+        outside = [m for m in args.models if m not in USER_SIZE_MODELS]
+        if outside:
+            p.error(f"--size {args.size} decodes its two checkpoints only: {', '.join(outside)} "
+                    f"{'is a quality-study variant' if len(outside) == 1 else 'are quality-study variants'}; "
+                    f"choose among {', '.join(USER_SIZE_MODELS)}")
+    if user_size and args.variant:
+        p.error(f"--variant picks quality-study checkpoints: not with --size {args.size}")
     if args.models is None:
-        args.models = list(DEFAULT_MODELS)
+        args.models = list(DEFAULT_USER_SIZE_MODELS if user_size else DEFAULT_MODELS)
         if importlib.util.find_spec("ctranslate2") is None:
             args.models = [m for m in args.models if m not in CT2_MODELS]
             log("ctranslate2 is not installed (pip install ctranslate2, or the project's bench extra): "
@@ -343,13 +434,29 @@ def main(argv=None):
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA device")
     tag = device_tag(args.device)
-    suffix = (f"_{args.cpu_isa}" if args.cpu_isa else "") + (f"_forced{args.forced_length}" if args.forced_length else "")
-    args.csv = args.csv or os.path.join(REPO, "benchmarks", "results", f"generate_multi30k_{tag}{suffix}.csv")
-    args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
+    args.csv = args.csv or os.path.join(REPO, "benchmarks", "results",
+                                        csv_name(tag, args.size, args.cpu_isa, args.forced_length))
+    args.source = os.path.join(args.prep, "test.spm.en")
+    if user_size:
+        try:
+            files = user_size_checkpoints.size_files(args.size, args.prep, args.user_size_dir)
+        except (user_size_checkpoints.UserSizeError, ValueError) as exc:
+            sys.exit(f"benchmark_generate: {exc}")
+        args.data_bin = files.data_bin
+        args.checkpoints = {m: files.checkpoints["softmax" if variant_of(m) == "softmax" else "rfa"]
+                            for m in args.models}
+        args.ct2_models = {m: files.ct2_models[CT2_MODELS[m][1]] for m in args.models if m in CT2_MODELS}
+        args.size_variant = {m: f"{args.size} 32k: {os.path.relpath(args.checkpoints[m], args.user_size_dir)}"
+                             for m in args.models}
+    else:
+        args.data_bin = os.path.join(args.prep, "data-bin")
+        args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
+        args.ct2_models = {model: ct2_model_of(args, model) for model in args.models if model in CT2_MODELS}
+        args.size_variant = {}
     args.updates = {model: updates_of(path) for model, path in args.checkpoints.items()}
-    args.ct2_models = {model: ct2_model_of(args, model) for model in args.models if model in CT2_MODELS}
+    args.subset = user_size_checkpoints.test_subset(args.data_bin, args.sentences)
     for model, updates in args.updates.items():
-        if updates >= args.max_update:
+        if user_size or updates >= args.max_update:
             continue
         last = os.path.join(os.path.dirname(args.checkpoints[model]), "checkpoint_last.pt")
         if os.path.exists(last) and updates_of(last) >= args.max_update:  # the best valid loss came at an earlier epoch
@@ -359,69 +466,77 @@ def main(argv=None):
             log(f"warning: {args.checkpoints[model]} has {updates} of {args.max_update} updates (its training stopped "
                 f"early; scripts/quality_study.py resumes it); the rows say so in checkpoint_updates")
     refs = open(os.path.join(args.prep, "test.raw.de")).read().splitlines()
+    if args.sentences:
+        refs = refs[:args.sentences]
 
     rows = []
     if os.path.exists(args.csv):
         with open(args.csv, newline="") as f:
             rows = list(csv.DictReader(f))
-    done = {tuple(r[k] for k in KEY) for r in rows}
     description = machine(args.device)
     with tempfile.TemporaryDirectory() as tmp:
-        for threads in args.threads:
-            for batch in args.batch_sizes:
-                point = [m for m in args.models if args.redo or (tag, str(threads), str(batch), m) not in done]
-                if not point:
-                    continue
-                best, ct2_config = {}, {}
-                for repeat in range(args.repeats):
-                    for model in point:  # alternating: drifting machine load hits every model alike
-                        for config in ct2_configs(threads) if model in CT2_MODELS else [None]:
-                            result = generate(args, model, batch, threads, os.path.join(tmp, f"{model}.{batch}.{threads}"),
-                                              ct2_config=config)
-                            if model not in best or result[2] < best[model][2]:
-                                best[model], ct2_config[model] = result, config
-                            log(f"threads {threads} batch {batch} {model}"
-                                f"{f' intra {config[0]} inter {config[1]}' if config else ''} repeat {repeat + 1}: "
-                                f"{result[2]:.1f} s")
-                for model in point:
-                    sentences, tokens, seconds, peak, hyps, backend = best[model]
-                    row = {
-                        "device": tag, "threads": threads, "batch_size": batch, "model": model,
-                        "dtype": "fp16" if args.fp16 else "fp32",
-                        "engine": "ctranslate2 " + CT2_MODELS[model][1] if model in CT2_MODELS else "fairseq",
-                        "variant": args.variant_override.get(model, variant_of(model)), "checkpoint_updates": args.updates[model],
-                        "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
-                        "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
-                        "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
-                        "machine": description, "cpu_isa": args.cpu_isa or "native",
-                        "forced_length": args.forced_length, "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-                    }
-                    if "softmax" in best:
-                        row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"
-                    if "ct2_softmax" in best:
-                        row["speed_vs_ct2"] = f"{best['ct2_softmax'][2] / seconds:.3f}"
-                    if "ct2_softmax_int8" in best:
-                        row["speed_vs_ct2_int8"] = f"{best['ct2_softmax_int8'][2] / seconds:.3f}"
-                    if model in CT2_MODELS:
-                        row["ct2_config"] = "intra_threads={} inter_threads={}".format(*ct2_config[model])
-                    if model in CT2_MODELS and "softmax" in best:
-                        fairseq_hyps = best["softmax"][4]
-                        same = sum(fairseq_hyps.get(i) == hyps.get(i) for i in range(len(refs)))
-                        row["identical_to_softmax"] = f"{same / len(refs):.4f}"
-                    if model in SAME_CHECKPOINT_AS_RFA and "rfa" in best:
-                        cpp = best["rfa"][4]
-                        same = sum(cpp.get(i) == hyps.get(i) for i in range(len(refs)))
-                        row["identical_to_rfa"] = f"{same / len(refs):.4f}"
-                        row["bleu_rfa_minus_this"] = f"{bleu(cpp, refs) - bleu(hyps, refs):.2f}"
-                    rows = [r for r in rows if tuple(str(r[k]) for k in KEY) != (tag, str(threads), str(batch), model)]
-                    rows.append(row)
-                write_csv(args.csv, rows)
-                log(f"wrote {args.csv}")
+        for cpu_isa, forced_length, threads, batch in itertools.product(args.cpu_isa, args.forced_length, args.threads,
+                                                                         args.batch_sizes):
+            def key_of(model, threads=threads, batch=batch, cpu_isa=cpu_isa, forced_length=forced_length):
+                return row_key({"device": tag, "size": args.size, "cpu_isa": cpu_isa, "forced_length": forced_length,
+                                "sentences": len(refs), "threads": threads, "batch_size": batch, "model": model})
+
+            point = models_to_measure(rows, key_of, args.models, args.redo)
+            if not point:
+                continue
+            where = f"{cpu_isa}, {f'{forced_length} tokens' if forced_length else 'natural lengths'}"
+            best, ct2_config = {}, {}
+            for repeat in range(args.repeats):
+                for model in point:  # alternating: drifting machine load hits every model alike
+                    for config in ct2_configs(threads) if model in CT2_MODELS else [None]:
+                        result = generate(args, model, batch, threads, os.path.join(tmp, f"{model}.{batch}.{threads}"),
+                                          ct2_config=config, cpu_isa=cpu_isa, forced_length=forced_length)
+                        if model not in best or result[2] < best[model][2]:
+                            best[model], ct2_config[model] = result, config
+                        log(f"{where}: threads {threads} batch {batch} {model}"
+                            f"{f' intra {config[0]} inter {config[1]}' if config else ''} repeat {repeat + 1}: "
+                            f"{result[2]:.1f} s")
+            for model in point:
+                sentences, tokens, seconds, peak, hyps, backend = best[model]
+                row = {
+                    "device": tag, "size": args.size, "threads": threads, "batch_size": batch, "model": model,
+                    "dtype": "fp16" if args.fp16 else "fp32",
+                    "engine": "ctranslate2 " + CT2_MODELS[model][1] if model in CT2_MODELS else "fairseq",
+                    "variant": args.size_variant.get(model) or args.variant_override.get(model, variant_of(model)),
+                    "checkpoint_updates": args.updates[model],
+                    "sentences": sentences, "tokens": tokens, "seconds": f"{seconds:.2f}",
+                    "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
+                    "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
+                    "machine": description, "cpu_isa": cpu_isa,
+                    "forced_length": forced_length, "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+                }
+                if "softmax" in best:
+                    row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"
+                if "ct2_softmax" in best:
+                    row["speed_vs_ct2"] = f"{best['ct2_softmax'][2] / seconds:.3f}"
+                if "ct2_softmax_int8" in best:
+                    row["speed_vs_ct2_int8"] = f"{best['ct2_softmax_int8'][2] / seconds:.3f}"
+                if model in CT2_MODELS:
+                    row["ct2_config"] = "intra_threads={} inter_threads={}".format(*ct2_config[model])
+                if model in CT2_MODELS and "softmax" in best:
+                    fairseq_hyps = best["softmax"][4]
+                    same = sum(fairseq_hyps.get(i) == hyps.get(i) for i in range(len(refs)))
+                    row["identical_to_softmax"] = f"{same / len(refs):.4f}"
+                if model in SAME_CHECKPOINT_AS_RFA and "rfa" in best:
+                    cpp = best["rfa"][4]
+                    same = sum(cpp.get(i) == hyps.get(i) for i in range(len(refs)))
+                    row["identical_to_rfa"] = f"{same / len(refs):.4f}"
+                    row["bleu_rfa_minus_this"] = f"{bleu(cpp, refs) - bleu(hyps, refs):.2f}"
+                rows = [r for r in rows if row_key(r) != key_of(model)]
+                rows.append(row)
+            write_csv(args.csv, rows)
+            log(f"wrote {args.csv}")
     rows = [r for r in rows if r["device"] == tag]
     if rows:
         plot(rows, os.path.splitext(args.csv)[0] + ".png")
         for r in rows:
-            print(f"{r['threads']} thr  batch {r['batch_size']:>4}  {r['model']:16s} {float(r['sentences_per_s']):7.1f} sent/s  "
+            print(f"{r.get('cpu_isa') or NATIVE_ISA:>11} L={r.get('forced_length') or 0:<3} "
+                  f"{r['threads']} thr  batch {r['batch_size']:>4}  {r['model']:16s} {float(r['sentences_per_s']):7.1f} sent/s  "
                   f"x{r.get('speed_vs_softmax') or '-':>6} vs softmax  x{r.get('speed_vs_ct2') or '-':>6} vs ct2  "
                   f"x{r.get('speed_vs_ct2_int8') or '-':>6} vs ct2 int8  "
                   f"BLEU {r['bleu']}  peak {r['peak_rss_mb']} MB"

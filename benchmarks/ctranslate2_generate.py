@@ -43,12 +43,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-len-b", type=int, default=50, help="hypotheses end by source length (with </s>) + this")
     p.add_argument("--forced-length", type=int, default=0,
                    help="every hypothesis exactly this many tokens (min and max decoding length; 0: natural lengths)")
+    p.add_argument("--sentences", type=int, default=0, help="translate the first N source lines only (0: all)")
     args = p.parse_args(argv)
+    if args.sentences < 0:
+        p.error(f"--sentences must be 0 (all) or positive, got {args.sentences}")
 
     import ctranslate2
 
     with open(args.source, encoding="utf-8") as f:
         sources = [line.split() for line in f.read().splitlines()]
+    if args.sentences:
+        sources = sources[:args.sentences]
     if args.threads < 1 or args.inter_threads < 1:
         p.error("--threads and --inter-threads must be positive")
     translator = ctranslate2.Translator(args.model, device="cpu", inter_threads=args.inter_threads,
