@@ -6,6 +6,7 @@ harmless), waits for another live builder only a bounded time, then falls back (
 JIT builds run in subprocesses only, from copies of one build (fixture jit_build; a compile takes one to
 two minutes here): torch's in-process versioner would rebuild when a process loads from a second directory.
 """
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -183,9 +184,8 @@ def test_build_hash_covers_every_source_header_flag_and_torch(tmp_path, monkeypa
     hashes.append(extension.build_hash("2.13.0"))
     (csrc / "levels" / "simd.h").write_text((csrc / "levels" / "simd.h").read_text() + "// edited\n")
     hashes.append(extension.build_hash("2.13.0"))
-    levels = {machine: {level: [*flags, "-DEDITED"] for level, flags in by_level.items()}
-              for machine, by_level in extension.LEVELS.items()}
-    monkeypatch.setattr(extension, "LEVELS", levels)
+    edited = tuple(dataclasses.replace(level, flags=(*level.flags, "-DEDITED")) for level in extension.LEVELS_TABLE.LEVELS)
+    monkeypatch.setattr(extension.LEVELS_TABLE, "LEVELS", edited)  # a level's flags (cpu/levels.py) changed
     hashes.append(extension.build_hash("2.13.0"))
     hashes.append(extension.build_hash("2.14.0"))
     monkeypatch.setattr(extension, "EXTRA_CFLAGS", [*extension.EXTRA_CFLAGS, "-ffast-math"])

@@ -16,11 +16,11 @@ import platform
 import warnings
 from typing import Optional
 
+from .levels import LEVELS
+
 ONEDNN_ENV = "ONEDNN_MAX_CPU_ISA"
-# oneDNN's name of the highest ISA each level allows (oneDNN has no level between ASIMD and SVE: neon_dotprod, the
-# top aarch64 level, needs no cap)
-ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_vnni": "AVX512_CORE_VNNI",
-              "neon": "ASIMD"}
+# oneDNN's name of the highest ISA each level allows, where it has one (cpu/levels.py)
+ONEDNN_ISA = {level.name: level.onednn for level in LEVELS if level.onednn is not None}
 
 logger = logging.getLogger(__name__)
 

@@ -96,7 +96,7 @@ LinearLibrary::LinearLibrary(const std::string& gemm, const py::dict& operators,
       code_of({{"torch", kGemmTorch}, {"onednn", kGemmOneDNN}, {"onednn_int8", kGemmOneDNNInt8}}, gemm,
               "linear-layer library"));
   try {
-    kernels_ = &rfa::cpu::kernels(rfa::cpu::select_level(cpu_isa));
+    kernels_ = &rfa::cpu::kernels(rfa::cpu::resolve_level(cpu_isa));
   } catch (const std::invalid_argument& error) {
     TORCH_CHECK_VALUE(false, "--rfa-cpu-isa: ", error.what());
   }

@@ -38,7 +38,7 @@ class LinearLibrary {
  public:
   // gemm: "torch", "onednn" or "onednn_int8"; operators: torch_internals.onednn_operators() ({"linear": (name,
   // overload), "linear_add": ..., "qlinear": ...}), the torch operators a oneDNN library calls; cpu_isa: the cap on
-  // the instruction-set level (cpu_kernels.h's select_level: "auto" or a level's name)
+  // the instruction-set level (cpu_kernels.h's resolve_level: "auto" or a level's name)
   LinearLibrary(const std::string& gemm, const pybind11::dict& operators, const std::string& cpu_isa);
   // act(x W^T + b) + residual (residual undefined: none), `part` naming it for torch's profiler (a region of the
   // step's profile); unrecorded: the same outside the step (the encoder's inference, a batch's start)
