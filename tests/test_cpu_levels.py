@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from helpers import cpp_extension, cpu_level_params
 
 from rfa_fairseq import torch_internals
 from rfa_fairseq.cpu import extension, few_rows_limits
+from rfa_fairseq.cpu import levels as cpu_levels
 from rfa_fairseq.cpu.native import OneDNNInt8Linear, OneDNNLinear
 
 PRECISIONS = {"fp32": (OneDNNLinear, "onednn"), "int8": (OneDNNInt8Linear, "onednn_int8")}
@@ -144,7 +146,8 @@ def test_the_exp_polynomial_is_within_two_ulps_of_float64(ext, level):
     ulp = torch.finfo(torch.float32).eps * want.abs()
     normal = want > torch.finfo(torch.float32).tiny
     assert ((got - want).abs()[normal] <= 2 * ulp[normal]).all()
-    assert (got[~normal] <= 2 * torch.finfo(torch.float32).tiny).all()  # clamped far below zero: tiny, not garbage
+    below = got[~normal]  # clamped far below zero: tiny and not negative (nor NaN), not garbage
+    assert ((below >= 0) & (below <= 2 * torch.finfo(torch.float32).tiny)).all(), below
 
 
 # ---------------------------------------------------------------------------------------------- the level's choice
@@ -168,11 +171,47 @@ def test_one_place_chooses_the_level_and_a_cap_caps_it(ext):
 
 
 def test_the_decoding_option_names_every_architectures_levels(ext):
+    from rfa_fairseq.cpu.isa import ONEDNN_ISA
     from rfa_fairseq.kernel_choice import CPU_ISAS
 
-    assert set(ext.cpu_levels()) <= set(CPU_ISAS) and CPU_ISAS[0] == "auto"
-    assert set(CPU_ISAS) - {"auto"} == {level for levels in extension.LEVELS.values() for level in levels}
-    assert list(extension.machine_levels()) == ext.cpu_levels()  # the build's levels are the module's
+    assert CPU_ISAS == ("auto", *cpu_levels.ALL_NAMES) and set(ext.cpu_levels()) <= set(CPU_ISAS)
+    assert list(extension.machine_levels()) == ext.cpu_levels()  # the build's levels are the module's, in order
+    assert set(ONEDNN_ISA) == {"default", "avx2", "avx512", "avx512_vnni", "neon"}  # neon_dotprod: no oneDNN cap
+    assert ONEDNN_ISA["default"] == "SSE41"  # oneDNN's lowest: "default" (SSE2) caps it there
+
+
+def test_the_level_header_is_the_tables():
+    """csrc/levels/level_table.h is what cpu/levels.py writes from its table (python rfa_fairseq/cpu/levels.py)."""
+    assert cpu_levels.HEADER.read_text() == cpu_levels.header_text(), \
+        "csrc/levels/level_table.h is stale: run python rfa_fairseq/cpu/levels.py"
+    for level in cpu_levels.LEVELS:  # each object's flags name its namespace and enumerator
+        flags = cpu_levels.compile_flags(level)
+        assert f"-DCPU_CAPABILITY={level.namespace}" in flags and f"-DRFA_LEVEL={level.enumerator}" in flags
+        assert f"X({level.enumerator}, \"{level.name}\")" in cpu_levels.HEADER.read_text()
+
+
+def _cpuinfo_flags():
+    """The Linux kernel's CPU flags (/proc/cpuinfo: x86 "flags", aarch64 "Features"), or None where it lists none
+    of this architecture's (another OS; qemu's user-mode emulation shows the host's)."""
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return None
+    field = {"x86_64": "flags", "aarch64": "Features"}.get(cpu_levels.machine_name())
+    lines = [line.split(":", 1)[1].split() for line in text.splitlines()
+             if field and line.split(":", 1)[0].strip() == field and ":" in line]
+    return set(lines[0]) if lines else None
+
+
+def test_the_levels_this_cpu_runs_are_those_its_kernel_flags_allow(ext):
+    """The module's answer (cpu_runs: __builtin_cpu_supports / getauxval) against the Linux kernel's own flags: a
+    broken detection would turn every test of a level into a skip with a reasonable-sounding reason."""
+    flags = _cpuinfo_flags()
+    if flags is None:
+        pytest.skip(f"/proc/cpuinfo lists no {cpu_levels.machine_name()} CPU flags here (another OS, or an emulator "
+                    "that shows the host's)")
+    expected = [level.name for level in cpu_levels.machine_levels() if set(cpu_levels.cpuinfo_flags(level)) <= flags]
+    assert ext.runnable_cpu_levels() == expected, (ext.runnable_cpu_levels(), expected)
 
 
 # ---------------------------------------------------------------------------------------------- the few-rows limits
@@ -182,6 +221,7 @@ class ScriptedLibrary:
     """time_products from a table of (few-rows us, oneDNN us) per rows; counts the calls; records the limit set."""
 
     level = "avx2"
+    build_hash = "0123456789abcdef0123"  # the kernels' build (a real library's module has one)
 
     def __init__(self, times):
         self.times, self.calls, self.limits = times, [], {}
@@ -216,8 +256,14 @@ def test_limits_are_measured_once_per_machine_and_read_back(tmp_path, monkeypatc
     assert library.limits == {(8, 12): few_rows_limits.MEASURED_ROWS[-1]}
     record = json.loads((tmp_path / few_rows_limits.RECORD_NAME).read_text())
     (key, value), = record.items()
-    assert key.endswith("| avx2 | onednn (oneDNN ISA %s) | torch %s | 8x12"
+    assert key.endswith("| avx2 | onednn (oneDNN ISA %s) | kernels 0123456789abcdef | torch %s | 8x12"
                         % (os.environ.get("ONEDNN_MAX_CPU_ISA") or "the CPU's", torch.__version__)) and value == 256
+    # another build of the kernels (a later release): its own limits, measured again
+    rebuilt = ScriptedLibrary({rows: (3, 2) for rows in few_rows_limits.MEASURED_ROWS})
+    rebuilt.build_hash = "fedcba9876543210"
+    assert few_rows_limits.ensure_limit(rebuilt, "onednn", PACKED(8, 12)) == 0 and rebuilt.calls
+    few_rows_limits.forget_known()
+    (tmp_path / few_rows_limits.RECORD_NAME).write_text(json.dumps({key: value}))
     # another process (this one's limits forgotten): read from the record, nothing timed
     few_rows_limits.forget_known()
     again = ScriptedLibrary({})
@@ -251,23 +297,29 @@ def test_a_real_library_measures_a_limit_within_the_measured_counts(ext, tmp_pat
     packed = packer.pack_linear(torch.randn(64, 48), None)
     limit = few_rows_limits.ensure_limit(library, "onednn_int8", packed)
     assert limit in (0, *few_rows_limits.MEASURED_ROWS) and library.few_rows_limit(48, 64) == limit
-    few, other = library.time_products(packed, 4, 2)
+    assert [key for key in few_rows_limits.known_limits() if f"| kernels {ext.build_hash[:16]} |" in key]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # time_products times on one thread, then gives the caller its teams back
+    try:
+        few, other = library.time_products(packed, 4, 2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert few > 0 and other > 0
-    assert torch.get_num_threads() == torch.get_num_threads()  # the teams restored (no exception above)
     few_rows_limits.forget_known()
 
 
 MEASURING_PROCESS = """
-import sys, time
+import sys
 sys.path.insert(0, sys.argv[1])
 from rfa_fairseq.cpu import few_rows_limits
 
-class Slow:  # times each count slowly: the other process arrives while this one measures
+class Logged:  # each count it times, logged
     level = "avx2"
+    build_hash = "0123456789abcdef"
     def time_products(self, packed, rows, repeats):
         with open(sys.argv[2], "a") as log:
             log.write(f"{rows}\\n")
-        time.sleep(0.05)
         return (1.0, 2.0)
     def set_few_rows_limit(self, *args):
         pass
@@ -275,18 +327,44 @@ class Slow:  # times each count slowly: the other process arrives while this one
 class Packed:
     in_features, out_features = 3, 5
 
-print(few_rows_limits.ensure_limit(Slow(), "onednn", Packed()))
+print(few_rows_limits.ensure_limit(Logged(), "onednn", Packed()))
 """
+
+
+def _lock_waiters(path):
+    """The processes blocked on an flock of `path` (the kernel's /proc/locks: a waiter's line has "->")."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as locks:
+        return [line for line in locks if "->" in line and line.split()[-3].endswith(f":{inode}")]
 
 
 def test_processes_started_together_share_one_measurement(tmp_path):
     """Writers take the record's lock: of two processes that need the same shape at once, one measures and the other
-    reads its limit."""
-    log = tmp_path / "timed.txt"
-    env = {**os.environ, few_rows_limits.CACHE_ENV: str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, "-c", MEASURING_PROCESS, REPO, str(log)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
+    reads its limit. Both are made to overlap: the test holds the record's lock until both wait on it (the kernel
+    lists them as its waiters); without the lock, they would measure at once (the test fails on the first count
+    either logs while it holds the lock)."""
+    if not os.path.exists("/proc/locks"):
+        pytest.skip("no /proc/locks (not Linux): the test cannot see the processes wait on the record's lock")
+    log, cache = tmp_path / "timed.txt", tmp_path / "cache"
+    log.touch()
+    env = {**os.environ, few_rows_limits.CACHE_ENV: str(cache)}
+    record = cache / few_rows_limits.RECORD_NAME
+    cache.mkdir()
+    procs = []
+    try:
+        with few_rows_limits._record_lock(record):
+            procs = [subprocess.Popen([sys.executable, "-c", MEASURING_PROCESS, REPO, str(log)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+            while len(_lock_waiters(str(record) + ".lock")) < 2:
+                assert log.read_text() == "", "a process measured while another held the record's lock"
+                assert all(proc.poll() is None for proc in procs), [proc.communicate()[1][-2000:] for proc in procs]
+                time.sleep(0.02)
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["256", "256"]
     assert log.read_text().split() == [str(rows) for rows in few_rows_limits.MEASURED_ROWS]  # measured once
@@ -317,39 +395,66 @@ def test_level_objects_define_nothing_outside_their_level_and_initialize_without
         startup = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text.startup", str(obj)],
                                  capture_output=True, text=True).stdout
         assert not re.search(r"%[yz]mm", startup), f"{obj.name}'s static initializers use AVX registers"
+        _assert_level_instructions(obj.stem, subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)],
+                                                            capture_output=True, text=True, check=True).stdout)
     again = extension.compile_level_objects(tmp_path, **extension.torch_level_build_args())
     assert [p.stat().st_mtime_ns for p in again] == [p.stat().st_mtime_ns for p in objects]  # nothing compiled twice
 
 
+# what each x86 level's object must hold and must not: a level built without its instructions (a VNNI level without
+# vpdpbusd) would pass every comparison, and one that leaks a higher level's would crash a CPU below it
+_AVX512_REGISTERS = r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b"  # only EVEX (AVX-512) encodes these
+X86_INSTRUCTIONS = {
+    "default": {"forbidden": r"%ymm|%zmm|\bvfmadd"},  # SSE2: no AVX register, no FMA
+    "avx2": {"required": r"\bvfmadd\w*\s+%ymm", "forbidden": _AVX512_REGISTERS},
+    "avx512": {"required": r"%zmm", "forbidden": r"\bvpdpbusd"},
+    "avx512_vnni": {"required": r"\bvpdpbusd\s+[^\n]*%zmm"},
+}
+
+
+def _assert_level_instructions(level, code):
+    rules = X86_INSTRUCTIONS[level]
+    if "required" in rules:
+        assert re.search(rules["required"], code), f"{level}.o lacks its level's instructions ({rules['required']})"
+    if "forbidden" in rules:
+        found = re.search(rules["forbidden"], code)
+        assert found is None, f"{level}.o uses an instruction above its level: {found and found.group(0)}"
+
+
 def _namespace(level):
-    return {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512", "avx512_vnni": "AVX512_VNNI", "neon": "NEON",
-            "neon_dotprod": "NEON_DOTPROD"}[level]
+    return cpu_levels.by_name(level).namespace
 
 
 @pytest.mark.slow
 def test_the_sources_compile_for_aarch64(tmp_path):
     """Every source compiles for aarch64 (Debian's g++-aarch64-linux-gnu against this torch's headers; installed by
-    the test set-up, scripts/run_tests.sh): the levels into objects (neon_dotprod's int8 products with sdot, neon's
-    without), the module's sources through the compiler's front end."""
+    the test set-up, scripts/run_tests.sh), each file on its own (a missing #include in one is not hidden by
+    another's, and the failing file is named): the levels into objects (neon_dotprod's int8 products with sdot,
+    neon's without, read by aarch64-linux-gnu-objdump where binutils-aarch64-linux-gnu is installed), the module's
+    sources through the compiler's front end. tests/test_aarch64_emulated.py runs them."""
     if shutil.which(AARCH64_CXX) is None:
         pytest.skip(f"{AARCH64_CXX} is not installed (scripts/run_tests.sh installs it with apt-get where it can: "
                     f"Debian's g++-aarch64-linux-gnu)")
     args = extension.torch_level_build_args()
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
     for level in extension.machine_levels("aarch64"):
         obj = tmp_path / f"{level}.o"
         command = extension.level_compile_command(AARCH64_CXX, level, args["include_dirs"], args["abi_flag"], obj,
                                                   machine="aarch64")
         proc = subprocess.run(command, capture_output=True, text=True)
         assert proc.returncode == 0, f"{level}: {proc.stderr[-3000:]}"
-        objdump = shutil.which("aarch64-linux-gnu-objdump")
         if objdump is not None:
             code = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
             assert ("sdot" in code) == (level == "neon_dotprod"), f"{level}: sdot {'missing' if level == 'neon_dotprod' else 'used'}"
     flags = [*extension.compile_flags(torch.__version__), extension.LEVEL_STD, "-DTORCH_EXTENSION_NAME=rfa_check",
              "-DTORCH_API_INCLUDE_EXTENSION_H", args["abi_flag"], *(f"-I{d}" for d in args["include_dirs"]),
              f"-I{sysconfig.get_paths()['include']}"]
-    # the module's sources as one translation unit: torch's headers, most of the time, are parsed once, not per file
-    unity = tmp_path / "all_sources.cpp"
-    unity.write_text("".join(f'#include "{source}"\n' for source in extension.source_files()))
-    proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(unity)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = {}
+    for source in extension.source_files():  # each file its own translation unit
+        proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(source)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed[source.name] = proc.stderr[-1500:]
+    assert not failed, f"sources that do not compile for aarch64: {', '.join(failed)}\n" + "\n".join(failed.values())
+    if objdump is None:
+        pytest.skip("aarch64-linux-gnu-objdump is not installed (Debian's binutils-aarch64-linux-gnu): every source "
+                    "compiled, the sdot check of the neon_dotprod object was not made")

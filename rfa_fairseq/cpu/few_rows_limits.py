@@ -8,7 +8,8 @@ times both on one thread at 1, 4, 8, ... MEASURED_ROWS[-1] rows (the best of a f
 timed twice before it counts) and the kernel takes the rows up to the last count where it won before oneDNN first
 did. The limits are kept in a small JSON record per machine (RECORD_NAME under RFA_CACHE_DIR, else
 $XDG_CACHE_HOME/rfa_fairseq, else ~/.cache/rfa_fairseq), keyed by the CPU's name, the level, the library (and oneDNN's
-own cap), torch's version and the shape: a machine measures a shape once (about a millisecond to a few tens for the vocabulary's
+own cap), the kernels' build (the C++ module's build hash: a later release's kernels measure again), torch's version
+and the shape: a machine measures a shape once (about a millisecond to a few tens for the vocabulary's
 projection), and every later process takes the same kernels, so fp32 decoding, whose two kernels may sum in other
 orders, gives the same hypotheses run after run. Writers take an exclusive lock on the record and replace it whole; a
 record that cannot be read or written is measured again in each process (logged once).
@@ -18,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import extension
 from .isa import ONEDNN_ENV, cpu_name
 
 CACHE_ENV = "RFA_CACHE_DIR"
@@ -49,8 +52,21 @@ def key_of(library, code: str, packed) -> str:
     # oneDNN's own cap (ONEDNN_MAX_CPU_ISA, read by oneDNN at the process's first primitive) sets the other side of
     # the comparison: a limit measured against an uncapped oneDNN is not one for a capped one
     onednn = os.environ.get(ONEDNN_ENV) or "the CPU's"
-    return (f"{cpu_name()} | {library.level} | {code} (oneDNN ISA {onednn}) | torch {torch.__version__} | "
-            f"{packed.in_features}x{packed.out_features}")
+    return (f"{cpu_name()} | {library.level} | {code} (oneDNN ISA {onednn}) | kernels {kernels_build(library)} | "
+            f"torch {torch.__version__} | {packed.in_features}x{packed.out_features}")
+
+
+def kernels_build(library) -> str:
+    """The build hash (its first 16 digits) of the C++ module whose library this is, or the library's own
+    `build_hash` (a stand-in's)."""
+    build = getattr(library, "build_hash", None) or getattr(sys.modules.get(type(library).__module__), "build_hash", None)
+    if build is None:  # a JIT build: torch's load does not enter it in sys.modules; the process's one module
+        module, _ = extension.load_extension_once()
+        build = getattr(module, "build_hash", None)
+    if build is None:
+        raise ValueError(f"{type(library).__name__} comes from no module with a build_hash: its few-rows limits "
+                         "cannot be keyed by the kernels' build")
+    return str(build)[:16]
 
 
 def ensure_limit(library, code: str, packed) -> int:
