@@ -458,3 +458,64 @@ def test_the_sources_compile_for_aarch64(tmp_path):
     if objdump is None:
         pytest.skip("aarch64-linux-gnu-objdump is not installed (Debian's binutils-aarch64-linux-gnu): every source "
                     "compiled, the sdot check of the neon_dotprod object was not made")
+
+
+# ---------------------------------------------------------------------------------------------- a capped decode
+
+
+def test_note_runtime_level_caps_onednn_once_and_keeps_a_given_cap(monkeypatch):
+    """cpu/isa.py: the process's first capped runtime sets ONEDNN_MAX_CPU_ISA to its level's oneDNN name (the
+    table's); an uncapped first runtime sets nothing; the environment's own value is kept; a later runtime on another
+    capped level is warned about."""
+    from rfa_fairseq.cpu import isa
+
+    monkeypatch.delenv(isa.ONEDNN_ENV, raising=False)
+    monkeypatch.setattr(isa, "_first_level", None)
+    isa.note_runtime_level("avx512_vnni", capped=False)
+    assert isa.ONEDNN_ENV not in os.environ
+    monkeypatch.setattr(isa, "_first_level", None)
+    isa.note_runtime_level("avx2", capped=True)
+    assert os.environ[isa.ONEDNN_ENV] == cpu_levels.by_name("avx2").onednn == "AVX2"
+    with pytest.warns(UserWarning, match="--rfa-cpu-isa default: oneDNN's products keep the instruction set"):
+        isa.note_runtime_level("default", capped=True)
+    assert os.environ[isa.ONEDNN_ENV] == "AVX2"
+    monkeypatch.setenv(isa.ONEDNN_ENV, "AVX512_CORE")
+    isa.cap_onednn_isa("avx2")  # the user's own cap stays
+    assert os.environ[isa.ONEDNN_ENV] == "AVX512_CORE"
+    isa.cap_onednn_isa("neon_dotprod")  # no oneDNN cap at the top aarch64 level
+    assert os.environ[isa.ONEDNN_ENV] == "AVX512_CORE"
+
+
+@pytest.mark.slow
+def test_generate_capped_at_avx2_gives_the_uncapped_hypotheses(ext, tmp_path_factory):
+    """fairseq-generate --model-overrides "{'rfa_cpu_isa': 'avx2'}" on a CPU above AVX2: the runtime's kernels on
+    avx2 and oneDNN capped to AVX2 (its log line), the same hypotheses as the uncapped run's and their scores within
+    the order-of-sums tolerance (the levels' vectors sum fp32 in other orders)."""
+    from cli_support import run, synthetic_data, train_generate_model
+    from conftest import PLUGIN_DIR
+
+    best = ext.select_cpu_level("auto")
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        pytest.skip("ONEDNN_MAX_CPU_ISA is set in the environment: oneDNN keeps it")
+    if cpu_levels.machine_name() != "x86_64" or best in ("default", "avx2"):
+        pytest.skip(f"needs an x86-64 CPU above AVX2 (this one's best level: {best})")
+    data = synthetic_data(tmp_path_factory, train=600, test=24)
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("capped_model"), max_update=30)
+    outputs = {}
+    for cap in ("auto", "avx2"):
+        proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset",
+                   "test", "--beam", "4", "--batch-size", "8", "--required-batch-size-multiple", "1", "--cpu",
+                   "--model-overrides", repr({"rfa_cpu_isa": cap, "rfa_decode_state": "fp32"}))
+        log = proc.stdout + proc.stderr
+        assert ("oneDNN's products capped at AVX2 (ONEDNN_MAX_CPU_ISA)" in log) == (cap == "avx2"), log[-3000:]
+        hypotheses = {}
+        for line in proc.stdout.splitlines():
+            if line.startswith("H-"):
+                key, score, text = line.split("\t")
+                hypotheses[int(key[2:])] = (float(score), text)
+        outputs[cap] = hypotheses
+    assert len(outputs["avx2"]) == 24 and outputs["avx2"].keys() == outputs["auto"].keys()
+    same = [i for i in outputs["auto"] if outputs["auto"][i][1] == outputs["avx2"][i][1]]
+    assert len(same) == len(outputs["auto"]), [i for i in outputs["auto"] if i not in same]
+    for i in same:
+        assert abs(outputs["auto"][i][0] - outputs["avx2"][i][0]) <= 1e-3, (i, outputs["auto"][i], outputs["avx2"][i])
