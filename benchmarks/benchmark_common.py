@@ -241,7 +241,8 @@ def stream_worker(cmd, deadline: float, on_result) -> str:
 
 # A CPU of an instruction-set level, on a CPU that has more: the environment that caps every library a decoding
 # process runs (set before it starts: each reads its own once). The plugin's own kernels take --rfa-cpu-isa (the
-# callers pass it in the model's overrides), oneDNN ONEDNN_MAX_CPU_ISA (cpu/isa.py's names), torch's operators
+# callers pass it in the model's overrides), oneDNN ONEDNN_MAX_CPU_ISA (torch's own oneDNN products; the levels'
+# table names oneDNN's ISA, cpu/levels.py), torch's operators
 # ATEN_CPU_CAPABILITY, MKL (fairseq's softmax model's GEMMs) MKL_ENABLE_INSTRUCTIONS, CTranslate2 CT2_FORCE_CPU_ISA.
 ISA_CAPS = {
     "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "CT2_FORCE_CPU_ISA": "GENERIC"},
@@ -255,14 +256,14 @@ ISA_CAPS = {
 
 
 def cpu_isa_environment(level: str, env: dict) -> dict:
-    """`env` with every library of a decoding process capped at `level` (ISA_CAPS; oneDNN's name from cpu/isa.py)."""
-    from rfa_fairseq.cpu.isa import ONEDNN_ENV, ONEDNN_ISA
+    """`env` with every library of a decoding process capped at `level` (ISA_CAPS; oneDNN's name from cpu/levels.py)."""
+    from rfa_fairseq.cpu import levels
 
     if level not in ISA_CAPS:
         raise ValueError(f"no instruction-set level named {level!r} (one of {', '.join(ISA_CAPS)})")
     capped = dict(env, **ISA_CAPS[level])
-    if level in ONEDNN_ISA:
-        capped[ONEDNN_ENV] = ONEDNN_ISA[level]
+    if levels.onednn_isa(level) is not None:
+        capped["ONEDNN_MAX_CPU_ISA"] = levels.onednn_isa(level)
     return capped
 
 

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                 speed = sum(1000 / r["span_s"] for r in results)
                 work = sum(r["work_s"] for r in results)  # the work of one test set, or of N (processes)
                 sets = len(results)
-                row = {"precision": precision, "batch_size": batch, "run": run,
+                row = {"precision": precision, "batch_size": batch, "run": run, "test_sets": sets,
                        "span_s": f"{max(r['span_s'] for r in results):.3f}", "work_s": f"{work:.3f}",
                        "tail_s": f"{sum(r['tail_s'] for r in results):.3f}",
                        "minor_faults": sum(r["minor_faults"] for r in results),

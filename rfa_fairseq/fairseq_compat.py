@@ -406,6 +406,24 @@ def _static_with_numpy_as_fairseq_calls_it(original):
     return staticmethod(_with_numpy_as_fairseq_calls_it(original))  # the fingerprint covers the @staticmethod line
 
 
+def _wrap_trainer_init(original):
+    """fp16 training where it can run (CUDA) only: elsewhere a clear error before fairseq's (torch's "Torch not
+    compiled with CUDA enabled" from deep in the first update)."""
+
+    @functools.wraps(original)
+    def __init__(self, cfg, *args, **kwargs):
+        common = cfg.common
+        on_cuda = torch.cuda.is_available() and not common.cpu
+        if (common.fp16 or common.memory_efficient_fp16) and not on_cuda and not getattr(common, "tpu", False):
+            raise ValueError(
+                "fp16 training needs a CUDA GPU, and " + ("--cpu was given" if common.cpu else "torch sees none here") +
+                ": train in fp32 with common.fp16=false (fairseq-hydra-train; the WMT configs set it true), "
+                "FP16=0 (scripts/train.sh), or without --fp16 (fairseq-train)")
+        return original(self, cfg, *args, **kwargs)
+
+    return __init__
+
+
 # ---------------------------------------------------------------- the table, and applying it
 
 
@@ -433,6 +451,12 @@ class FairseqPatch:
 
 
 PATCHES = (
+    FairseqPatch(
+        "fp16-needs-cuda", "fairseq.trainer", "Trainer.__init__", _wrap_trainer_init,
+        "fp16 training (common.fp16, --fp16) where torch sees no CUDA GPU, or with --cpu, stops before the trainer is "
+        "built, naming common.fp16=false and FP16=0: the WMT configs and recipes train in fp16.",
+        "fp16 training on a CPU dies in torch's first update (\"Torch not compiled with CUDA enabled\")",
+        "7e07697ee7049f19", "ve-fairseq 0.12.3 (other sources not checked)", at_import=True),
     FairseqPatch(
         "checked-checkpoint-loading", "fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
         _wrap_load_checkpoint_to_cpu,

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .cpu import levels as cpu_levels
 from .cpu.extension import load_fused_extension, require_fused_extension
 from .cpu.native import native_kernels
 from .gpu import triton_self_check
@@ -41,9 +42,9 @@ SEQUENCE_KERNELS = ("auto", "torch")  # --rfa-sequence-kernel
 DECODE_KERNELS = ("auto", "torch", "cpp")  # --rfa-decode-kernel
 DECODE_PRECISIONS = ("fp32", "int8")  # --rfa-decode-precision
 DECODE_STATES = ("auto", "fp16", "fp32")  # --rfa-decode-state: the causal layers' state between steps
-# --rfa-cpu-isa: the highest instruction-set level of the CPU kernels (csrc/cpu_kernels.h; the names of every
-# architecture's levels: a name of another architecture's is an error where the runtime is built)
-CPU_ISAS = ("auto", "default", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod")
+# --rfa-cpu-isa: the highest instruction-set level of the CPU kernels (cpu/levels.py: the names of every
+# architecture's levels; a name of another architecture's is an error where the runtime is built)
+CPU_ISAS = ("auto", *cpu_levels.ALL_NAMES)
 
 
 def causal_rfa(phi_q, phi_k, v, log_gate=None, state=None, *, chunk_size: int, sequence_kernel: str,

@@ -49,7 +49,8 @@ Settings (environment variables):
   MAX_UPDATE      number of updates (default: the recipe's)
   MAX_TIME_HOURS  > 0: stop after this much training time, summed over resumes (default 0: no limit)
   UPDATE_FREQ     gradient accumulation (default 1); the WMT recipes assume 8 GPUs: 8/N on N GPUs
-  FP16            1 | 0 (default: 1 for the WMT recipes, which need a GPU; 0 otherwise)
+  FP16            1 | 0 (default: 1 for the WMT recipes where torch sees a CUDA GPU, else 0, saying so;
+                  FP16=1 without a CUDA GPU is an error)
   USER_DIR        the plugin folder (default: rfa_fairseq of this checkout)
   FINETUNE_FROM   a converted rfa_transformer checkpoint (rfa-convert-transformer) to fine-tune
   CHECK_DATA      1 (default): check DATA with rfa-check-data first; 0 skips the check
@@ -81,7 +82,8 @@ TGT_LANG="${TGT_LANG:-}"
 MAX_UPDATE="${MAX_UPDATE:-}"          # default: the recipe's number of updates
 MAX_TIME_HOURS="${MAX_TIME_HOURS:-0}" # > 0: stop after this much training time (summed over resumes)
 UPDATE_FREQ="${UPDATE_FREQ:-1}"       # gradient accumulation; WMT recipes assume 8 GPUs (on N GPUs: 8/N)
-FP16="${FP16:-}"                      # 1 | 0; default: 1 for the WMT recipes (scaling_nmt), needs a GPU
+FP16="${FP16:-}"                      # 1 | 0; default: 1 for the WMT recipes (scaling_nmt) where CUDA is
+FP16_GIVEN="$FP16"
 USER_DIR="${USER_DIR:-$REPO/rfa_fairseq}"  # the plugin; loaded for softmax runs too (checkpoint loading)
 FINETUNE_FROM="${FINETUNE_FROM:-}"    # converted rfa_transformer checkpoint to fine-tune (MODEL=rfa only)
 DRY_RUN="${DRY_RUN:-0}"               # 1: check the inputs, print the fairseq-train command, exit
@@ -158,6 +160,12 @@ done
 [[ -f "$USER_DIR/__init__.py" ]] || die "USER_DIR='$USER_DIR' is not the rfa_fairseq plugin package"
 [[ "$MAX_UPDATE" =~ ^[0-9]+$ ]] || die "MAX_UPDATE must be a whole number, got '$MAX_UPDATE'"
 [[ "$FP16" == 0 || "$FP16" == 1 ]] || die "FP16 must be 0 or 1, got '$FP16'"
+# fp16 training runs on CUDA only (fairseq's fp16 optimizer on the CPU dies in torch: "Torch not compiled with CUDA")
+if [[ "$FP16" == 1 ]] && ! "${PYTHON:-python3}" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    [[ -z "$FP16_GIVEN" ]] || die "FP16=1 trains in fp16, which needs a CUDA GPU, and torch sees none here: set FP16=0 (fp32)"
+    echo "train.sh: torch sees no CUDA GPU: RECIPE=$RECIPE trains in fp32, not its fp16 (FP16=0 sets this; FP16=1 refuses to run without a GPU)" >&2
+    FP16=0
+fi
 
 FINETUNE_CMD=()
 if [[ -n "$FINETUNE_FROM" ]]; then

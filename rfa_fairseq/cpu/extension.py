@@ -27,7 +27,8 @@ process is building), the kernels are unavailable: the torch path runs (auto) or
 (cpp), naming the lock file; nothing waits forever.
 
 The CPU kernels (csrc/levels/level_kernels.cpp) are one source compiled once per instruction-set level of the
-architecture (LEVELS: each level's instructions and torch's CPU_CAPABILITY, as torch compiles its own CPU kernels),
+architecture (cpu/levels.py's table: each level's instructions and torch's CPU_CAPABILITY, as torch compiles its own
+CPU kernels),
 in parallel, into objects linked into the module (`compile_level_objects`, both builds); the module picks a level
 when a runtime is built (csrc/cpu_kernels.h, --rfa-cpu-isa). An object whose source, headers and flags are unchanged
 is not compiled again.
@@ -41,9 +42,9 @@ import fcntl
 import functools
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -63,24 +64,6 @@ EXTRA_LDFLAGS = ["-fopenmp"]
 HASHED_SUFFIXES = (".cpp", ".h", ".hpp")
 LEVEL_SOURCE = CSRC_DIR / "levels" / "level_kernels.cpp"
 LEVEL_DIR_NAME = "rfa_levels"  # the level objects' directory inside a build directory
-# The instruction-set levels of each architecture (csrc/cpu_kernels.h, the same order and names): the flags that
-# compile LEVEL_SOURCE for the level, torch's CPU_CAPABILITY (the vector width of at::vec::Vectorized) among them.
-_X86_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
-LEVELS = {
-    "x86_64": {
-        "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT", "-DRFA_LEVEL=kDefault"],
-        "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-DRFA_LEVEL=kAVX2", "-mavx2", "-mfma", "-mf16c"],
-        "avx512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-DRFA_LEVEL=kAVX512", *_X86_AVX512],
-        "avx512_vnni": ["-DCPU_CAPABILITY=AVX512_VNNI", "-DCPU_CAPABILITY_AVX512", "-DRFA_LEVEL=kAVX512VNNI",
-                        "-DRFA_LEVEL_VNNI", *_X86_AVX512, "-mavx512vnni"],
-    },
-    "aarch64": {
-        "neon": ["-DCPU_CAPABILITY=NEON", "-DRFA_LEVEL=kNEON"],
-        "neon_dotprod": ["-DCPU_CAPABILITY=NEON_DOTPROD", "-DRFA_LEVEL=kNEONDotProd", "-march=armv8.2-a+dotprod"],
-    },
-}
-# any other architecture: its baseline, the vector layer's portable loops
-OTHER_LEVELS = {"default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT", "-DRFA_LEVEL=kDefault"]}
 LEVEL_STD = "-std=c++20"  # torch's own C++ standard for its extensions (2.13 and newer)
 BUILD_HASH_DEFINE = "RFA_BUILD_HASH"
 
@@ -105,10 +88,24 @@ def source_files():
     return sources
 
 
+def _levels_table():
+    """cpu/levels.py (the levels' one table): imported from the package, or by path where this file was (setup.py)."""
+    try:
+        from . import levels
+    except ImportError:  # loaded by path, outside the package
+        spec = importlib.util.spec_from_file_location("rfa_fairseq_cpu_levels", Path(__file__).with_name("levels.py"))
+        levels = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(levels)
+    return levels
+
+
+LEVELS_TABLE = _levels_table()
+
+
 def machine_levels(machine: str = "") -> dict:
-    """{level: its flags} of an architecture (platform.machine() by default), lowest level first."""
-    machine = machine or platform.machine()
-    return LEVELS.get({"amd64": "x86_64", "arm64": "aarch64"}.get(machine.lower(), machine), OTHER_LEVELS)
+    """{level: the flags that compile LEVEL_SOURCE for it} of an architecture (platform.machine() by default), lowest
+    level first (cpu/levels.py)."""
+    return {level.name: LEVELS_TABLE.compile_flags(level) for level in LEVELS_TABLE.machine_levels(machine)}
 
 
 def hashed_files():
@@ -135,9 +132,11 @@ def level_compile_command(compiler: str, level: str, include_dirs, abi_flag: str
             *(f"-I{d}" for d in include_dirs), "-c", str(LEVEL_SOURCE), "-o", str(output)]
 
 
-def compile_level_objects(out_dir: Path, include_dirs, abi_flag: str, compiler: str = "", jobs: int = 0):
-    """Compile the CPU kernels for every level of this architecture into out_dir/<level>.o, at once (`jobs`
-    compilers, default one per core); an object whose command and inputs are those of its stamp is kept.
+def compile_level_objects(out_dir: Path, include_dirs, abi_flag: str, compiler: str = "", jobs: int = 0,
+                          machine: str = ""):
+    """Compile the CPU kernels for every level of an architecture (this one's by default; another's with its cross
+    compiler) into out_dir/<level>.o, at once (`jobs` compilers, default one per core); an object whose command and
+    inputs are those of its stamp is kept.
     -> the objects, lowest level first; RuntimeError naming the level and the compiler's message on failure."""
     compiler = compiler or os.environ.get("CXX", "c++")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +144,7 @@ def compile_level_objects(out_dir: Path, include_dirs, abi_flag: str, compiler: 
 
     def build(level):
         output = out_dir / f"{level}.o"
-        command = level_compile_command(compiler, level, include_dirs, abi_flag, output)
+        command = level_compile_command(compiler, level, include_dirs, abi_flag, output, machine)
         stamp = hashlib.sha256(shlex.join(command).encode() + b"\0" + inputs).hexdigest()
         stamp_file = out_dir / f"{level}.o.stamp"
         if output.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
@@ -158,7 +157,7 @@ def compile_level_objects(out_dir: Path, include_dirs, abi_flag: str, compiler: 
         stamp_file.write_text(stamp)
         return output
 
-    levels = list(machine_levels())
+    levels = list(machine_levels(machine))
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         return list(pool.map(build, levels))
 
@@ -292,6 +291,11 @@ def load_extension(use_prebuilt: bool = True, lock_timeout_s=None):
 def _loaded_once():
     # every argument from the module's globals, read now: tests' launchers set them before the first step
     return load_extension()
+
+
+def load_extension_once():
+    """(the process's compiled module, None) or (None, why not): loaded at the first call, then the same."""
+    return _loaded_once()
 
 
 @functools.lru_cache(maxsize=None)

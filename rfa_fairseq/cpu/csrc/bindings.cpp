@@ -27,14 +27,15 @@ namespace {
 
 using Optional = std::optional<torch::Tensor>;
 
-// a level's kernels by name ("auto": the best this CPU runs), or a ValueError: not a level of this architecture, or
-// one this CPU does not run
+// a level's kernels by name (resolve_level's: "auto", the best this CPU runs), or a ValueError: not a level of this
+// architecture, or one this CPU does not run (the tests name a level to run exactly that level's kernels)
 const rfa::cpu::Kernels& kernels_named(const std::string& level) {
   try {
-    if (level == "auto") return rfa::cpu::kernels(rfa::cpu::select_level("auto"));
-    const rfa::cpu::Level named = rfa::cpu::level_of(level);
-    TORCH_CHECK_VALUE(rfa::cpu::cpu_runs(named), "rfa cpu kernels: this CPU does not run the '", level, "' level");
-    return rfa::cpu::kernels(named);
+    const rfa::cpu::Level resolved = rfa::cpu::resolve_level(level);
+    TORCH_CHECK_VALUE(level == "auto" || level == rfa::cpu::level_name(resolved),
+                      "rfa cpu kernels: this CPU does not run the '", level, "' level (its best at most that is ",
+                      rfa::cpu::level_name(resolved), ")");
+    return rfa::cpu::kernels(resolved);
   } catch (const std::invalid_argument& error) {
     TORCH_CHECK_VALUE(false, error.what());
   }
@@ -60,7 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "select_cpu_level",
       [](const std::string& cap) {
         try {
-          return std::string(rfa::cpu::level_name(rfa::cpu::select_level(cap)));
+          return std::string(rfa::cpu::level_name(rfa::cpu::resolve_level(cap)));
         } catch (const std::invalid_argument& error) {
           TORCH_CHECK_VALUE(false, error.what());
         }

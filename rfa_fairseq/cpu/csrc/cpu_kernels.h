@@ -1,23 +1,24 @@
-// The CPU kernels' instruction-set levels and the one table of kernels each level has (levels/level_kernels.h, written
-// once and compiled once per level: levels/<level>.cpp). Plain C++ over raw pointers: the translation units of the
-// levels include no torch operators, and the callers (step_kernels.cpp, linear_layers.cpp, decode_program.cpp) check
-// their tensors before they pass pointers here.
+// The CPU kernels' instruction-set levels and the one table of kernels each level has: levels/level_kernels.cpp,
+// written once and compiled once per level into the level's namespace (rfa::cpu::<level's namespace>). Plain C++ over
+// raw pointers: the levels' translation units include no torch operators, and the callers (step_kernels.cpp,
+// linear_layers.cpp, decode_program.cpp) check their tensors before they pass pointers here.
 //
-// Levels, per architecture, from the lowest (the architecture's baseline, which every CPU of it runs):
-//   x86-64:  default (SSE2), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/VL/DQ), avx512_vnni (+ VNNI)
+// The levels are declared once, in rfa_fairseq/cpu/levels.py (LEVELS: names, order, compiler flags, the CPU features
+// each needs, oneDNN's cap), from which levels/level_table.h (the enum, each architecture's levels) is written:
+//   x86-64:  default (the baseline, SSE2), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/VL/DQ), avx512_vnni (+ VNNI)
 //   aarch64: neon, neon_dotprod (+ the dot-product extension, sdot)
 //   others:  default
-// The level a runtime uses is decided in one place, `select_level(cap)`: the best level this CPU runs and this build
-// has, at most `cap` ("auto": no cap; the plugin's --rfa-cpu-isa).
+// A level name is resolved in one place, `resolve_level(name)`: the best level this CPU runs and this build has, at
+// most the named one ("auto": no cap; the plugin's --rfa-cpu-isa).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace rfa::cpu {
+#include "levels/level_table.h"
 
-enum class Level : int { kDefault = 0, kAVX2 = 1, kAVX512 = 2, kAVX512VNNI = 3, kNEON = 4, kNEONDotProd = 5 };
+namespace rfa::cpu {
 
 // where a linear layer's results go: y = act(v + bias) + residual per (row, channel)
 struct LinearOutput {
@@ -88,11 +89,11 @@ std::vector<Level> architecture_levels();
 bool cpu_runs(Level level);
 // the kernels of a level of this architecture
 const Kernels& kernels(Level level);
-// The level a runtime uses: the best of this architecture's levels that this CPU runs, at most `cap` ("auto": none).
-// std::invalid_argument (naming the cap and the levels) for a name that is not one of this architecture's levels.
-Level select_level(const std::string& cap);
-// the level a name names (std::invalid_argument otherwise); the levels this CPU runs, lowest first
-Level level_of(const std::string& name);
+// The one resolution of a level's name: the best of this architecture's levels that this CPU runs, at most the named
+// one ("auto": the best). std::invalid_argument naming the levels for a name that is not one of this architecture's.
+// (A caller that needs exactly the named level compares level_name of the result.)
+Level resolve_level(const std::string& name);
+// the levels this CPU runs, lowest first
 std::vector<Level> runnable_levels();
 
 }  // namespace rfa::cpu

@@ -120,7 +120,7 @@ LinearLibrary::LinearLibrary(const std::string& precision, const std::string& cp
   precision_ = static_cast<Precision>(
       code_of({{"fp32", kPrecisionFp32}, {"int8", kPrecisionInt8}}, precision, "linear layers' precision"));
   try {
-    kernels_ = &rfa::cpu::kernels(rfa::cpu::select_level(cpu_isa));
+    kernels_ = &rfa::cpu::kernels(rfa::cpu::resolve_level(cpu_isa));
   } catch (const std::invalid_argument& error) {
     TORCH_CHECK_VALUE(false, "--rfa-cpu-isa: ", error.what());
   }

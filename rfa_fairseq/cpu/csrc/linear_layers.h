@@ -32,7 +32,7 @@ struct LinearLayer {  // ops/step.py's PackedLinear
 
 class LinearLibrary {
  public:
-  // precision: "fp32" or "int8"; cpu_isa: the cap on the instruction-set level (cpu_kernels.h's select_level: "auto" or
+  // precision: "fp32" or "int8"; cpu_isa: the cap on the instruction-set level (cpu_kernels.h's resolve_level: "auto" or
   // a level's name)
   LinearLibrary(const std::string& precision, const std::string& cpu_isa);
   // act(x W^T + b) + residual (residual undefined: none), `part` naming it for torch's profiler (a region of the

@@ -1,5 +1,5 @@
 // The CPU kernels, written once over the vector layer (simd.h) and compiled once per instruction-set level, as torch
-// compiles its own CPU kernels: cpu/extension.py's LEVELS give each level's compiler flags (its instructions, torch's
+// compiles its own CPU kernels: cpu/levels.py's LEVELS give each level's compiler flags (its instructions, torch's
 // CPU_CAPABILITY and RFA_LEVEL, the level's cpu_kernels.h name), and each build defines that level's table (Kernels)
 // as rfa::cpu::<CPU_CAPABILITY>::level_table(). Vectors are kLanes floats wide (AVX-512 16, AVX2 8, NEON 4); tiles are
 // sized to the level's registers.
@@ -19,7 +19,7 @@
 // References (tests): ops/naive.py, torch's operators and oneDNN's linear layers; every level is tested on every machine
 // that runs it (tests/test_cpu_levels.py).
 #if !defined(CPU_CAPABILITY) || !defined(RFA_LEVEL)
-#error "a level's build defines CPU_CAPABILITY and RFA_LEVEL (rfa_fairseq/cpu/extension.py's LEVELS)"
+#error "a level's build defines CPU_CAPABILITY and RFA_LEVEL (rfa_fairseq/cpu/levels.py's LEVELS)"
 #endif
 
 #include "../cpu_kernels.h"
