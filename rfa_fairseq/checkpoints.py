@@ -29,6 +29,8 @@ fairseq's own loading and saving go through these too: `fairseq_compat` wraps
 `save_checkpoint` with them; `resume` picks the checkpoint fairseq-train resumes from.
 """
 import argparse
+import contextlib
+import contextvars
 import difflib
 import os
 import pickle
@@ -261,6 +263,46 @@ def safe_load(path, mmap=False, verify=None):
         if explained is None:
             raise
         raise explained from exc
+
+
+# set while fairseq's load_model_ensemble_and_task builds models whose every parameter a checkpoint sets (strict
+# loading: a missing one is an error), fairseq_compat's model-built-for-its-checkpoint
+_LOADING_CHECKPOINT = contextvars.ContextVar("rfa_loading_checkpoint", default=False)
+
+
+@contextlib.contextmanager
+def loading_checkpoint():
+    """The models built inside are loaded from a checkpoint that sets every parameter (strict)."""
+    token = _LOADING_CHECKPOINT.set(True)
+    try:
+        yield
+    finally:
+        _LOADING_CHECKPOINT.reset(token)
+
+
+@contextlib.contextmanager
+def parameters_left_unset():
+    """Inside (a model built for its checkpoint, loading_checkpoint), torch.nn.init's fills leave their tensor as it
+    is: the parameters' memory is not written before the checkpoint's pages replace it (share_mapped_tensors), so it
+    never becomes resident: the load's peak is not the model's size. Elsewhere: nothing changes."""
+    if not _LOADING_CHECKPOINT.get():
+        yield
+        return
+    import torch.nn.init as init
+
+    fills = {name: getattr(init, name) for name in dir(init)
+             if name.endswith("_") and not name.startswith("_") and callable(getattr(init, name))}
+
+    def unset(tensor, *args, **kwargs):
+        return tensor
+
+    try:
+        for name in fills:
+            setattr(init, name, unset)
+        yield
+    finally:
+        for name, fill in fills.items():
+            setattr(init, name, fill)
 
 
 def share_mapped_tensors(module, state_dict, prefix, *_hook_args) -> None:

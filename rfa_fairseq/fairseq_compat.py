@@ -105,6 +105,7 @@ size, prefetching during training as before; the iterator position saved in chec
 exact as before.
 """
 import atexit
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -231,6 +232,18 @@ class _TorchLoadingMapped(types.ModuleType):
 
 
 TORCH_LOADING_MAPPED = _TorchLoadingMapped()
+
+
+def _wrap_load_model_ensemble_and_task(original):
+    @functools.wraps(original)
+    def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, *args, **kwargs):
+        # strict: every parameter is set from the checkpoint (a missing one is an error), so the models are built
+        # without filling them first (checkpoints.parameters_left_unset)
+        with checkpoints.loading_checkpoint() if strict else contextlib.nullcontext():
+            return original(filenames, arg_overrides, task, strict, *args, **kwargs)
+
+    load_model_ensemble_and_task.rfa_fairseq_wrapper = True
+    return load_model_ensemble_and_task
 
 
 def _wrap_load_checkpoint_to_cpu(original):
@@ -421,6 +434,7 @@ def _wrap_trainer_init(original):
                 "FP16=0 (scripts/train.sh), or without --fp16 (fairseq-train)")
         return original(self, cfg, *args, **kwargs)
 
+    __init__.rfa_fairseq_wrapper = True
     return __init__
 
 
@@ -457,6 +471,14 @@ PATCHES = (
         "built, naming common.fp16=false and FP16=0: the WMT configs and recipes train in fp16.",
         "fp16 training on a CPU dies in torch's first update (\"Torch not compiled with CUDA enabled\")",
         "7e07697ee7049f19", "ve-fairseq 0.12.3 (other sources not checked)", at_import=True),
+    FairseqPatch(
+        "model-built-for-its-checkpoint", "fairseq.checkpoint_utils", "load_model_ensemble_and_task",
+        _wrap_load_model_ensemble_and_task,
+        "fairseq-generate, fairseq-interactive, fairseq-validate and the hub load models with it: an rfa_transformer "
+        "built there for a checkpoint that sets every parameter (strict) skips torch.nn.init's fills, so the "
+        "parameters' memory is never written before the checkpoint's mapped pages replace it.",
+        "loading a model writes all its parameters once more: the load's peak memory holds the whole model",
+        "d02656a3ebb39c01", "ve-fairseq 0.12.3 (other sources not checked)"),
     FairseqPatch(
         "checked-checkpoint-loading", "fairseq.checkpoint_utils", "load_checkpoint_to_cpu",
         _wrap_load_checkpoint_to_cpu,

@@ -11,6 +11,7 @@ chunk's pages given back to the system once packed: the process then holds the p
 parameter stays file-backed for the paths that read it (the torch step, training), which fault in what they read.
 """
 import functools
+import threading
 
 import torch
 from torch import Tensor
@@ -48,6 +49,8 @@ class NativeKernels:
         # half the bytes of a batch's largest memory traffic), or fp32 (the torch step's results to the bit)
         self.state_dtype = state_dtype
         self.library = ext.LinearLibrary(precision, cpu_isa)
+        self._lock = threading.Lock()
+        self._released = []  # the file ranges packed weights were read from, since the last release_packed_sources
         self.level = self.library.level
         self.gemm = (f"fp32 on the {self.level} kernels" if precision == "fp32" else
                      f"int8 on the {self.level} kernels (per-channel weights, per-row 7-bit activations)")
@@ -61,7 +64,8 @@ class NativeKernels:
         if w.stride(-1) != 1:
             w = w.contiguous()
         release = mappings.holds(w)
-        bias = None if bias is None else bias.detach().float().contiguous()
+        # the bias copied (read at every product: in a checkpoint's mapping it would map the pages around it again)
+        bias = None if bias is None else bias.detach().float().clone()
         if self.precision == "fp32":
             packed = PackedLinear(self.library.pack_fp32(w, release), bias, w.size(1), w.size(0))
         else:
@@ -73,7 +77,18 @@ class NativeKernels:
             span = mappings.release_range(source)
             if span is not None:
                 self.ext.release_pages(span[0], span[1] - span[0])
+                with self._lock:
+                    self._released.append(span)
         return packed
+
+    def release_packed_sources(self) -> None:
+        """The file pages of every weight packed since the last call, given back once more: reading a weight maps the
+        pages around each page it reads (the system's fault-around), those of the weights packed before it among them.
+        A runtime calls this once its weights are packed."""
+        with self._lock:
+            spans, self._released = self._released, []
+        for begin, end in sorted(set(spans)):
+            self.ext.release_pages(begin, end - begin)
 
     def linear(self, x: Tensor, packed: PackedLinear, activation=None, residual=None) -> Tensor:
         return self.library.linear(packed, x, activation == "relu", residual)

@@ -426,7 +426,8 @@ class RFATransformerModel(TransformerModel):
         # args are saved in checkpoints, which hold plain values only
         setattr(args, RFA_CONFIG, RFAConfig.from_args(args))
         try:
-            model = super().build_model(args, task)
+            with checkpoints.parameters_left_unset():  # a checkpoint's load sets them all, from its mapped pages
+                model = super().build_model(args, task)
         finally:
             delattr(args, RFA_CONFIG)
         # fairseq-hydra-train hands over the config's model section alone, without common.seed; both CLIs seed

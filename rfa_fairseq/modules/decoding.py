@@ -164,7 +164,9 @@ class NormRecord:
 
     @classmethod
     def of(cls, norm) -> Optional["NormRecord"]:
-        return None if norm is None else cls(norm.weight.detach(), norm.bias.detach(), float(norm.eps))
+        # copies, a few hundred values: read at every step, a parameter in a checkpoint's mapping would map the pages
+        # around it again (the weights packed beside it in the file among them)
+        return None if norm is None else cls(norm.weight.detach().clone(), norm.bias.detach().clone(), float(norm.eps))
 
     def __call__(self, kernels, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
         return kernels.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
@@ -272,6 +274,7 @@ class DecodingRuntime:
         out = decoder.output_projection
         self.vocab_size = out.weight.size(0)
         self.output = kernels.pack_linear(out.weight.detach(), None if out.bias is None else out.bias.detach())
+        kernels.release_packed_sources()
         self.program = kernels.new_program(self) if kernels.native else None
 
     def embed_step(self, tokens: Tensor, positions: Optional[Tensor]) -> Tensor:

@@ -77,6 +77,7 @@ class EncodingRuntime:
         self.embed_norm = NormRecord.of(encoder.layernorm_embedding)
         self.layers: List[EncoderLayerRecord] = [EncoderLayerRecord.of(layer, kernels) for layer in encoder.layers]
         self.final_norm = NormRecord.of(encoder.layer_norm)
+        kernels.release_packed_sources()
         self.program = kernels.ext.EncoderProgram(self, kernels.library)
 
     def encode(self, encoder, src_tokens: Tensor) -> dict:

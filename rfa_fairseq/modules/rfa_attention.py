@@ -315,8 +315,9 @@ class FeatureMapRecord:
 
     @classmethod
     def of(cls, phi, random_matrix: Optional[Tensor]) -> "FeatureMapRecord":
-        sigma = phi.current_sigma().detach().float().contiguous() if hasattr(phi, "current_sigma") else None
-        matrix = random_matrix.detach().float().contiguous() if random_matrix is not None else None
+        # copies (small, read at every step: see NormRecord.of)
+        sigma = phi.current_sigma().detach().float().clone() if hasattr(phi, "current_sigma") else None
+        matrix = random_matrix.detach().float().clone() if random_matrix is not None else None
         linear = phi.linear_part()
         width = linear[0].size(1) if linear is not None else phi.head_dim
         return cls(phi.kind, phi.step_activation, phi, matrix, sigma, width, phi.output_dim)

@@ -20,6 +20,8 @@ of a kernel set is kernel_choice.step_kernels. The interface every kernel set ha
     kernels.pack_linear(weight, bias, sources=()) -> packed: a (O, I) weight and (O,) bias (or None) prepared once
         for `linear`; sources: the module's tensors the weight was computed from (a fused or folded projection), which
         a library that keeps its own copy no longer needs resident
+    kernels.release_packed_sources(): a runtime's weights are all packed (a library with its own copy gives the
+        module's pages back that packing read)
     kernels.linear(x, packed, activation=None, residual=None) -> y = act(x W^T + b) + residual
         x: (R, I)   activation: None or "relu"   residual: (R, O) or None
     kernels.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out): beam search's candidates
@@ -126,6 +128,10 @@ class TorchKernels:
     @staticmethod
     def pack_linear(weight: Tensor, bias: Optional[Tensor], sources=()):
         return TorchLinear.pack_linear(weight, bias)
+
+    @staticmethod
+    def release_packed_sources() -> None:
+        """Nothing: the torch step reads the module's own weights (they stay where they are)."""
 
     @staticmethod
     def linear(x: Tensor, packed, activation: Optional[str] = None, residual: Optional[Tensor] = None) -> Tensor:
