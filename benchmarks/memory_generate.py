@@ -1,26 +1,29 @@
 #!/usr/bin/env python3
-"""Where a decoding process's memory goes: the default rfa_transformer (fp32 and int8) against CTranslate2 on its
-softmax twin, stage by stage, as a deployment loads and runs them.
+"""Where a decoding process's memory goes, at the recipe size and at the sizes users decode: the default
+rfa_transformer (fp32 and int8) as fairseq-generate loads and runs it, against CTranslate2's whole process on its
+softmax twin.
 
-Each engine runs in a process of its own that decodes test_2016_flickr (beam 4, max length source + 50, batches of
-each of --batch-sizes sentences in turn, one thread) and reads its resident memory (VmRSS) and its peak so far (VmHWM) from
-/proc/self/status after each stage:
+Each point runs in a process of its own: one engine, precision, size and batch size, decoding the first --sentences
+test_2016_flickr sources (beam 4, one thread, every hypothesis forced to --forced-length tokens so that both engines
+do the same work whatever the weights: benchmarks/user_size_checkpoints.py says why). It reads its resident memory
+(VmRSS, with its anonymous and file-backed parts) and its peak so far (VmHWM) from /proc/self/status after each stage:
 
-  rfa: python -> import torch -> import fairseq and the plugin -> load the checkpoint (fairseq's
-       load_model_ensemble_and_task) -> load the test set -> build the generator (weights packed, one warm-up step)
-       -> decode the test set
-  ct2: python -> import ctranslate2 and sentencepiece -> load the model (ctranslate2.Translator) -> read the test set
-       -> decode the test set
+  rfa: python -> imports (torch, fairseq, the plugin) -> weights (fairseq's load_model_ensemble_and_task: the
+       checkpoint mapped, the parameters its pages) -> runtime (the generator built and one batch decoded: every
+       weight packed once, the file pages given back) -> decode (the rest of the sentences)
+  ct2: python -> imports (ctranslate2, sentencepiece) -> weights (ctranslate2.Translator) -> decode
 
-and, for rfa, the tensors behind it after decoding: the model's parameters and buffers, and what the packed linear
-layers hold beside them (the library's packed weights, int8 codes, the few-rows kernels' blocks), by module.
-One CSV row per (engine, precision, stage or tensor group).
+and splits it: imports (RSS after them), weights (what loading added), runtime (what building the runtimes and the first
+batch added), a batch's working memory (the peak while decoding over the RSS before it), and decoding's own peak (the
+process's peak over its imports): what the plugin adds to a process that has torch and fairseq. For rfa it also counts
+the bytes the runtimes decode with: the packed linear layers (fp32 blocks, or int8 codes with their scales) and the
+embedding table (read row by row, in its checkpoint's mapping).
 
-    python benchmarks/memory_generate.py --prep outputs/multi30k --study-dir outputs/quality
+    python benchmarks/memory_generate.py --prep outputs/multi30k --sizes recipe base big
 
-The checkpoints and CTranslate2 conversions are benchmark_generate.py's (`checkpoint_of`, `ct2_model_of`: trained and
-converted there when missing). Files: benchmarks/results/memory_generate_multi30k_cpu.csv (rewritten whole; a run is
-about a minute per batch size).
+Checkpoints: the recipe's are benchmark_generate.py's (the quality study's, trained when missing); base and big are
+benchmarks/user_size_checkpoints.py's (made when missing). Files: benchmarks/results/memory_generate_cpu.csv (one row
+per point; points already there are kept, --redo measures them again).
 """
 import argparse
 import json
@@ -30,174 +33,201 @@ import sys
 from datetime import datetime, timezone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIELDS = ["engine", "precision", "batch_size", "kind", "stage", "rss_mb", "peak_mb", "mb", "machine", "measured_utc"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+CSV = os.path.join(REPO, "benchmarks", "results", "memory_generate_cpu.csv")
+KEY = ("size", "engine", "precision", "batch_size", "forced_length", "sentences")
+FIELDS = [*KEY, "imports_mb", "weights_mb", "runtime_mb", "batch_working_mb", "own_peak_mb", "peak_mb",
+          "final_rss_mb", "final_anon_mb", "final_file_mb", "packed_mb", "embedding_mb", "stages", "machine",
+          "measured_utc"]
+SIZES = ("recipe", "base", "big")
 
 
-def memory_mb():
-    """(VmRSS, VmHWM) of this process, in MB."""
+def memory():
+    """{rss, peak, anon, file} of this process in MiB (/proc/self/status)."""
+    names = {"VmRSS": "rss", "VmHWM": "peak", "RssAnon": "anon", "RssFile": "file"}
     values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
+    with open("/proc/self/status") as status:
+        for line in status:
             name, _, rest = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                values[name] = int(rest.split()[0]) / 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def stage(stages, name):
-    rss, peak = memory_mb()
-    stages.append({"stage": name, "rss_mb": round(rss, 1), "peak_mb": round(peak, 1)})
+            if name in names:
+                values[names[name]] = round(int(rest.split()[0]) / 1024, 1)
+    return values
 
 
 def tensor_mb(tensor) -> float:
-    """The bytes behind a tensor, in MB: its storage's, or for oneDNN's opaque packed tensors its elements'."""
-    try:
-        return tensor.untyped_storage().nbytes() / 2**20
-    except NotImplementedError:  # OpaqueTensorImpl: no storage to ask
-        return tensor.numel() * tensor.element_size() / 2**20
-
-
-def tensor_key(tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except NotImplementedError:
-        return id(tensor)
+    return tensor.numel() * tensor.element_size() / 2**20
 
 
 def rfa_child(args) -> dict:
-    """The rfa stages in this process (one thread); -> {"stages": [...], "tensors": {group: MB}}."""
-    stages = []
-    stage(stages, "python")
+    stages = [("python", memory())]
     import gc
 
     import torch
 
     torch.set_num_threads(1)
-    stage(stages, "import torch")
     from fairseq import checkpoint_utils
 
     sys.path.insert(0, REPO)
     import rfa_fairseq  # noqa: F401  (registers the plugin)
     from rfa_fairseq.ops.step import PackedLinear
 
-    stage(stages, "import fairseq and the plugin")
+    stages.append(("imports", memory()))
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-        [args.model], arg_overrides={"data": os.path.join(args.prep, "data-bin"), "rfa_decode_precision": args.precision})
+        [args.model], arg_overrides={"data": args.data_bin, "rfa_decode_precision": args.precision})
     model = models[0]
     gc.collect()
-    stage(stages, "load the checkpoint")
-    task.load_dataset("test")
-    stage(stages, "load the test set")
+    stages.append(("weights", memory()))
+    task.load_dataset(args.split)
     generation = cfg.generation
-    generation.beam, generation.lenpen, generation.max_len_a, generation.max_len_b = 4, 1, 1, 50
+    generation.beam, generation.lenpen = 4, 1.0
+    generation.min_len, generation.max_len_a, generation.max_len_b = args.forced_length, 0, args.forced_length
     model.prepare_for_inference_(cfg)
     generator = task.build_generator(models, generation)
-    gc.collect()
-    stage(stages, "build the generator")
-    batches = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=args.batch_size,
+    batches = task.get_batch_iterator(dataset=task.dataset(args.split), max_sentences=args.batch_size,
                                       required_batch_size_multiple=1).next_epoch_itr(shuffle=False)
+    decoded = 0
     with torch.no_grad():
         for batch in batches:
             task.inference_step(generator, models, batch)
+            decoded += batch["nsentences"]
+            if len(stages) == 3:
+                gc.collect()
+                stages.append(("runtime", memory()))
     gc.collect()
-    stage(stages, "decode the test set")
-
-    tensors = {"parameters and buffers": sum(tensor_mb(t) for t in list(model.parameters()) + list(model.buffers()))}
-    seen, parameters = set(), {tensor_key(p) for p in model.parameters()}
-    for obj in gc.get_objects():
-        if not isinstance(obj, PackedLinear):
-            continue
-        for field in ("weight", "rows_weight", "bias", "w_scales", "rows_sums"):
-            tensor = getattr(obj, field)
-            if tensor is None or tensor_key(tensor) in seen or tensor_key(tensor) in parameters:
-                continue  # counted, or a parameter itself (the torch library packs nothing)
-            seen.add(tensor_key(tensor))
-            group = {"weight": "packed weights (the library's layout or int8 codes)",
-                     "rows_weight": "few-rows blocks (a second layout of the weights)"}.get(field, "scales, sums, biases")
-            tensors[group] = tensors.get(group, 0.0) + tensor_mb(tensor)
-    return {"stages": stages, "tensors": {k: round(v, 3) for k, v in tensors.items()}}
+    stages.append(("decode", memory()))
+    if decoded != args.sentences:
+        raise SystemExit(f"memory_generate: decoded {decoded} sentences of the {args.split} split, not {args.sentences}")
+    packed = {id(obj): obj for obj in gc.get_objects() if isinstance(obj, PackedLinear)}
+    packed_mb = sum(tensor_mb(t) for p in packed.values()
+                    for t in (p.weight, p.bias, p.w_scales, p.w_sums) if t is not None)
+    return {"stages": stages, "packed_mb": round(packed_mb, 1),
+            "embedding_mb": round(tensor_mb(model.decoder.embed_tokens.weight), 1)}
 
 
 def ct2_child(args) -> dict:
-    stages = []
-    stage(stages, "python")
+    stages = [("python", memory())]
     import ctranslate2
     import sentencepiece  # noqa: F401  (what a CTranslate2 deployment loads to tokenize)
 
-    stage(stages, "import ctranslate2 and sentencepiece")
+    stages.append(("imports", memory()))
     translator = ctranslate2.Translator(args.model, device="cpu", compute_type=args.precision.replace("fp32", "float32"),
                                         intra_threads=1, inter_threads=1)
-    stage(stages, "load the model")
-    with open(os.path.join(args.prep, "test.spm.en")) as f:
-        sources = [line.split() for line in f]
-    stage(stages, "load the test set")
+    stages.append(("weights", memory()))
+    with open(args.source, encoding="utf-8") as f:
+        sources = [line.split() for line in f][: args.sentences]
     translator.translate_batch(sources, max_batch_size=args.batch_size, beam_size=4, length_penalty=1.0,
-                               max_decoding_length=max(len(s) for s in sources) + 50)
-    stage(stages, "decode the test set")
-    return {"stages": stages, "tensors": {}}
+                               min_decoding_length=args.forced_length, max_decoding_length=args.forced_length)
+    stages.append(("decode", memory()))
+    return {"stages": stages}
 
 
-def measure(engine: str, precision: str, model: str, batch_size: int, args) -> dict:
-    """One engine's stages at batches of `batch_size`, in a process of its own; model: the rfa checkpoint or the
-    CTranslate2 directory."""
+def split_of(stages) -> dict:
+    """The stages' split (MiB): imports, weights, runtime (rfa), a batch's working memory, decoding's own peak."""
+    at = dict(stages)
+    before_decode = at.get("runtime", at["weights"])
+    return {"imports_mb": at["imports"]["rss"], "weights_mb": round(at["weights"]["rss"] - at["imports"]["rss"], 1),
+            "runtime_mb": round(at["runtime"]["rss"] - at["weights"]["rss"], 1) if "runtime" in at else "",
+            "batch_working_mb": round(at["decode"]["peak"] - before_decode["rss"], 1),
+            "own_peak_mb": round(at["decode"]["peak"] - at["imports"]["rss"], 1), "peak_mb": at["decode"]["peak"],
+            "final_rss_mb": at["decode"]["rss"], "final_anon_mb": at["decode"]["anon"],
+            "final_file_mb": at["decode"]["file"]}
+
+
+def measure(args, size, engine, precision, batch_size, files) -> dict:
+    """One point in a process of its own -> its CSV row."""
+    model = files["rfa"] if engine == "rfa" else files[f"ct2_{precision}"]
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--precision", precision, "--model", model,
-           "--prep", args.prep, "--batch-size", str(batch_size)]
+           "--data-bin", files["data_bin"], "--source", files["source"], "--split", files["split"],
+           "--batch-size", str(batch_size), "--forced-length", str(args.forced_length),
+           "--sentences", str(args.sentences)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"memory_generate: {engine} {precision} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"memory_generate: {size} {engine} {precision} b{batch_size} failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"size": size, "engine": engine, "precision": precision, "batch_size": batch_size,
+            "forced_length": args.forced_length, "sentences": args.sentences, **split_of(result["stages"]),
+            "packed_mb": result.get("packed_mb", ""), "embedding_mb": result.get("embedding_mb", ""),
+            "stages": json.dumps(result["stages"])}
+
+
+def size_files(args, size) -> dict:
+    """What decodes `size`: the rfa checkpoint, the CTranslate2 conversions of its softmax twin, the data-bin, the
+    SentencePiece test sources and the split of --sentences sentences."""
+    import user_size_checkpoints
+
+    if size == "recipe":
+        import benchmark_generate
+
+        study = argparse.Namespace(study_dir=args.study_dir, prep=args.prep, max_update=args.max_update, seed=args.seed,
+                                   device="cpu", variant_override={}, train_timeout=6 * 3600,
+                                   study_csv=os.path.join(REPO, "benchmarks", "results", "quality_multi30k_cpu.csv"))
+        study.checkpoints = {m: benchmark_generate.checkpoint_of(study, m) for m in ("rfa", "softmax")}
+        study.checkpoints.update({m: study.checkpoints["softmax"] for m in benchmark_generate.CT2_MODELS})
+        files = {"rfa": study.checkpoints["rfa"], "ct2_fp32": benchmark_generate.ct2_model_of(study, "ct2_softmax"),
+                 "ct2_int8": benchmark_generate.ct2_model_of(study, "ct2_softmax_int8"),
+                 "data_bin": os.path.join(args.prep, "data-bin"), "source": os.path.join(args.prep, "test.spm.en")}
+    else:
+        made = user_size_checkpoints.size_files(size, args.prep, args.user_size_dir)
+        files = {"rfa": made.checkpoints["rfa"], "ct2_fp32": made.ct2_models["float32"],
+                 "ct2_int8": made.ct2_models["int8"], "data_bin": made.data_bin, "source": made.source}
+    files["split"] = user_size_checkpoints.test_subset(files["data_bin"], args.sentences)
+    return files
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prep", default="outputs/multi30k", help="output of data-prep/prepare-multi30k.sh")
-    p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"), help="the quality study's --work-dir")
-    p.add_argument("--max-update", type=int, default=1000, help="the checkpoints' training updates")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--prep", default=os.path.join(REPO, "outputs", "multi30k"),
+                   help="output of data-prep/prepare-multi30k.sh")
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32],
-                   help="one process per engine, precision and batch size (1: a service's one sentence at a time)")
-    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)  # the child's
-    p.add_argument("--csv", default=os.path.join(REPO, "benchmarks", "results", "memory_generate_multi30k_cpu.csv"))
-    p.add_argument("--child", choices=["rfa", "ct2"], help=argparse.SUPPRESS)
-    p.add_argument("--precision", choices=["fp32", "int8"], help=argparse.SUPPRESS)  # the child's
-    p.add_argument("--model", help=argparse.SUPPRESS)  # the child's checkpoint or CTranslate2 directory
+                   help="one process per engine, precision, size and batch size (1: a service's one sentence at a time)")
+    p.add_argument("--forced-length", type=int, default=16, help="every hypothesis this many tokens")
+    p.add_argument("--sentences", type=int, default=100, help="the first test sentences decoded")
+    p.add_argument("--study-dir", default=os.path.join(REPO, "outputs", "quality"), help="the quality study's --work-dir")
+    p.add_argument("--user-size-dir", default=os.path.join(REPO, "outputs", "user_size"))
+    p.add_argument("--max-update", type=int, default=1000, help="the recipe checkpoints' training updates")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--csv", default=CSV)
+    p.add_argument("--redo", action="store_true", help="measure the points already in the CSV again")
+    for hidden in ("--child", "--precision", "--model", "--data-bin", "--source", "--split"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps((rfa_child if args.child == "rfa" else ct2_child)(args)))
         return 0
-    if not os.path.exists(os.path.join(args.prep, "test.spm.en")):
-        raise SystemExit(f"memory_generate: {args.prep}/test.spm.en is missing: run data-prep/prepare-multi30k.sh first")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import benchmark_generate
+    if args.forced_length < 1 or args.sentences < 1 or min(args.batch_sizes) < 1:
+        p.error("--forced-length, --sentences and --batch-sizes must be positive")
     from benchmark_common import write_csv
+    from benchmark_generate import machine
 
-    # benchmark_generate's study arguments, for its checkpoint_of / ct2_model_of
-    study = argparse.Namespace(study_dir=args.study_dir, prep=args.prep, max_update=args.max_update, seed=args.seed,
-                               device="cpu", variant_override={}, train_timeout=6 * 3600,
-                               study_csv=os.path.join(REPO, "benchmarks", "results", "quality_multi30k_cpu.csv"))
-    study.checkpoints = {m: benchmark_generate.checkpoint_of(study, m) for m in ("rfa", *benchmark_generate.CT2_MODELS)}
-    models = {("rfa", "fp32"): study.checkpoints["rfa"], ("rfa", "int8"): study.checkpoints["rfa"],
-              ("ct2", "fp32"): benchmark_generate.ct2_model_of(study, "ct2_softmax"),
-              ("ct2", "int8"): benchmark_generate.ct2_model_of(study, "ct2_softmax_int8")}
-    now, machine = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), benchmark_generate.machine("cpu")
     rows = []
-    for batch_size in args.batch_sizes:
-        for engine in ("rfa", "ct2"):
-            for precision in ("fp32", "int8"):
-                result = measure(engine, precision, models[engine, precision], batch_size, args)
-                common = {"engine": engine, "precision": precision, "batch_size": batch_size, "machine": machine,
-                          "measured_utc": now}
-                before, name = 0.0, f"{engine} {precision} b{batch_size}"
-                for s in result["stages"]:
-                    rows.append({**common, "kind": "stage", **s, "mb": round(s["rss_mb"] - before, 1)})
-                    before = s["rss_mb"]
-                    print(f"{name}: {s['stage']:<40} RSS {s['rss_mb']:7.1f} MB  peak {s['peak_mb']:7.1f} MB")
-                for group, mb in result["tensors"].items():
-                    rows.append({**common, "kind": "tensors", "stage": group, "mb": round(mb, 1)})
-                    print(f"{name}:   tensors: {group:<50} {mb:7.1f} MB")
-    write_csv(args.csv, [{field: row.get(field, "") for field in FIELDS} for row in rows])
-    print(f"memory_generate: wrote {args.csv}")
+    if os.path.exists(args.csv):
+        import csv
+
+        with open(args.csv, newline="") as f:
+            rows = list(csv.DictReader(f))
+    done = {tuple(str(row[k]) for k in KEY) for row in rows}
+    now, machine_name = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"), machine("cpu")
+    for size in args.sizes:
+        files = None
+        for batch_size in args.batch_sizes:
+            for engine in ("rfa", "ct2"):
+                for precision in ("fp32", "int8"):
+                    key = (size, engine, precision, str(batch_size), str(args.forced_length), str(args.sentences))
+                    if key in done and not args.redo:
+                        continue
+                    files = files or size_files(args, size)
+                    row = {**measure(args, size, engine, precision, batch_size, files), "machine": machine_name,
+                           "measured_utc": now}
+                    rows = [r for r in rows if tuple(str(r[k]) for k in KEY) != key] + [row]
+                    write_csv(args.csv, [{field: r.get(field, "") for field in FIELDS} for r in rows])
+                    print(f"{size:6s} {engine} {precision} b{batch_size:<3d}: imports {row['imports_mb']:7.1f} MiB, "
+                          f"own peak {row['own_peak_mb']:7.1f} MiB (weights {row['weights_mb']}, runtime "
+                          f"{row['runtime_mb']}, a batch {row['batch_working_mb']}), process peak {row['peak_mb']:7.1f}")
+    print(f"memory_generate: {args.csv}")
     return 0
 
 
