@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
-"""The CPU GEMM libraries torch offers, on the matrix products of one decoding step: which is fastest here.
+"""The CPU GEMM libraries, on the matrix products of one decoding step: the plugin's own linear layers (the weights
+kept once, in its kernels' blocks) against those torch offers.
 
-One step of the rfa_transformer at Multi30k dimensions (3 layers, C = 256, FFN 1,024, 4 heads, D = 16, the default
-when gemm_step_shapes_cpu.csv was measured: the fused input projection gives 2 x 64 feature pre-activations + 256
-values + 4 gate logits = 388 columns; the default D = 32 makes it 516)
-is 19 products x W^T + b: per layer the fused input projection, the self-attention output, the cross-attention
-query and output, fc1 and fc2, then the vocabulary projection (V = 7,997). Each library runs all 19 at each
---rows (batch x beam), best of 200 after 10 warm-up runs:
+One step of the default rfa_transformer (D = 32, hedgehog, gated: the fused input projection gives 2 x H x 32 feature
+pre-activations + C values + H gate logits) at --size: recipe (Multi30k: 3 layers, C = 256, FFN 1,024, 4 heads,
+V = 7,997), base (6 layers, 512, 2,048, 8 heads, V = 32,004) or big (6 layers, 1,024, 4,096, 16 heads, V = 32,004),
+is per layer the fused input projection, the self-attention output, the cross-attention query and output, fc1 and
+fc2, then the vocabulary projection. Each library runs all of them at each --rows (batch x beam), the best of
+--repeats after a warm-up, the libraries in turn per product:
 
+    rfa          the plugin's fp32 linear layers (cpu/native.py: the level's kernels on its blocks): what decodes
+    rfa_int8     the same in int8 (--rfa-decode-precision int8), the input rows quantized at each product
     addmm        torch.addmm(b, x, W^T, out=...): torch's BLAS (MKL in the pinned wheel)
-    linear       torch.nn.functional.linear: the same BLAS through another entry
     mkl_packed   MKL's packed GEMM (torch.ops.mkl._mkl_linear on cblas-packed weights)
-    onednn       oneDNN's linear on weights packed once into its blocked layout (torch.ops.mkldnn): what the
-                 decoding step's kernels use on the CPU (cpu/native.py)
+    onednn       oneDNN's linear on weights packed once into its own blocked layout (torch.ops.mkldnn): what the
+                 decoding step ran on before its weights were kept once
 
-    python benchmarks/benchmark_gemm.py --threads 1 2    # -> benchmarks/results/gemm_step_shapes_cpu.csv
+    python benchmarks/benchmark_gemm.py --size recipe --threads 1 2   # -> benchmarks/results/gemm_step_shapes_cpu_recipe.csv
 """
 import argparse
 import os
@@ -27,8 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_common import machine_description, write_csv  # noqa: E402
 
 
-def step_shapes(layers=3, embed=256, ffn=1024, proj=388, vocab=7997):
-    """(in, out) of the decoding step's products."""
+# size -> (layers, C, FFN, heads, vocabulary)
+SIZES = {"recipe": (3, 256, 1024, 4, 7997), "base": (6, 512, 2048, 8, 32004), "big": (6, 1024, 4096, 16, 32004)}
+
+
+def step_shapes(size="recipe", features=32):
+    """(in, out) of the decoding step's products at a size (the default model: D features per head, gated)."""
+    layers, embed, ffn, heads, vocab = SIZES[size]
+    proj = 2 * heads * features + embed + heads
     per_layer = [(embed, proj), (embed, embed), (embed, embed), (embed, embed), (embed, ffn), (ffn, embed)]
     return per_layer * layers + [(embed, vocab)]
 
@@ -44,12 +52,29 @@ def best_ms(fn, repeats=200, warmup=10):
     return best * 1e3
 
 
-def library_calls(x, weight, bias, rows):
+def plugin_kernels():
+    """The plugin's fp32 and int8 kernel sets (cpu/native.py), or {} where its C++ module does not load."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from rfa_fairseq.cpu.extension import load_fused_extension
+    from rfa_fairseq.cpu.native import native_kernels
+
+    ext = load_fused_extension()
+    if ext is None:
+        print("benchmark_gemm: the plugin's C++ module does not load: its rows are left out")
+        return {}
+    return {name: native_kernels(ext, precision, torch.float16, "auto")
+            for name, precision in (("rfa", "fp32"), ("rfa_int8", "int8"))}
+
+
+def library_calls(x, weight, bias, rows, plugin):
     """{library: a call computing x W^T + b}."""
     out = torch.empty(rows, weight.size(0))
     weight_t = weight.t()
-    calls = {"addmm": lambda: torch.addmm(bias, x, weight_t, out=out),
-             "linear": lambda: torch.nn.functional.linear(x, weight, bias)}
+    calls = {}
+    for name, kernels in plugin.items():
+        packed = kernels.pack_linear(weight, bias)
+        calls[name] = (lambda k, p: lambda: k.linear(x, p))(kernels, packed)
+    calls["addmm"] = lambda: torch.addmm(bias, x, weight_t, out=out)
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
         calls["mkl_packed"] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
@@ -61,12 +86,16 @@ def library_calls(x, weight, bias, rows):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="recipe")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128])
-    p.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "gemm_step_shapes_cpu.csv"))
+    p.add_argument("--rows", type=int, nargs="+", default=[4, 32, 128, 512])
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--csv", default=None, help="default: benchmarks/results/gemm_step_shapes_cpu_<size>.csv")
     args = p.parse_args()
-    shapes = step_shapes()
+    args.csv = args.csv or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        f"gemm_step_shapes_cpu_{args.size}.csv")
+    shapes = step_shapes(args.size)
+    plugin = plugin_kernels()
     machine = machine_description("cpu")
     out = []
     with torch.no_grad():
@@ -78,15 +107,17 @@ def main():
                 for cin, cout in shapes:
                     x, w, b = (torch.randn(rows, cin, generator=gen), torch.randn(cout, cin, generator=gen),
                                torch.randn(cout, generator=gen))
-                    for library, call in library_calls(x, w, b, rows).items():
-                        totals[library] = totals.get(library, 0.0) + best_ms(call)
+                    for library, call in library_calls(x, w, b, rows, plugin).items():
+                        totals[library] = totals.get(library, 0.0) + best_ms(call, repeats=args.repeats)
                 flops = sum(2 * rows * cin * cout for cin, cout in shapes)
                 for library, ms in totals.items():
-                    out.append({"threads": threads, "rows": rows, "library": library, "step_gemm_ms": f"{ms:.3f}",
-                                "gflops": f"{flops / ms / 1e6:.1f}", "vs_addmm": f"{totals['addmm'] / ms:.2f}",
+                    vs_onednn = f"{totals['onednn'] / ms:.2f}" if "onednn" in totals else ""
+                    out.append({"size": args.size, "threads": threads, "rows": rows, "library": library,
+                                "step_gemm_ms": f"{ms:.3f}", "gflops": f"{flops / ms / 1e6:.1f}",
+                                "vs_addmm": f"{totals['addmm'] / ms:.2f}", "vs_onednn": vs_onednn,
                                 "machine": machine, "torch": torch.__version__})
-                    print(f"{threads} threads, {rows:4d} rows  {library:10s} {ms:7.3f} ms  "
-                          f"{flops / ms / 1e6:6.1f} GFLOP/s  {totals['addmm'] / ms:.2f}x addmm")
+                    print(f"{args.size} {threads} threads, {rows:4d} rows  {library:10s} {ms:8.3f} ms  "
+                          f"{flops / ms / 1e6:6.1f} GFLOP/s  {totals['addmm'] / ms:.2f}x addmm  {vs_onednn}x oneDNN")
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     write_csv(args.csv, out)
     print(f"wrote {args.csv}")

@@ -66,12 +66,14 @@ def _reference(kernels, weight, bias, x, relu, residual):
 
 # inputs not a multiple of 4 (int8: a last partial group of codes) and past one fp32 chunk of 512 (K blocks past a few
 # rows), outputs not a multiple of any vector width (masked lanes, a ragged last tile), rows of a sentence's beam and
-# past every tile's rows (the last rows in smaller tiles), and a batch past one row block (1030 inputs: 127 rows)
+# past every tile's rows (the last rows in smaller tiles), a batch past one row block (1030 inputs: 127 rows), and
+# transformer big's widths
 @pytest.mark.parametrize("level", cpu_level_params())
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("in_features,out_features,rows", [
     (256, 516, 1), (256, 516, 4), (256, 516, 9), (13, 7, 3), (13, 7, 40), (258, 50, 6), (258, 50, 17),
-    (1030, 131, 4), (1030, 131, 23), (1030, 60, 300)])
+    (1030, 131, 4), (1030, 131, 23), (1030, 60, 300),
+    (1024, 4096, 4), (4096, 1024, 4), (4096, 1024, 40)])  # transformer big's FFN: a beam's rows and a batch's
 def test_linear_products_match_the_reference(ext, level, precision, in_features, out_features, rows):
     kernels = _kernels(ext, precision, level)
     torch.manual_seed(in_features * 1000 + out_features + rows)

@@ -9,6 +9,7 @@ from conftest import PLUGIN_DIR
 from fairseq.sequence_generator import SequenceGenerator
 from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, cpu_level_params, random_batch
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
+from tiny_models import tiny_model_flags
 
 from rfa_fairseq.modules.decoding import DecodingState
 from rfa_fairseq.kernel_choice import step_kernels
@@ -616,3 +617,44 @@ def test_int8_where_it_cannot_run_is_an_error_naming_why():
         step_kernels("auto", torch.device("cpu"), torch.bfloat16, "int8")
     with pytest.raises(ValueError, match="needs the C\\+\\+ kernels"):
         step_kernels("torch", torch.device("cpu"), torch.float32, "int8")
+
+
+# ---------------------------------------------------------------- the users' sizes: transformer base and big widths
+
+# one encoder and one decoder layer at each size's width, heads and FFN (the default model: hedgehog, D = 32, gated,
+# softmax cross-attention): every product, head and state shape of a base or big step, at a test's cost
+USER_SIZE_LAYERS = {
+    "base": tiny_model_flags(embed_dim=512, ffn_dim=2048, heads=8, encoder_layers=1, decoder_layers=1),
+    "big": tiny_model_flags(embed_dim=1024, ffn_dim=4096, heads=16, encoder_layers=1, decoder_layers=1),
+}
+
+
+@pytest.mark.parametrize("size", sorted(USER_SIZE_LAYERS))
+@torch.no_grad()
+def test_the_native_step_at_base_and_big_widths_equals_the_torch_step_and_int8_stays_close(size):
+    """d = 512 / 1,024, FFN 2,048 / 4,096, 8 / 16 heads of 64: the native fp32 step (the fused projection of 2 x H x 32
+    + C + H columns, the few-rows and many-rows products, the 16-head causal states, the cross-attention) equals the
+    torch step and the full forward; int8 stays within its quantization error of fp32."""
+    cpp_extension()
+    flags = [*FP32_STATE, *USER_SIZE_LAYERS[size]]
+    model, torch_kernels, d = _twins(flags)
+    src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=6)
+    full, _ = model(src, src_lengths, prev)
+    outs = {}
+    for name, m in (("native", model), ("torch", torch_kernels)):
+        outs[name] = _decode_incrementally(m, m.encoder(src, src_lengths=src_lengths), prev, {})
+    state = {}
+    decoded = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+    assert state[DecodingState.KEY].kernels.name == "cpp"
+    torch.testing.assert_close(outs["native"], outs["torch"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs["native"], full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decoded, outs["native"], rtol=0, atol=0)
+    model.decoder.rfa.rfa_decode_precision = "int8"  # one RFAConfig: the encoder reads it too
+    int8 = torch.log_softmax(_decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {}), -1)
+    fp32 = torch.log_softmax(outs["native"], -1)
+    # per-row 7-bit activations and per-channel int8 weights through a layer of each kind: within 2 % of the
+    # log-probabilities' span, the same best token at most positions
+    error = ((int8 - fp32).abs().max() / (fp32.max() - fp32.min())).item()
+    agree = (int8.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    print(f"{size}: max |int8 - fp32| log-probability {error:.2%} of their span, same argmax {agree:.0%}")
+    assert error < 0.02 and agree >= 0.8
