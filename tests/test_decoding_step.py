@@ -1,4 +1,4 @@
-"""The decoding step (RFATransformerDecoder -> layers -> attentions -> ops.step_kernels) against the full
+"""The decoding step (RFATransformerDecoder -> layers -> attentions -> kernel_choice.step_kernels) against the full
 forward pass, its C++ kernels against the torch kernels and the plain references, on CPU in fp32 and bf16,
 and fairseq-generate with both kernel sets."""
 import pytest
