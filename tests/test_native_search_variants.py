@@ -318,7 +318,7 @@ DECODE = ["--beam", "4", "--max-len-b", "25", "--cpu"]
 # of each joined batch the task's iterator made (batch_groups.join_batches of more than one)
 SPIED_CLI = """
 import json, sys, threading
-from rfa_fairseq.generation import batch_groups, static_beam_search as sbs
+from rfa_fairseq.generation import batch_groups, joined_sample, static_beam_search as sbs
 searches, joins = [], []
 search, join_batches = sbs.StaticBeamSearchGenerator._search, batch_groups.join_batches
 def spied_search(self, lane, runtime, key, pad, N, *args):
@@ -328,7 +328,7 @@ def spied_search(self, lane, runtime, key, pad, N, *args):
 def spied_join(batches, *args):
     joined = join_batches(batches, *args)
     if len(batches) > 1:
-        joins.append(len(batch_groups.user_batches(joined)))
+        joins.append(len(joined_sample.user_batches(joined)))
     return joined
 sbs.StaticBeamSearchGenerator._search = spied_search
 batch_groups.join_batches = spied_join

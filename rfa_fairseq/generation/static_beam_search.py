@@ -17,12 +17,12 @@ batch of that shape (the buffers are the generator's, kept across batches). The 
 sentences finished one step late (a copy into pinned memory that the next step overlaps), which is all
 it needs to stop or halve; on the CPU it reads them at once.
 
-On the CPU the whole step is native (the decoding runtime's program, cpu/csrc/decode_program.cpp: the decoder's
+On the CPU the whole step is native (the decoding runtime's program, cpu/csrc/native_search.cpp: the decoder's
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
 a batch's every step, without Python (or the GIL) between them; each step decodes only the places still
-translating (their rows packed to the front, `order` naming the state rows it wrote), so a finished sentence costs
-nothing more and the batch never halves (halving in Python cost about 3 % of a batch's time). At N
-threads the CLIs' batches come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder
+translating (their rows packed for the products, their states kept at their places' rows), so a finished sentence
+costs nothing more and the batch never halves (halving in Python cost about 3 % of a batch's time). At N
+threads the CLIs' batches come N at a time (batch_groups.py: CTranslate2's inter_threads) and each is decoded, encoder
 and search, on its own thread, as one thread decodes it alone; a batch of its own is split into N parts where each
 part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer
 sentences.
@@ -46,13 +46,19 @@ from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from ..modules.decoding import BatchRows, CUDAGraphBackend, DecodingState, StepGraphs
-from .batch_groups import parts_at_once, user_batches
+from .joined_sample import user_batches
 
 logger = logging.getLogger(__name__)
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
 MAX_VIEW_SETS = 256  # a lane keeps its search's views for this many (places, length) shapes at most
 MIN_PART_SENTENCES = 32  # auto: parts of at least this many sentences (smaller ones lose to intra-op threads: docs/benchmarks.md)
+
+
+def parts_at_once(requested: int) -> int:
+    """How many parts (joined user batches, or parts of one batch) are decoded at once, one thread each:
+    --rfa-decode-parts when set (> 0), else torch's threads."""
+    return requested or torch.get_num_threads()
 
 
 def parts_for(sentences: int, threads: int, requested: int) -> int:
@@ -286,7 +292,7 @@ class StaticBeamSearchGenerator(nn.Module):
     def _parts(self, sample: Dict[str, Dict[str, Tensor]], runtime,
                max_steps: Optional[int]) -> Optional[List[Tuple[object, slice]]]:
         """The parts of a batch decoded at once, one thread each, as (rows, columns) of its source tokens: the user's
-        batches of a joined batch (batch_groups.user_batches), else its sentences dealt out in turn to parts_for
+        batches of a joined batch (joined_sample.user_batches), else its sentences dealt out in turn to parts_for
         parts (a batch is sorted by length: each part gets its share of long and short ones). None: the batch in
         one piece, on the process's threads (the torch step, or a warm-up)."""
         if runtime.program is None or max_steps is not None:
