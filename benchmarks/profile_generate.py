@@ -4,7 +4,7 @@ CTranslate2 on the softmax twin and the GEMM-bound floor, in one process, on the
 
 The test set is batched as fairseq-generate batches it (--batch-size sentences, sorted by source length, beam 4,
 length penalty 1, max length source + 50). After a warm-up pass, one pass is timed as it is (`rfa total`) and one
-under torch's profiler, which times the native step's parts (cpu/csrc/decode_program.cpp names them for it):
+under torch's profiler, which times the native step's parts (cpu/csrc/decode_program.cpp, native_search.cpp name them):
 
     encoder                       the encoder pass of each batch (the encoder's native pass, or fairseq's forward)
     decoder: linear layers        the layers' linear layers (oneDNN on packed weights; int8: the quantization too)

@@ -65,10 +65,9 @@ The patches (their names in PATCHES in brackets):
    (`generation.fallback_reason`).
    [batches-at-once] `FairseqTask.get_batch_iterator`: for a task whose rfa_transformer was prepared for inference,
    where the static beam search the task built decodes on the native step at N threads, every N batches come joined,
-   the sample stating each user batch's rows and columns, and the static beam search decodes each on its own thread
-   (`generation.batch_groups`). [joined-batch-record] `FairseqTask.inference_step`: fairseq-interactive rebuilds each
-   batch's dict from its tensors; a sample holding the source tokens of the batch the task joined last gets that
-   batch's record back (the one hook: fairseq-generate and hub.translate pass the sample itself).
+   the source tokens stating each user batch's rows and columns (they reach the generator in fairseq-generate,
+   fairseq-interactive and hub.translate alike), and the static beam search decodes each on its own thread
+   (`generation.batch_groups`).
 
 8. [numpy2-get-buckets, numpy2-get-buckets-pad-dataset, numpy2-get-buckets-audio-dataset,
    numpy2-language-pair-buckets, numpy2-token-blocks] fairseq 0.12's data code that numpy 2.3 and later no longer
@@ -366,12 +365,6 @@ def _wrap_get_batch_iterator(original):
     return wrap_get_batch_iterator(original)
 
 
-def _wrap_inference_step(original):
-    from .generation.batch_groups import wrap_inference_step
-
-    return wrap_inference_step(original)
-
-
 # ---------------------------------------------------------------- numpy 2 (8)
 
 
@@ -542,17 +535,10 @@ PATCHES = (
         "batches-at-once", "fairseq.tasks", "FairseqTask.get_batch_iterator", _wrap_get_batch_iterator,
         "Where a task's rfa_transformer is prepared for inference and the static beam search the task built for it "
         "decodes on the native step at N threads (or --rfa-decode-parts N), its batches come N at a time, joined, the "
-        "sample stating each one's rows and columns, and the static beam search decodes each on its own thread, as one "
-        "thread decodes it alone (`generation.batch_groups`).",
+        "source tokens stating each one's rows and columns, and the static beam search decodes each on its own thread, "
+        "as one thread decodes it alone (`generation.batch_groups`).",
         "fairseq-generate, fairseq-interactive and hub.translate decode one batch at a time on the threads",
         "ce8db78326543b99", "fairseq main (3d262bb); v0.12.2, v0.12.3 (git tags) differ"),
-    FairseqPatch(
-        "joined-batch-record", "fairseq.tasks", "FairseqTask.inference_step", _wrap_inference_step,
-        "fairseq-interactive rebuilds each batch's dict from its tensors: a sample without the record of a joined "
-        "batch that holds the source tokens of the batch the task joined last gets its record back. A task joins its "
-        "batches only where its inference_step is this one.",
-        "fairseq-interactive, fairseq-generate and hub.translate decode one batch at a time on the threads",
-        "d8bc3811caceafe8", ALL_TAGS),
     FairseqPatch(
         "numpy2-get-buckets", "fairseq.data.data_utils", "get_buckets", _with_numpy_as_fairseq_calls_it,
         "`--num-batch-buckets`' bucket sizes: fairseq's code, with `np.percentile(interpolation=)` (a keyword removed "

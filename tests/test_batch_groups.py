@@ -1,8 +1,8 @@
-"""N of the user's batches decoded at once (generation/batch_groups.py): which tasks join their batches (a model built on
-the task and prepared for inference, the static beam search the task built for it, read as the first batch is drawn),
-what a joined sample states, that the static beam search decodes each user batch of it on its own thread as it decodes
-that batch alone (a copied source included), and that inference_step gives a sample rebuilt from a joined batch's
-tensors its record back (fairseq-interactive's). The CLIs end to end: test_native_search_variants.py."""
+"""N of the user's batches decoded at once (generation/batch_groups.py, joined_sample.py): which tasks join their
+batches (a model built on the task and prepared for inference, the static beam search the task built for it, read as
+the first batch is drawn), what a joined sample's source tokens state, that the static beam search decodes each user
+batch of it on its own thread as it decodes that batch alone, and that a sample rebuilt from a joined batch's tensors
+(fairseq-interactive's) is decoded so too. The CLIs end to end: test_native_search_variants.py."""
 import argparse
 import logging
 import threading
@@ -17,7 +17,7 @@ from fairseq.tasks import FairseqTask
 from helpers import build_model, make_dictionary, parse_args, random_batch
 
 from rfa_fairseq import fairseq_compat
-from rfa_fairseq.generation import StaticBeamSearchGenerator, batch_groups
+from rfa_fairseq.generation import StaticBeamSearchGenerator, batch_groups, joined_sample
 
 PER_JOIN = 2 * batch_groups.BATCHES_PER_THREAD  # the user's batches in a joined batch at 2 threads
 BEAM = argparse.Namespace(beam=4, max_len_b=3)
@@ -132,9 +132,9 @@ def test_a_task_joins_its_batches_only_for_its_static_generator_of_a_model_prepa
     assert isinstance(generator, StaticBeamSearchGenerator)
     assert len(early) == 2  # what the task's generator joins
     joined = list(early)
-    assert [len(batch_groups.user_batches(b)) for b in joined] == [PER_JOIN, 2]
+    assert [len(joined_sample.user_batches(b)) for b in joined] == [PER_JOIN, 2]
     for group, batch in zip([users[:PER_JOIN], users[PER_JOIN:]], joined):
-        assert [batch["id"][rows].tolist() for rows, _ in batch_groups.user_batches(batch)] == ids(group)
+        assert [batch["id"][rows].tolist() for rows, _ in joined_sample.user_batches(batch)] == ids(group)
 
     epoch = epoch_of(task, dataset)  # made at 2 threads, drawn at 1: the threads as the first batch is drawn
     threads(1)
@@ -148,18 +148,20 @@ def test_a_task_joins_its_batches_only_for_its_static_generator_of_a_model_prepa
 
 class TaskWithItsOwnInferenceStep(DictionaryTask):
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
-        return generator.generate(models, sample)
+        return generator.generate(models, {"net_input": dict(sample["net_input"])})  # a dict of its own
 
 
-def test_a_task_whose_inference_step_is_its_own_gets_fairseqs_batches(threads):
-    """Its inference_step would not give fairseq-interactive's rebuilt samples their record back: no joining."""
+def test_a_task_whose_inference_step_is_its_own_decodes_joined_batches_by_the_users_batches(threads, monkeypatch):
+    """The record rides on the source tokens: a task's own inference_step that hands its generator a dict of its own
+    still decodes each user batch of a joined batch on its own thread."""
     model, d, task = model_on_task(TaskWithItsOwnInferenceStep)
     prepare(model)
     generator = task.build_generator([model], BEAM)
     threads(2)
-    dataset = dataset_of(d, 40)
     assert batch_groups.batches_at_once(generator) == 2
-    assert isinstance(task.get_batch_iterator(dataset, **OPTIONS), iterators.EpochBatchIterator)
+    (joined,) = list(epoch_of(task, dataset_of(d, 11)))  # batches of 4, 4 and 3
+    _, seen = _decode_recorded(model, lambda: task.inference_step(generator, [model], joined), monkeypatch)
+    assert sorted(shape[0] for name, shape, _ in seen if name.startswith("rfa-decode-part")) == [3, 4, 4], seen
 
 
 def test_one_batch_is_not_joined(threads, caplog):
@@ -171,8 +173,7 @@ def test_one_batch_is_not_joined(threads, caplog):
     assert batch_groups.batches_at_once(generator) == 2
     with caplog.at_level(logging.INFO, logger=batch_groups.__name__):
         batches = list(epoch_of(task, dataset_of(d, 1)))
-    assert len(batches) == 1 and batch_groups.USER_BATCHES not in batches[0]
-    assert batch_groups.joining_of(task).last_joined is None
+    assert len(batches) == 1 and joined_sample.user_batches(batches[0]) is None
     assert "decoded at once" not in caplog.text
     with caplog.at_level(logging.INFO, logger=batch_groups.__name__):
         assert len(list(epoch_of(task, dataset_of(d, 9)))) == 1  # three batches, joined
@@ -195,13 +196,13 @@ def test_a_joined_sample_states_each_user_batchs_rows_and_columns(left_pad_sourc
         for b in batches:
             src = b["net_input"]["src_tokens"]
             b["net_input"]["src_tokens"] = torch.stack([torch.cat([r[r.ne(d.pad())], r[r.eq(d.pad())]]) for r in src])
-    joined = batch_groups.join_batches(batches, d.pad(), {"source": left_pad_source, "target": False})
+    joined = joined_sample.join_batches(batches, d.pad(), {"source": left_pad_source, "target": False})
     src = joined["net_input"]["src_tokens"]
     assert src.shape == (9, 9) and joined["target"].shape == (9, 8)
     assert joined["id"].tolist() == [4, 7, 1, 0, 2, 3, 5, 6, 8]
     assert joined["nsentences"] == 9 and joined["ntokens"] == sum(b["ntokens"] for b in batches)
-    parts = batch_groups.user_batches(joined)
-    assert parts == joined[batch_groups.USER_BATCHES] and len(parts) == 3
+    parts = joined_sample.user_batches(joined)
+    assert parts == getattr(src, joined_sample.USER_BATCHES) and len(parts) == 3  # stated by the source tokens
     for b, (rows, columns) in zip(batches, parts):
         torch.testing.assert_close(src[rows][:, columns], b["net_input"]["src_tokens"], rtol=0, atol=0)
         torch.testing.assert_close(joined["net_input"]["src_lengths"][rows], b["net_input"]["src_lengths"])
@@ -211,19 +212,19 @@ def test_a_joined_sample_states_each_user_batchs_rows_and_columns(left_pad_sourc
         outside = src[rows].clone()
         outside[:, columns] = d.pad()
         assert outside.eq(d.pad()).all()  # the joined columns are padding, on the side the dataset pads
-    assert batch_groups.user_batches(batches[0]) is None  # a batch of its own
-    assert batch_groups.join_batches(batches[:1], d.pad(), {"source": True, "target": False}) is batches[0]
+    assert joined_sample.user_batches(batches[0]) is None  # a batch of its own
+    assert joined_sample.user_batches(_copied_source(joined)) is None  # a copy of the tokens states nothing
+    assert joined_sample.join_batches(batches[:1], d.pad(), {"source": True, "target": False}) is batches[0]
     with pytest.raises(ValueError, match="'alignments'"):
-        batch_groups.join_batches([dict(b, alignments=torch.zeros(2)) for b in batches], d.pad(),
-                                  {"source": True, "target": False})
+        joined_sample.join_batches([dict(b, alignments=torch.zeros(2)) for b in batches], d.pad(),
+                                   {"source": True, "target": False})
 
 
 def test_a_record_that_does_not_cover_the_source_is_an_error_naming_it():
     _, d = build_model([])
-    joined = batch_groups.join_batches([_user_batch(d, 3, 9, 0, [0, 1, 2]), _user_batch(d, 2, 5, 1, [3, 4])], d.pad(),
-                                       {"source": True, "target": False})
-    key = batch_groups.USER_BATCHES
-    (first, columns), second = joined[key]
+    joined = joined_sample.join_batches([_user_batch(d, 3, 9, 0, [0, 1, 2]), _user_batch(d, 2, 5, 1, [3, 4])],
+                                        d.pad(), {"source": True, "target": False})
+    (first, columns), second = joined_sample.user_batches(joined)
     for record, message in [
         ([(first, columns)], r"hold 3 rows, its source tokens 5"),  # a user batch missing
         ([second, (first, columns)], r"rfa_user_batches\[0\] .* rows 3:5 .* \(from 0\)"),  # out of order
@@ -231,8 +232,9 @@ def test_a_record_that_does_not_cover_the_source_is_an_error_naming_it():
         ([(first, columns), (slice(3, 9), slice(4, 9))], r"rfa_user_batches\[1\] .* rows 3:9"),  # past its last row
         ([(first, columns), ("rows", "columns")], r"rfa_user_batches\[1\] .* is \('rows', 'columns'\)"),
     ]:
+        src_tokens = joined_sample.state_user_batches(joined["net_input"]["src_tokens"].clone(), record)
         with pytest.raises(ValueError, match=message):
-            batch_groups.user_batches({**joined, key: record})
+            joined_sample.user_batches({"net_input": {"src_tokens": src_tokens}})
 
 
 def _decode_recorded(model, generate, monkeypatch):
@@ -263,7 +265,7 @@ def _varied_model(precision="fp32", monkeypatch=None):
 
 
 def _copied_source(sample):
-    """`sample` with a copy of its source tokens (what a CLI moving them to a device hands on)."""
+    """`sample` with a copy of its source tokens."""
     return {**sample, "net_input": {**sample["net_input"], "src_tokens": sample["net_input"]["src_tokens"].clone()}}
 
 
@@ -277,13 +279,12 @@ def _assert_same(want, got):
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_a_joined_batch_decodes_each_user_batch_on_its_own_thread_as_alone(threads, monkeypatch, precision):
-    """Each user batch of a joined sample, its source copied (the record is the sample's, not the tensor's): encoder
-    and search on a part's thread, hypotheses and scores bit for bit those of that batch decoded alone at one thread
-    (its own width: max_len and the encoder's padding are its own)."""
+    """Each user batch of a joined sample: encoder and search on a part's thread, hypotheses and scores bit for bit
+    those of that batch decoded alone at one thread (its own width: max_len and the encoder's padding are its own)."""
     model, d = _varied_model(precision, monkeypatch)
     batches = [_user_batch(d, 5, 9, 0, list(range(5))), _user_batch(d, 3, 4, 1, [5, 6, 7]),
                _user_batch(d, 4, 6, 2, [8, 9, 10, 11])]
-    joined = _copied_source(batch_groups.join_batches(batches, d.pad(), {"source": True, "target": False}))
+    joined = joined_sample.join_batches(batches, d.pad(), {"source": True, "target": False})
     threads(1)
     alone = StaticBeamSearchGenerator(model, d, beam_size=4, max_len_a=1, max_len_b=3)
     with torch.no_grad():
@@ -297,10 +298,11 @@ def test_a_joined_batch_decodes_each_user_batch_on_its_own_thread_as_alone(threa
     _assert_same(want, got)
 
 
-def test_inference_step_gives_a_sample_rebuilt_from_a_joined_batch_its_record(threads, monkeypatch, caplog):
-    """fairseq-interactive's loop: a joined batch drawn from the task's iterator, its dict rebuilt from copies of its
-    source tokens and lengths, decoded through task.inference_step by the user's batches, as one thread decodes them
-    one at a time; a sample with other tokens is decoded as one batch, with a warning."""
+def test_a_sample_rebuilt_from_a_joined_batchs_tensors_is_decoded_by_the_users_batches(threads, monkeypatch):
+    """fairseq-interactive's loop: a joined batch drawn from the task's iterator, its dict rebuilt from its source
+    tokens and lengths (fairseq_cli.interactive hands the tensors on as they came), decoded through task.inference_step
+    by the user's batches, as one thread decodes them one at a time; a sample rebuilt from copies of them states no
+    parts and is decoded as one batch."""
     model, d, task = model_on_task()
     with torch.no_grad():  # an EOS logit that ends the sentences at different steps
         W = model.decoder.output_projection.weight
@@ -315,18 +317,14 @@ def test_inference_step_gives_a_sample_rebuilt_from_a_joined_batch_its_record(th
     generator = task.build_generator([model], BEAM)
     (joined,) = list(epoch_of(task, dataset))
 
-    def rebuilt(batch):  # fairseq_cli.interactive.main's sample
-        return {"net_input": {"src_tokens": batch["net_input"]["src_tokens"].clone(),
-                              "src_lengths": batch["net_input"]["src_lengths"].clone()}}
+    def rebuilt(batch):  # fairseq_cli.interactive.main's sample (its Batch namedtuple's tensors)
+        return {"net_input": {"src_tokens": batch["net_input"]["src_tokens"],
+                              "src_lengths": batch["net_input"]["src_lengths"]}}
 
     got, seen = _decode_recorded(model, lambda: task.inference_step(generator, [model], rebuilt(joined)), monkeypatch)
     assert sorted(shape[0] for name, shape, _ in seen if name.startswith("rfa-decode-part")) == [3, 4, 4], seen
     _assert_same(want, got)
 
-    (joined,) = list(epoch_of(task, dataset))
-    other = rebuilt(joined)
-    other["net_input"]["src_tokens"][0, -2] += 1  # other tokens: not the joined batch
-    with caplog.at_level(logging.WARNING, logger=batch_groups.__name__):
-        _, seen = _decode_recorded(model, lambda: task.inference_step(generator, [model], other), monkeypatch)
+    copied = rebuilt(_copied_source(joined))
+    _, seen = _decode_recorded(model, lambda: task.inference_step(generator, [model], copied), monkeypatch)
     assert [(name, shape[0]) for name, shape, _ in seen] == [("MainThread", 11)], seen
-    assert "without the record" in caplog.text

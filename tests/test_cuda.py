@@ -24,7 +24,7 @@ from rfa_fairseq.gpu import triton_self_check
 from rfa_fairseq.gpu.triton_support import triton_import_error
 from rfa_fairseq.kernel_choice import causal_rfa, step_kernels
 from rfa_fairseq.ops import causal_rfa_chunked, causal_rfa_recurrent, causal_rfa_reference, gate_keys
-from rfa_fairseq.modules.decoding import CountingBackend
+from graph_counting import CountingBackend
 from rfa_fairseq.ops.step import TORCH_KERNELS
 from rfa_fairseq.gpu.triton_self_check import SEQUENCE_TOLERANCES, STEP_TOLERANCES, relative_error
 

@@ -1,4 +1,4 @@
-"""The decoding step (RFATransformerDecoder -> layers -> attentions -> ops.step_kernels) against the full
+"""The decoding step (RFATransformerDecoder -> layers -> attentions -> kernel_choice.step_kernels) against the full
 forward pass, its C++ kernels against the torch kernels and the plain references, on CPU in fp32 and bf16,
 and fairseq-generate with both kernel sets."""
 import pytest
@@ -11,7 +11,7 @@ from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, cpu_leve
 from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
-from rfa_fairseq.modules.decoding import DecodingState
+from rfa_fairseq.modules.decoding import BatchRows, DecodingState
 from rfa_fairseq.kernel_choice import step_kernels
 from rfa_fairseq.ops import (AFFINE_FEATURE_MAPS, FEATURE_MAPS, RANDOM_FEATURE_MAPS, activate_learned,
                              causal_rfa_recurrent, draw_random_matrix, feature_map, gate_keys, learned_feature_map,
@@ -521,6 +521,38 @@ def test_reorders_that_read_nothing_back_still_move_kv_kept_per_row(cross, monke
     assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance=1e-5)
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=8, tgt_len=8, seed=5)
     assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengths, prev, tolerance=1e-5)
+
+
+def test_the_rows_account_changes_only_through_its_methods():
+    """BatchRows: its fields are read-only; fairseq's reorders compose the order and say which sentences the caches
+    keep (None: every row reads the sentence it read), on the CPU from the values, on CUDA from its layout; the static
+    search's steps turn its parity, its halving keeps the places' orders in the new buffer."""
+    rows = BatchRows(3, 2)
+    for field, value in (("parity", 1), ("first", False), ("sentences", 2), ("beam", 1), ("order", None)):
+        with pytest.raises(AttributeError):
+            setattr(rows, field, value)
+    assert rows.sentence_of_rows("cpu").tolist() == [0, 0, 1, 1, 2, 2]
+    assert rows.reorder(torch.tensor([1, 0, 2, 2, 5, 4]), read_back=True) is None  # within each sentence's beams
+    assert rows.order.tolist() == [1, 0, 2, 2, 5, 4]
+    kept = rows.reorder(torch.tensor([4, 5, 0, 1]), read_back=True)  # sentence 1 left, the others swapped
+    assert kept.tolist() == [2, 0] and (rows.sentences, rows.beam) == (2, 2)
+    assert rows.order.tolist() == [5, 4, 1, 0]  # composed: row i continues row order[i] of the state read next
+    kept = rows.reorder(torch.tensor([0, 2, 1, 3]), read_back=True)  # a sentence's beams parted: K/V once per row
+    assert kept.tolist() == [0, 1, 0, 1] and (rows.sentences, rows.beam) == (4, 1)
+    on_device = BatchRows(3, 2)  # CUDA: no look at the values, the layout read for the rows kept
+    assert on_device.reorder(torch.tensor([1, 0, 3, 2, 5, 4]), read_back=False) is None
+    assert on_device.reorder(torch.tensor([5, 4, 0, 1]), read_back=False).tolist() == [2, 0]
+
+    search_rows = BatchRows(3, 2)
+    buffer = torch.zeros(6, dtype=torch.long)
+    search_rows.use_order_buffer(buffer)
+    search_rows.continue_rows(torch.tensor([[1, 0, 1], [3, 2, 2], [4, 5, 5]]), torch.tensor([[0, 2], [1, 0], [1, 1]]))
+    assert buffer.tolist() == [1, 1, 2, 3, 5, 5] and search_rows.order is buffer
+    search_rows.steps_ran(3)
+    assert (search_rows.parity, search_rows.first) == (1, False)
+    smaller = torch.zeros(4, dtype=torch.long)
+    search_rows.keep_places(torch.tensor([2, 0]), smaller)
+    assert smaller.tolist() == [5, 5, 1, 1] and search_rows.order is smaller and search_rows.sentences == 2
 
 
 def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():

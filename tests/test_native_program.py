@@ -1,7 +1,11 @@
-"""The native decoding program at its boundary with Python (cpu/csrc/decode_program.cpp): it is built from the
-decoding records by name, every tensor it takes a pointer of is checked before the GIL is released (a wrong one is
-a Python error naming it, never a crash), its profile regions do not nest, and the rows a batch's state accounts for
-are the ones it reads, also after a reorder that breaks the beam layout."""
+"""The native decoding program at its boundary with Python (cpu/csrc/decode_program.cpp, native_search.cpp): it is
+built from the decoding records by name, the native search from its one declared record (a field missing or unknown
+refused as the search is made, named), every tensor it takes a pointer of is checked before the GIL is released (a
+wrong one is a Python error naming it, never a crash), its profile regions do not nest, and the rows a batch's state
+accounts for are the ones it reads, also after a reorder that breaks the beam layout."""
+import dataclasses
+import types
+
 import pytest
 import torch
 from helpers import build_model, random_batch, use_decoding_step
@@ -103,23 +107,38 @@ def test_wrong_cache_tensors_raise_errors_naming_them(native, field, wrong, name
 ])
 def test_wrong_search_buffers_raise_errors_naming_them(native, field, wrong, named):
     _, _, runtime, state, search = native
-    owner = search if field == "eos_bias" else search.views
-    kept = getattr(owner, field)
-    try:
-        setattr(owner, field, wrong(kept))
-        search._native = None
-        with pytest.raises(RuntimeError, match=named):
-            runtime.program.search_step(state.native_batch(), search.native(), 0, 0, 0, True, False)
-    finally:
-        setattr(owner, field, kept)
-        search._native = None
+    record = static_beam_search.NativeSearchRecord.of(search)
+    wrong_search = runtime.kernels.ext.NativeSearch(dataclasses.replace(record, **{field: wrong(getattr(record, field))}))
+    with pytest.raises(RuntimeError, match=named):
+        runtime.program.search_step(state.native_batch(), wrong_search, 0, 0, True, False)
 
 
 def test_a_step_past_the_token_buffer_is_an_error(native):
     _, _, runtime, state, search = native
     L = search.views.token_pair[0].size(1)  # max_len + 2
     with pytest.raises(RuntimeError, match=f"step {L - 1} of a token buffer of length {L}"):
-        runtime.program.search_step(state.native_batch(), search.native(), L - 1, 0, 0, True, False)
+        runtime.program.search_step(state.native_batch(), search.native, L - 1, 0, True, False)
+
+
+def test_the_native_search_reads_exactly_its_declared_record(native):
+    """The search's record is declared once: the Python record has exactly the fields the native search declares, and
+    a record with one missing (a field renamed on either side) or one more is refused as the search is made, the
+    error naming the field."""
+    _, _, runtime, _, search = native
+    NativeSearch = runtime.kernels.ext.NativeSearch
+    record = static_beam_search.NativeSearchRecord.of(search)
+    fields = [f.name for f in dataclasses.fields(record)]
+    assert fields == NativeSearch.fields()
+    assert search.native is not None  # made with the search
+    for name in fields:
+        missing = types.SimpleNamespace(**{f: getattr(record, f) for f in fields if f != name})
+        with pytest.raises(RuntimeError, match=f"the search record has no field '{name}'"):
+            NativeSearch(missing)
+    renamed = types.SimpleNamespace(**{("beams" if f == "beam" else f): getattr(record, f) for f in fields})
+    with pytest.raises(RuntimeError, match="the search record has a field 'beams' that the native search does not"):
+        NativeSearch(renamed)
+    with pytest.raises(RuntimeError, match=r"search record\.order is None, a tensor is needed"):
+        NativeSearch(dataclasses.replace(record, order=None))
 
 
 def test_the_program_is_built_from_the_records_by_name_and_read_only(native):

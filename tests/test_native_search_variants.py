@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -49,7 +50,6 @@ def search_both(model, d, sample, monkeypatch):
     it halved from and to, and how many native calls ran steps (search_steps)."""
     ran = {"python_steps": 0, "halvings": [], "native_calls": 0}
     python_step, keep_sentences = StaticBeamSearchGenerator._step, static_beam_search._Search.keep_sentences
-    native = static_beam_search._Search.native
 
     def counted_step(self, *args, **kwargs):
         ran["python_steps"] += 1
@@ -59,16 +59,14 @@ def search_both(model, d, sample, monkeypatch):
         ran["halvings"].append((self.rows.sentences, kept.numel()))
         return keep_sentences(self, state, kept)
 
-    def counted_native(self):  # the search's buffers handed to a native call (search_steps)
-        ran["native_calls"] += 1
-        return native(self)
-
     with torch.no_grad():
         want = SequenceGenerator([model], d, **GENERATION).generate([model], sample)
         generator = StaticBeamSearchGenerator(model, d, parts=1, **GENERATION)
         monkeypatch.setattr(StaticBeamSearchGenerator, "_step", counted_step)  # after the warm-up step at build
         monkeypatch.setattr(static_beam_search._Search, "keep_sentences", recorded_halving)
-        monkeypatch.setattr(static_beam_search._Search, "native", counted_native)
+        runtime = model.decoder.decoding_runtime()
+        if runtime.program is not None:
+            monkeypatch.setattr(runtime, "program", CountedSearchSteps(runtime.program, ran))
         got = generator.generate([model], sample)
     ran["runtime"] = generator.lanes[0].state.runtime
     return want, got, ran
@@ -118,57 +116,74 @@ def test_static_search_equals_sequence_generator_on_model_variants(flags, kernel
     assert_sentences_end_apart(got, ran)
 
 
-class OneStepAtATime:
-    """A runtime's program whose search_steps runs the same steps one native search_step each, checking around each
-    that it decoded only the places still translating: the causal states it wrote fill the first (live places x
-    beam) rows of their buffers and leave the finished places' rows as they were."""
+class CountedSearchSteps:
+    """A runtime's program that counts its search_steps calls (each a batch's whole native search) in ran."""
 
-    def __init__(self, program):
-        self.program, self.steps_with_finished_places = program, 0
-        self.search = None  # the _Search whose NativeSearch the calls get (recorded by _Search.native)
+    def __init__(self, program, ran):
+        self.program, self.ran = program, ran
 
     def __getattr__(self, name):
         return getattr(self.program, name)
 
-    def search_steps(self, batch, native_search, rows, t0, last_step, max_len):
+    def search_steps(self, *args):
+        self.ran["native_calls"] += 1
+        return self.program.search_steps(*args)
+
+
+class OneStepAtATime:
+    """A runtime's program whose search_steps runs the same steps one native search_step each, checking around each
+    that it decoded only the places still translating, their causal states kept at their places' rows: a step writes
+    the live places' rows (at the first step each place's first row) and leaves every other row as it was."""
+
+    def __init__(self, program):
+        self.program, self.steps_with_finished_places = program, 0
+        self.search = None  # the _Search whose NativeSearch the calls get (recorded as it is made)
+
+    def __getattr__(self, name):
+        return getattr(self.program, name)
+
+    def search_steps(self, batch, native_search, t0, parity, first, last_step, max_len):
         search = self.search
-        N, K = rows.sentences, rows.beam
-        parity = read = rows.parity
-        t = t0
+        N, K = search.rows.sentences, search.rows.beam
+        t, steps = t0, 0
         while True:
-            live = int((~search.views.finished[:N]).sum())
-            written = [layer.self_attn.states[1 - read] for layer in search.state.layers]
-            before = [w[: N * K].clone() for w in written]
-            finished = self.program.search_step(batch, native_search, t, parity, read, t == 0, t >= max_len)
-            if 0 < live < N:
-                self.steps_with_finished_places += 1
-                for w, old in zip(written, before):
-                    assert torch.equal(w[live * K: N * K], old[live * K:]), f"step {t} wrote a finished place's rows"
-                    assert not torch.equal(w[: live * K], old[: live * K]), f"step {t} wrote no live row"
-            parity, read = 1 - parity, 1 - read
-            rows.step_done()
+            first = t == 0
+            live = torch.arange(N) if first else (~search.views.finished[:N]).nonzero().squeeze(1)
+            rows = live * K if first else (live.unsqueeze(1) * K + torch.arange(K)).view(-1)
+            others = torch.ones(N * K, dtype=torch.bool)
+            others[rows] = False
+            # the states' bits (a buffer's unwritten rows may hold NaNs)
+            written = [layer.self_attn.states[1 - parity][: N * K].view(torch.uint8) for layer in search.state.layers]
+            before = [w.clone() for w in written]
+            finished = self.program.search_step(batch, native_search, t, parity, first, t >= max_len)
+            self.steps_with_finished_places += int(0 < live.numel() < N)
+            for w, old in zip(written, before):
+                assert torch.equal(w[others], old[others]), f"step {t} wrote a row of no live beam"
+                changed = (w[rows] != old[rows]).flatten(1).any(1)
+                assert bool(changed.all()), f"step {t} left live rows {rows[~changed].tolist()} unwritten"
+            parity, steps = 1 - parity, steps + 1
             if t >= last_step or finished == N:
-                return t, finished
+                return types.SimpleNamespace(last_step=t, finished=finished, steps=steps)
             t += 1
 
 
 def test_the_native_step_decodes_only_the_places_still_translating(monkeypatch):
     """Sentences that finish before the others cost no more rows: each native step decodes the places still
-    translating (their rows packed to the front, the finished places' states untouched), and the hypotheses and
-    scores stay SequenceGenerator's."""
+    translating (their states written at their places' rows, the finished places' states untouched), and the
+    hypotheses and scores stay SequenceGenerator's."""
     cpp_extension()
     model, d = eos_varying_model([])
     sample = sample_of(d)
     with torch.no_grad():
         runtime = model.decoder.decoding_runtime()
     stepper = OneStepAtATime(runtime.program)
-    native = static_beam_search._Search.native
+    native_search = static_beam_search._Search._native_search
 
-    def recorded_native(search):
+    def recorded_native_search(search):
         stepper.search = search
-        return native(search)
+        return native_search(search)
 
-    monkeypatch.setattr(static_beam_search._Search, "native", recorded_native)
+    monkeypatch.setattr(static_beam_search._Search, "_native_search", recorded_native_search)
     monkeypatch.setattr(runtime, "program", stepper)
     want, got, ran = search_both(model, d, sample, monkeypatch)
     assert ran["runtime"] is runtime and ran["python_steps"] == 0, ran
@@ -210,8 +225,7 @@ def test_the_torch_search_and_the_native_search_agree_step_by_step_on_the_same_l
     key, pad = model.decoder.encoder_keys(model.encoder(src, src_lengths=src_lengths))
     searches = []
     for lane in (static_beam_search.Lane(), static_beam_search.Lane()):
-        rows = static_beam_search.BatchRows(N, K)
-        state = lane.state.start(runtime, N * K, K, key, pad, batch=rows)
+        state = lane.state.start(runtime, N * K, K, key, pad)
         searches.append(static_beam_search._Search(generator, lane, state, max_len, d.eos(), torch.device("cpu"),
                                                    lagged=False, prefix_tokens=prefix_tokens))
     torch_search, native_search = searches
@@ -230,7 +244,7 @@ def test_the_torch_search_and_the_native_search_agree_step_by_step_on_the_same_l
         step_prefix = prefix_tokens if prefix_tokens is not None and t < prefix_tokens.size(1) and not last else None
         generator._step(torch_search, torch_search.state, t, first, last, step_prefix)
         parity = native_search.rows.parity
-        runtime.program.search_choose(native_search.native(), packed, t, parity, first, last)
+        runtime.program.search_choose(native_search.native, packed, t, parity, first, last)
         for search in searches:
             search.after_step(search.state, t)
         a, b = torch_search.views, native_search.views
@@ -252,6 +266,8 @@ def test_the_torch_search_and_the_native_search_agree_step_by_step_on_the_same_l
         torch.testing.assert_close(torch_search.scores[rows_going, : t + 1], native_search.scores[rows_going, : t + 1],
                                    rtol=0, atol=1e-5)
         assert torch.equal(a.cands_to_ignore[going], b.cands_to_ignore[going]), f"step {t}: cands_to_ignore"
+        # the order has one meaning: the row of its place each row continues
+        assert torch.equal(a.order[rows_going], b.order[rows_going]), f"step {t}: order"
     assert bool(native_search.views.finished.all()), "every place ends by the last step"
     assert 0 < int(native_search.views.fin_count.sum()) <= N * K
 
@@ -302,7 +318,7 @@ DECODE = ["--beam", "4", "--max-len-b", "25", "--cpu"]
 # of each joined batch the task's iterator made (batch_groups.join_batches of more than one)
 SPIED_CLI = """
 import json, sys, threading
-from rfa_fairseq.generation import batch_groups, static_beam_search as sbs
+from rfa_fairseq.generation import batch_groups, joined_sample, static_beam_search as sbs
 searches, joins = [], []
 search, join_batches = sbs.StaticBeamSearchGenerator._search, batch_groups.join_batches
 def spied_search(self, lane, runtime, key, pad, N, *args):
@@ -312,7 +328,7 @@ def spied_search(self, lane, runtime, key, pad, N, *args):
 def spied_join(batches, *args):
     joined = join_batches(batches, *args)
     if len(batches) > 1:
-        joins.append(len(batch_groups.user_batches(joined)))
+        joins.append(len(joined_sample.user_batches(joined)))
     return joined
 sbs.StaticBeamSearchGenerator._search = spied_search
 batch_groups.join_batches = spied_join

@@ -20,6 +20,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO, "tests"))  # graph_counting: the test aid that counts a generator's graphs
 
 
 DEVICE_SORT = "self_device_time_total"  # the profiler table sorted by device time
@@ -53,7 +54,7 @@ def setup(args, batch_size, graphs):
 
 def counting(generator):
     """The generator's graph backend counting its captures and replays, or None (no graphs)."""
-    from rfa_fairseq.modules.decoding import CountingBackend
+    from graph_counting import CountingBackend
 
     return CountingBackend.of(getattr(generator, "graphs", None))
 

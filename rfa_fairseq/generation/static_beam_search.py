@@ -17,12 +17,12 @@ batch of that shape (the buffers are the generator's, kept across batches). The 
 sentences finished one step late (a copy into pinned memory that the next step overlaps), which is all
 it needs to stop or halve; on the CPU it reads them at once.
 
-On the CPU the whole step is native (the decoding runtime's program, cpu/csrc/decode_program.cpp: the decoder's
+On the CPU the whole step is native (the decoding runtime's program, cpu/csrc/native_search.cpp: the decoder's
 layers, the log-softmax fused with the choice of the candidates, finalization and the reorder), and one call runs
 a batch's every step, without Python (or the GIL) between them; each step decodes only the places still
-translating (their rows packed to the front, `order` naming the state rows it wrote), so a finished sentence costs
-nothing more and the batch never halves (halving in Python cost about 3 % of a batch's time). At N
-threads the CLIs' batches come N at a time (batch_groups: CTranslate2's inter_threads) and each is decoded, encoder
+translating (their rows packed for the products, their states kept at their places' rows), so a finished sentence
+costs nothing more and the batch never halves (halving in Python cost about 3 % of a batch's time). At N
+threads the CLIs' batches come N at a time (batch_groups.py: CTranslate2's inter_threads) and each is decoded, encoder
 and search, on its own thread, as one thread decodes it alone; a batch of its own is split into N parts where each
 part keeps enough sentences (`parts_for`; --rfa-decode-parts overrides both). Each part is the same search on fewer
 sentences.
@@ -46,13 +46,19 @@ from torch import Tensor, nn
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from ..modules.decoding import BatchRows, CUDAGraphBackend, DecodingState, StepGraphs
-from .batch_groups import parts_at_once, user_batches
+from .joined_sample import user_batches
 
 logger = logging.getLogger(__name__)
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
 MAX_VIEW_SETS = 256  # a lane keeps its search's views for this many (places, length) shapes at most
 MIN_PART_SENTENCES = 32  # auto: parts of at least this many sentences (smaller ones lose to intra-op threads: docs/benchmarks.md)
+
+
+def parts_at_once(requested: int) -> int:
+    """How many parts (joined user batches, or parts of one batch) are decoded at once, one thread each:
+    --rfa-decode-parts when set (> 0), else torch's threads."""
+    return requested or torch.get_num_threads()
 
 
 def parts_for(sentences: int, threads: int, requested: int) -> int:
@@ -286,7 +292,7 @@ class StaticBeamSearchGenerator(nn.Module):
     def _parts(self, sample: Dict[str, Dict[str, Tensor]], runtime,
                max_steps: Optional[int]) -> Optional[List[Tuple[object, slice]]]:
         """The parts of a batch decoded at once, one thread each, as (rows, columns) of its source tokens: the user's
-        batches of a joined batch (batch_groups.user_batches), else its sentences dealt out in turn to parts_for
+        batches of a joined batch (joined_sample.user_batches), else its sentences dealt out in turn to parts_for
         parts (a batch is sorted by length: each part gets its share of long and short ones). None: the batch in
         one piece, on the process's threads (the torch step, or a warm-up)."""
         if runtime.program is None or max_steps is not None:
@@ -330,19 +336,19 @@ class StaticBeamSearchGenerator(nn.Module):
         if bucketed:  # the longest max_len of the bucket's source lengths: one token buffer length per bucket
             buffer_len = max(buffer_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
 
-        rows = BatchRows(N, K)  # the batch's one account of its rows, the decoding state's and the search's
-        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None,
-                                 batch=rows)
+        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None)
+        rows = state.batch  # the batch's one account of its rows, the decoding state's and the search's
         search = _Search(self, lane, state, buffer_len, bos, device, lagged=device.type in self.LAGGED_READS_ON,
                          prefix_tokens=prefix_tokens)
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(N)]
         last_step = max_len if max_steps is None else min(max_len, max_steps - 1)
         if runtime.program is not None:
-            step, finished = runtime.program.search_steps(state.native_batch(), search.native(), rows, 0, last_step,
-                                                          max_len)
-            if step < last_step and finished < N:
-                raise RuntimeError(f"the native search stopped at step {step} of {last_step} with {finished} of {N} "
-                                   f"places finished")
+            run = runtime.program.search_steps(state.native_batch(), search.native, 0, rows.parity, rows.first,
+                                               last_step, max_len)
+            rows.steps_ran(run.steps)
+            if run.last_step < last_step and run.finished < N:
+                raise RuntimeError(f"the native search stopped at step {run.last_step} of {last_step} with "
+                                   f"{run.finished} of {N} places finished")
             search.collect(finalized, list(range(N)), places=range(N))
         else:
             self._search_torch(lane, search, state, source_len, buffer_len, max_len, last_step, prefix_tokens,
@@ -453,8 +459,8 @@ class StaticBeamSearchGenerator(nn.Module):
 @dataclass
 class SearchViews:
     """One batch's search buffers for N places of K beams (R = N * K rows, L tokens a row): prefixes of its lane's
-    workspace (SearchBuffers), made once per (N, L, the workspace's generation). The native search reads them by
-    name (cpu/csrc/decode_program.h's NativeSearch)."""
+    workspace (SearchBuffers), made once per (N, L, the workspace's generation). The native search gets them in its
+    record (NativeSearchRecord)."""
 
     token_pair: List[Tensor]  # two (R, L) int64, used in turn: BatchRows.parity names the one the next step reads
     score_pair: List[Tensor]  # two (R, L - 1) fp32 cumulative scores, likewise
@@ -469,16 +475,56 @@ class SearchViews:
     fin_scores: Tensor  # (R + 1, L - 1) fp32 cumulative, EOS's at its step
     fin_steps: Tensor  # (R + 1,) int64: the step of each one's EOS
     step: Tensor  # (1,) int64: the step number on the device
-    order: Tensor  # (R,) int64: the beam order the next step's causal layers apply (the batch's order buffer)
+    order: Tensor  # (R,) int64: the rows' order buffer (BatchRows.order: the state row each row continues)
     step_rows: Tensor  # (L,) int64: the rows each native step decoded (the places still translating x K; profiles)
+
+
+@dataclass(frozen=True)
+class NativeSearchRecord:
+    """What the native search reads of one batch's search, declared once: cpu/csrc/native_search.cpp's NativeSearch
+    is made from exactly these fields (`NativeSearch.fields()`) as the search is created, and refuses a record with a
+    field missing or one it does not declare, naming it. The buffers are the search's views (SearchViews)."""
+
+    token_pair: List[Tensor]
+    score_pair: List[Tensor]
+    cand_scores: Tensor
+    cand_indices: Tensor
+    cands_to_ignore: Tensor
+    finished: Tensor
+    fin_count: Tensor
+    fin_tokens: Tensor
+    fin_scores: Tensor
+    fin_steps: Tensor
+    order: Tensor
+    step: Tensor
+    step_rows: Tensor
+    eos_bias: Tensor  # (>= max_len + 1,) fp32: -inf on EOS before the minimum length
+    positions: Optional[Tensor]  # (>= max_len + 1, C) the steps' position embeddings, or None
+    prefix_tokens: Optional[Tensor]  # (N, P) int64 (pad: none at that step), or None
+    no_repeat_ngram_size: int  # 0: off
+    sentences: int  # N places
+    beam: int  # K
+    eos: int
+    pad: int
+    unk: int
+    unk_penalty: float
+
+    @classmethod
+    def of(cls, search: "_Search") -> "NativeSearchRecord":
+        buffers = {name: getattr(search.views, name) for name in cls.__dataclass_fields__
+                   if name in SearchViews.__dataclass_fields__}
+        return cls(**buffers, eos_bias=search.eos_bias, positions=search.positions, prefix_tokens=search.prefix_tokens,
+                   no_repeat_ngram_size=search.no_repeat_ngram_size, sentences=search.rows.sentences, beam=search.K,
+                   eos=search.eos, pad=search.pad, unk=search.unk, unk_penalty=search.unk_penalty)
 
 
 class _Search:
     """One batch's search in the generator's workspace (the same buffers for every batch of the same shape): its
     buffers (`views`: tokens and cumulative scores, two of each used in turn, candidates, the finalized hypotheses
     per place, the step number, the beam order), the rows' account shared with the decoding state (`rows`, BatchRows:
-    places, beam, parity), the per-batch constants the native search reads (eos_bias, positions, prefix tokens, the
-    n-gram size), and the finished flags' copies for the host on CUDA."""
+    places, beam, parity), the per-batch constants (eos_bias, positions, prefix tokens, the n-gram size), the finished
+    flags' copies for the host on CUDA, and where the runtime has the native program the native search made from its
+    record (`native`, NativeSearchRecord), as the search is created."""
 
     def __init__(self, gen: StaticBeamSearchGenerator, lane: Lane, state: DecodingState, max_len: int, bos: int,
                  device, lagged: bool, prefix_tokens: Optional[Tensor] = None):
@@ -492,7 +538,6 @@ class _Search:
         self.lagged = lagged  # the host reads a step's flags one step later (CUDA: no wait for the device)
         self.events = [torch.cuda.Event() for _ in range(2)] if lagged and device.type == "cuda" else None
         self.finished_host: List[Tensor] = []
-        self._native = None
         self.views = self._views(self.rows.sentences)
         v = self.views
         for tokens in v.token_pair:
@@ -514,6 +559,7 @@ class _Search:
         if positions is not None and device.type in gen.GRAPHS_ON:  # a buffer of the workspace: graphs replay it
             self.positions = take("positions", tuple(positions.shape), positions.dtype, device).copy_(positions)
         self.rows.use_order_buffer(v.order)  # the causal layers read the pending beam order here
+        self.native = self._native_search()
 
     def _views(self, N: int) -> SearchViews:
         """The buffers for N places (prefixes of the workspace's: halving keeps their addresses), made once per (N, L)
@@ -526,7 +572,6 @@ class _Search:
             self.lane.views[(N, self.L, self.ws.generation)] = views
         if self.lagged:
             self.finished_host = self.gen.host_flags(self.lane, N)
-        self._native = None
         return views
 
     def _make_views(self, N: int) -> SearchViews:
@@ -550,12 +595,12 @@ class _Search:
             step_rows=take("step_rows", (L,), torch.long, device),
         )
 
-    def native(self):
-        """This search as the native program's NativeSearch (it reads the views and constants by name; made again
-        after a halving's new views)."""
-        if self._native is None:
-            self._native = self.state.runtime.kernels.ext.NativeSearch(self)
-        return self._native
+    def _native_search(self):
+        """The native program's NativeSearch of this search's record (NativeSearchRecord), or None where the runtime
+        has no native program."""
+        if self.state.runtime.program is None:
+            return None
+        return self.state.runtime.kernels.ext.NativeSearch(NativeSearchRecord.of(self))
 
     @property
     def trash(self) -> int:
@@ -616,7 +661,7 @@ class _Search:
         active_key = eos_mask.long() * self.cand_size + self.cand_offsets[:cand]  # (N, 2K)
         ignored_key, active = torch.topk(active_key, k=K, dim=1, largest=False)  # (N, K)
         torch.ge(ignored_key, self.cand_size, out=v.cands_to_ignore)
-        torch.gather(cand_rows, 1, active, out=v.order.view(self.rows.sentences, K))  # (R,) as (N, K)
+        self.rows.continue_rows(cand_rows, active)  # into the order buffer, v.order
         tokens, scores = v.token_pair[1 - self.rows.parity], v.score_pair[1 - self.rows.parity]
         torch.index_select(self.tokens, 0, v.order, out=tokens)
         torch.index_select(self.scores, 0, v.order, out=scores)
@@ -651,13 +696,12 @@ class _Search:
         (its causal rows through the pending order, which keeps naming their sources)."""
         v, K = self.views, self.K
         kept_rows = (kept.unsqueeze(1) * K + torch.arange(K, device=kept.device)).view(-1)  # (N'K,)
-        row_sources = v.order.index_select(0, kept_rows)  # each kept row's source in the state read next
-        state.keep_sentences(kept)  # the rows' account: N' places
         moved = {"tokens": self.tokens.index_select(0, kept_rows), "scores": self.scores.index_select(0, kept_rows),
                  "cands_to_ignore": v.cands_to_ignore.index_select(0, kept), "finished": v.finished.index_select(0, kept),
                  "fin_count": v.fin_count.index_select(0, kept)}
         fin_moved = [value.index_select(0, kept_rows) for value in (v.fin_tokens, v.fin_scores, v.fin_steps)]
         self.views = v = self._views(kept.numel())
+        state.keep_sentences(kept, v.order)  # the caches, and the rows' account: N' places, its order in v.order
         self.tokens[:] = moved["tokens"]
         self.scores[:] = moved["scores"]
         v.cands_to_ignore[:] = moved["cands_to_ignore"]
@@ -665,8 +709,8 @@ class _Search:
         v.fin_count[:] = moved["fin_count"]
         for value, new in zip((v.fin_tokens, v.fin_scores, v.fin_steps), fin_moved):
             value[: new.size(0)] = new
-        v.order.copy_(row_sources)
-        self.rows.use_order_buffer(v.order)
+        if self.native is not None:
+            self.native = self._native_search()  # its record's views changed
 
     def collect(self, finalized: List[List[Dict[str, Tensor]]], sentence_ids: List[int], places) -> None:
         """Append the finalized hypotheses of `places` that `finalized` does not hold yet (read from the device

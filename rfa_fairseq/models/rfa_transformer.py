@@ -4,14 +4,14 @@ Training and scoring run fairseq's own forward passes through the `build_*` hook
 (fairseq-generate, fairseq-interactive, any SequenceGenerator) runs RFA's decoding step on every device and
 dtype: RFATransformerDecoder.forward -> its DecodingState (modules/decoding.py) -> the native step (the CPU) or the
 records' torch step (DecoderLayerRecord.step -> CausalRecord / SoftmaxCrossRecord.step), the kernels picked once per
-runtime (ops.step_kernels). docs/design.md draws it.
+runtime (kernel_choice.step_kernels). docs/design.md draws it.
 Defaults follow the paper's MT setup: RFA in decoder self-attention and in encoder-decoder attention,
 softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch import Tensor
@@ -57,13 +57,19 @@ from ..kernel_choice import rfa_step_kernels
 
 
 def decoding_options(rfa: RFAConfig) -> tuple:
-    """The options that pick a runtime's kernels (ops.rfa_step_kernels): a runtime is built again when one changes."""
+    """The options that pick a runtime's kernels (kernel_choice.rfa_step_kernels): a runtime is built again when one
+    changes."""
     return (rfa.rfa_decode_kernel, rfa.rfa_decode_precision, getattr(rfa, "rfa_decode_state", "auto"),
             getattr(rfa, "rfa_cpu_isa", "auto"))
 
 logger = logging.getLogger(__name__)
 
 RFA_CONFIG = "rfa_config"  # the model's RFAConfig, in the cfg that build_model hands to fairseq's builders
+
+# called with (task, model) as RFATransformerModel.build_model returns a model: the rooms above this one keep what
+# they need of a task's models through it (generation/batch_groups.py registers its record_model), so that models/
+# imports nothing of theirs
+MODEL_BUILT_HOOKS: List[Callable[[object, "RFATransformerModel"], None]] = []
 
 
 def _wrap_layer(layer, cfg):
@@ -436,9 +442,8 @@ class RFATransformerModel(TransformerModel):
         model.set_random_feature_seed(torch.initial_seed() if seed is None else seed)
         # a checkpoint loaded mapped lends the parameters its pages instead of being copied into them
         model.register_load_state_dict_pre_hook(checkpoints.share_mapped_tensors)
-        from ..generation.batch_groups import record_model  # generation: imported as a model is built, not before
-
-        record_model(task, model)  # once prepared for inference, the task's batches may come joined
+        for hook in MODEL_BUILT_HOOKS:
+            hook(task, model)
         return model
 
     @classmethod
@@ -449,7 +454,7 @@ class RFATransformerModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return RFATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
-    prepared_for_inference = False  # set by prepare_for_inference_ (generation.batch_groups reads it)
+    prepared_for_inference = False  # set by prepare_for_inference_ (generation/batch_groups.py reads it)
 
     def prepare_for_inference_(self, cfg):
         """fairseq-generate, fairseq-interactive and the hub call this before they ask their task for batches."""

@@ -4,18 +4,19 @@ Every tensor of an RFA decoding step keeps its shape for the whole batch: the ca
 cross-attention reads a source K/V (or an RFA state) fixed per sentence. So decoding is two objects:
 
 - `DecodingRuntime`, built once per (weights, kernels, device, dtype) by RFATransformerDecoder.decoding_runtime():
-  the kernel set (ops.step_kernels) and one record per decoder layer (`DecoderLayerRecord`: its linear layers
-  packed for the kernels, its norms, its attentions' records), with the embedding and output records. On the CPU
-  in fp32 (and int8) it also holds the native program: the same step compiled ahead of time in C++
+  the kernel set (kernel_choice.step_kernels) and one record per decoder layer (`DecoderLayerRecord`: its linear
+  layers packed for the kernels, its norms, its attentions' records), with the embedding and output records. On the
+  CPU in fp32 (and int8) it also holds the native program: the same step compiled ahead of time in C++
   (cpu/csrc/decode_program.cpp), built from the same records.
-- `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives and the one
-  account of its rows: which source sentence each row reads (`RowSources`, with the beam layout it allows), the
-  pending beam order, and one cache per layer that owns its buffers (`LayerCache`: the causal attention's
-  `CausalCache`, two fp32 state buffers (rows, H, F, d + 1) used in turn; the cross-attention's `SentenceCache`, K
-  and V or the RFA state once per source sentence). Everything else derives from it when it changes: the native
-  program's view of the caches (`NativeBatch`, tensors only), the caches' reorders. A state kept across batches (the
-  static beam search) reuses its buffers, so a batch of a shape seen before runs on the same addresses (and CUDA
-  graphs); fairseq's generator starts a state per batch on the buffers the last batch left (`DecodingCache`).
+- `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives, with the one
+  account of its rows (`BatchRows`: which source sentence each row reads, the beam layout, the pending beam order,
+  the state buffer the next step reads; changed only through its methods) and one cache per layer that owns its
+  buffers (`LayerCache`: the causal attention's `CausalCache`, two fp32 state buffers (rows, H, F, d + 1) used in
+  turn; the cross-attention's `SentenceCache`, K and V or the RFA state once per source sentence). Everything else
+  derives from them when they change: the native program's view of the caches (`NativeBatch`, tensors only), the
+  caches' reorders. A state kept across batches (the static beam search) reuses its buffers, so a batch of a shape
+  seen before runs on the same addresses (and CUDA graphs); fairseq's generator starts a state per batch on the
+  buffers the last batch left (`DecodingCache`).
 
 The step is one function in two implementations: the records' `step` methods in torch (the reference, CUDA, bf16)
 and the native program (the CPU), chosen once by the kernel set. On CUDA the step is captured as a CUDA graph and
@@ -40,70 +41,131 @@ from .. import torch_internals
 FFN_ACTIVATIONS = {F.relu: "relu", fairseq_gelu: "gelu", F.gelu: "gelu"}
 
 
-# ---------------------------------------------------------------- which row reads which sentence
+# ---------------------------------------------------------------- the batch's rows
 
 
-class RowSources:
-    """The one account of which rows are copies of which: `source[i]` is the source sentence row i reads. Beam search
-    copies every sentence `beam` times and then reorders rows; the encoder output (RFATransformerEncoder's
-    reorder_encoder_out) and the decoding state follow its reorders with `follow`."""
-
-    def __init__(self, source: Tensor):
-        self.source = source
-
-    @classmethod
-    def identity(cls, rows: int, device) -> "RowSources":
-        return cls(torch.arange(rows, device=device))
-
-    @classmethod
-    def beams(cls, sentences: int, beam: int, device) -> "RowSources":
-        """Rows n * beam .. n * beam + beam - 1 read sentence n."""
-        return cls(torch.arange(sentences, device=device).repeat_interleave(beam))
-
-    def follow(self, new_order: Tensor) -> Optional["RowSources"]:
-        """Row i continues row new_order[i]: the new account, or None when nothing changes (every row keeps a copy of
-        the same source: beam search's reorders within a sentence's beams)."""
-        moved = self.source.index_select(0, new_order)
-        return None if moved.numel() == self.source.numel() and torch.equal(moved, self.source) else RowSources(moved)
-
-    def beam_layout(self, beam: int) -> Optional[Tensor]:
-        """The sentences (n,) when rows n * beam .. n * beam + beam - 1 all read one sentence, else None."""
-        rows = self.source.numel()
-        if beam < 1 or rows % beam:
-            return None
-        groups = self.source.view(-1, beam)
-        return groups[:, 0] if beam == 1 or bool((groups == groups[:, :1]).all()) else None
-
-
-@dataclass
 class BatchRows:
-    """The one account of a batch's rows as a step reads them: `sentences` places of `beam` rows each (row n * beam + b
-    is place n's beam b), the beam order the next step applies to the causal states (`order`: row i continues row
-    order[i] of the state buffer read next; None: row i continues row i), the buffer of each pair the next step reads
-    (`parity`: the causal states', and the static beam search's tokens and scores), and whether that step is the
-    batch's first (no state to read). The decoding state, the static beam search and the native search read and update
-    this one object (the native search's call turns its parity). `order_buffer`: where the order is rewritten each step
-    (the static beam search's buffer; None: fairseq's generator, whose reorders set it)."""
+    """The one account of a batch's rows, changed only through its methods (its fields are read-only): `sentences`
+    places of `beam` rows each, row n * beam + b being place n's beam b, which reads source sentence n (the caches keep
+    K/V or an RFA state once per sentence: `sentence_of_rows`); the beam order the next step applies to the causal
+    states (`order`: row i continues row order[i] of the state buffer read next, whose row n * beam + b holds the state
+    of place n's beam b as the step that wrote it numbered the places; None: row i continues row i); the buffer of each
+    pair the next step reads (`parity`: the causal states', and the static beam search's tokens and scores); and
+    whether that step is the batch's first (no state to read).
 
-    sentences: int
-    beam: int
-    order: Optional[Tensor] = None
-    order_buffer: Optional[Tensor] = None
-    parity: int = 0
-    first: bool = True
+    fairseq's generator composes its reorders into the order (`reorder`). The static beam search lends the account an
+    order buffer (`use_order_buffer`), rewritten at each step by the search that decides the beams: its torch step
+    through `continue_rows`, its native step in C++ (cpu/csrc/native_search.h, the same meaning); the native search
+    returns how many steps it ran and the account turns (`steps_ran`)."""
+
+    def __init__(self, sentences: int, beam: int):
+        self._sentences, self._beam = sentences, beam
+        self._order: Optional[Tensor] = None
+        self._order_buffer: Optional[Tensor] = None
+        self._parity, self._first = 0, True
+        self._sentence_of_rows: Optional[Tensor] = None  # made once per layout (and device) on demand
+
+    sentences = property(lambda self: self._sentences)
+    beam = property(lambda self: self._beam)
+    order = property(lambda self: self._order)
+    parity = property(lambda self: self._parity)
+    first = property(lambda self: self._first)
 
     @property
     def rows(self) -> int:
-        return self.sentences * self.beam
+        return self._sentences * self._beam
 
-    def use_order_buffer(self, order: Tensor) -> None:
-        """Every step reads the pending beam order from `order` (>= rows,), which the caller rewrites each step."""
-        self.order = self.order_buffer = order
+    def sentence_of_rows(self, device) -> Tensor:
+        """(rows,) the source sentence each row reads: n for rows n * beam .. n * beam + beam - 1."""
+        held = self._sentence_of_rows
+        if held is None or held.device != torch.device(device):
+            held = self._sentence_of_rows = torch.arange(self._sentences, device=device).repeat_interleave(self._beam)
+        return held
 
-    def step_done(self) -> None:
-        """A step ran: the buffer pairs turn, and the order is the buffer's again (or none)."""
-        self.parity ^= 1
-        self.order, self.first = self.order_buffer, False
+    def _set_layout(self, sentences: int, beam: int) -> None:
+        self._sentences, self._beam, self._sentence_of_rows = sentences, beam, None
+
+    # ------------------------------------------------------------ steps
+
+    def steps_ran(self, count: int = 1) -> None:
+        """`count` steps ran: the buffer pairs turned once each, and the order is the buffer's again (or none)."""
+        if count > 0:
+            self._parity ^= count & 1
+            self._order, self._first = self._order_buffer, False
+
+    def stage_order(self, buffer: Tensor) -> Tensor:
+        """The pending order copied into `buffer` (rows,) (identity where none), which holds it from now on: a CUDA
+        graph reads it at that fixed address. -> buffer"""
+        if self._order is not None:
+            buffer.copy_(self._order)
+        else:
+            torch.arange(buffer.numel(), out=buffer)
+        self._order = buffer
+        return buffer
+
+    # ------------------------------------------------------------ the static beam search
+
+    def use_order_buffer(self, buffer: Tensor) -> None:
+        """Every step reads the pending order from `buffer` (>= rows,), which the search's steps rewrite."""
+        self._order = self._order_buffer = buffer
+
+    def continue_rows(self, candidate_rows: Tensor, chosen: Tensor) -> None:
+        """The torch search's reorder: place n's beam b continues row candidate_rows[n, chosen[n, b]] (rows numbered
+        as the step that ends now numbers them), written into the order buffer (inside a CUDA graph: device work
+        only). candidate_rows (sentences, c), chosen (sentences, beam) int64."""
+        torch.gather(candidate_rows, 1, chosen, out=self._order_buffer.view(self._sentences, self._beam))
+
+    def keep_places(self, kept: Tensor, order_buffer: Tensor) -> None:
+        """The torch search's halving: only the places `kept` (N',) stay, as the first N' places; the pending order
+        keeps naming each kept row's source row in the state buffer read next (the state is not moved: the next step
+        reads it through the order and writes the new rows), from now on in `order_buffer` (the search's buffer for
+        N' places, which may share the old one's storage)."""
+        kept_rows = (kept.unsqueeze(1) * self._beam + torch.arange(self._beam, device=kept.device)).view(-1)
+        sources = self._order.index_select(0, kept_rows)
+        self._set_layout(kept.numel(), self._beam)
+        self.use_order_buffer(order_buffer)
+        order_buffer.copy_(sources)
+
+    # ------------------------------------------------------------ fairseq's generator
+
+    def reorder(self, new_order: Tensor, read_back: bool) -> Optional[Tensor]:
+        """fairseq's beam search: row i continues row new_order[i] (rows may leave: sentences finished). The order
+        composes (the causal states apply it at the next step). -> the sentences the new rows read, in the order the
+        caches' per-sentence tensors take them (the caches select these), or None where every row reads the sentence
+        it read. The layout after: rows n * beam .. read sentence n, or beam 1 (one row a sentence copy) where the
+        reorder parted a sentence's beams (or beam was 1).
+
+        read_back=False (CUDA: a look at the values would wait for the device): the account follows fairseq's beam
+        search, whose reorders keep a sentence's beams together and whose sentences only leave, so the rows' sentences
+        are read off the account's layout for the rows kept, without a look at them: an order that keeps the rows
+        moves no sentence; one that drops rows keeps each group's sentence (beam 1 follows every order)."""
+        self._order = new_order if self._order is None else self._order.index_select(0, new_order)
+        beam = self._beam
+        if not read_back and new_order.numel() == self.rows and beam > 1:
+            return None
+        read = self.sentence_of_rows(new_order.device).index_select(0, new_order)  # the sentence each new row reads
+        if not read_back:
+            if new_order.numel() % beam:
+                raise RuntimeError(f"RFA decoding: a reorder to {new_order.numel()} rows breaks the batch's beams of "
+                                   f"{beam}")
+            kept = read.view(-1, beam)[:, 0]
+        else:
+            if read.numel() == self.rows and torch.equal(read, self.sentence_of_rows(new_order.device)):
+                return None  # every row reads the sentence it read: nothing moves
+            kept = _beam_groups(read, beam)
+            if kept is None:  # a sentence's rows went apart (or beam 1): K/V once per row from now on
+                kept, beam = read, 1
+        self._set_layout(kept.numel(), beam)
+        return kept
+
+
+def _beam_groups(sentence_of_rows: Tensor, beam: int) -> Optional[Tensor]:
+    """The sentences (n,) when rows n * beam .. n * beam + beam - 1 all read one sentence (beam > 1), else None."""
+    rows = sentence_of_rows.numel()
+    if beam <= 1 or rows % beam:
+        return None
+    groups = sentence_of_rows.view(-1, beam)
+    return groups[:, 0] if bool((groups == groups[:, :1]).all()) else None
 
 
 def beam_layout(key: Tensor, key_padding_mask: Optional[Tensor], beam: int) -> bool:
@@ -369,8 +431,8 @@ class DecodingState:
 
     `batch` (BatchRows) is the one account of its rows: rows n * beam .. n * beam + beam - 1 read source sentence n
     (beam 1 once a reorder breaks that layout), the pending beam order, the causal state buffer the next step reads;
-    the static beam search hands its own to `start` and shares it. A native step runs on the calling thread's OpenMP
-    and MKL teams (a thread that decodes its own part of a batch limits its own: PartThreads).
+    `start` makes it, and the static beam search shares it. A native step runs on the calling thread's OpenMP and MKL
+    teams (a thread that decodes its own part of a batch limits its own: PartThreads).
     """
 
     KEY = "rfa_decoding_state"  # its entry in fairseq's incremental_state
@@ -381,7 +443,6 @@ class DecodingState:
         self.runtime: Optional[DecodingRuntime] = None
         self.buffers = StateBuffers()
         self.batch = BatchRows(0, 1)
-        self.rows_map: Optional[RowSources] = None  # which source sentence each row reads (fairseq's reorders)
         self.generation = 0  # bumped whenever a buffer is (re)allocated: a captured graph is stale then
         self._native = None  # the native program's view of this batch's caches (NativeBatch), made when they change
 
@@ -403,23 +464,21 @@ class DecodingState:
 
     def start(self, runtime: DecodingRuntime, rows: int, beam: int, key: Optional[Tensor],
               key_padding_mask: Optional[Tensor], source_len: Optional[int] = None,
-              buffers: Optional[StateBuffers] = None, batch: Optional[BatchRows] = None) -> "DecodingState":
+              buffers: Optional[StateBuffers] = None) -> "DecodingState":
         """A batch of `rows` rows, `beam` per sentence, on `runtime`: key (S, sentences, C) the encoder output once
         per sentence (or None), its padding (sentences, S) or None. source_len >= S pads the cross-attention's K/V
         to that length (masked), so that batches of nearby source lengths share shapes. buffers: decode on these
-        (the last batch's, DecodingCache.buffers_for) instead of this state's own. batch: the account of the rows to
-        share (the static beam search's; a new one otherwise). -> self"""
+        (the last batch's, DecodingCache.buffers_for) instead of this state's own. The batch's rows get a new account
+        (`batch`). -> self"""
         if buffers is not None and buffers is not self.buffers:
             self.buffers = buffers
             self.generation += 1
         if self.runtime is not runtime:
             self.runtime = runtime
             self.generation += 1
-        self.batch = batch if batch is not None else BatchRows(rows // beam, beam)
-        if (self.batch.sentences, self.batch.beam) != (rows // beam, beam):
-            raise ValueError(f"RFA decoding: a batch of {rows} rows, {beam} per sentence, on an account of "
-                             f"{self.batch.sentences} x {self.batch.beam}")
-        self.rows_map = RowSources.beams(self.sentences, beam, runtime.device)
+        if beam < 1 or rows % beam:
+            raise ValueError(f"RFA decoding: a batch of {rows} rows cannot hold {beam} rows per sentence")
+        self.batch = BatchRows(rows // beam, beam)
         caches = []
         for i, record in enumerate(runtime.layers):
             previous = self.layers[i] if i < len(self.layers) else None
@@ -447,12 +506,7 @@ class DecodingState:
             tokens = self._input("tokens", tokens.shape, torch.long).copy_(tokens)
             if positions is not None:
                 positions = self._input("positions", positions.shape, positions.dtype).copy_(positions)
-            order = self._input("order", (R,), torch.long)
-            if self.order is not None:
-                order.copy_(self.order)
-            else:
-                torch.arange(R, out=order)
-            self.batch.order = order
+            self.batch.stage_order(self._input("order", (R,), torch.long))
             shape = (self.rows, self.beam, self.sentences)
             replayed, attn = self.graphs.run(shape + (self.generation, self.parity), shape,
                                              lambda: self.compute(tokens, positions))
@@ -501,7 +555,7 @@ class DecodingState:
 
     def step_done(self) -> None:
         """What the host does after a step (a replayed graph runs no Python): the causal states turn."""
-        self.batch.step_done()
+        self.batch.steps_ran(1)
 
     def _input(self, name: str, shape, dtype) -> Tensor:
         buffer, allocated = reuse_or_allocate(self.buffers.inputs.get(name), tuple(shape), dtype, self.runtime.device)
@@ -514,52 +568,30 @@ class DecodingState:
 
     def reorder(self, new_order: Tensor) -> None:
         """Beam search: row i continues row new_order[i] (new_order may drop finished sentences).
-        The causal states apply it in the next step; K/V move only when rows read another sentence."""
+        The causal states apply it in the next step (the rows' account composes it); K/V move only when rows read
+        another sentence (the sentences the account says they read)."""
         new_order = new_order.to(self.runtime.device)
-        batch = self.batch
-        batch.order = new_order if batch.order is None else batch.order.index_select(0, new_order)
-        unchanged_rows = batch.rows == new_order.numel()
-        if not unchanged_rows and self.graphs is not None:
+        if new_order.numel() != self.rows and self.graphs is not None:
             self.graphs.clear()  # captured for the old shape and the old K/V
-        if new_order.device.type in self.NO_HOST_READS_ON:
-            # checking the rows would wait for the device: trust fairseq's beam search, whose beams of a
-            # sentence stay together and whose sentences only leave (the batch shrinks). K/V kept once per row
-            # (beam 1: greedy search, a caller that sets no beam size) follow every order, as fairseq's own
-            # attention does.
-            if unchanged_rows and batch.beam > 1:
-                return
-            if new_order.numel() % batch.beam:
-                raise RuntimeError(f"RFA decoding: a reorder to {new_order.numel()} rows breaks the batch's beams of "
-                                   f"{batch.beam}")
-            kept = self.rows_map.source.index_select(0, new_order).view(-1, batch.beam)[:, 0]
-            beam = batch.beam
-        else:
-            followed = self.rows_map.follow(new_order)
-            if followed is None:  # every row reads the sentence it read: nothing moves
-                return
-            kept = followed.beam_layout(batch.beam) if batch.beam > 1 else None
-            beam = batch.beam
-            if kept is None:  # rows of one sentence went apart (or beam 1): keep K/V once per row from now on
-                kept, beam = followed.source, 1
+        kept = self.batch.reorder(new_order, read_back=new_order.device.type not in self.NO_HOST_READS_ON)
+        if kept is None:
+            return
         resized = any([layer.cross.select_sentences(kept) for layer in self.layers if layer.cross is not None])
         if resized:
             self._native = None
             if self.graphs is not None:
                 self.graphs.clear()
-        batch.sentences, batch.beam = kept.numel(), beam
-        self.rows_map = RowSources.beams(batch.sentences, beam, self.runtime.device)
 
-    def keep_sentences(self, kept: Tensor) -> None:
+    def keep_sentences(self, kept: Tensor, order_buffer: Tensor) -> None:
         """The static beam search's halving, in place: only the sentences `kept` (N',) stay, as the first N'
         sentences of every per-sentence tensor (same addresses: the CUDA graphs of the smaller shape read them
-        there), in N' x beam rows. The causal states stay where they are: the caller's pending order (the order buffer)
-        names each new row's source row in the state buffer read next, and the next step writes the new rows from
-        the first on (no state is copied here)."""
+        there), in N' x beam rows. The causal states stay where they are: the rows' pending order, from now on in
+        `order_buffer` (the search's for N' places), names each new row's source row in the state buffer read next,
+        and the next step writes the new rows from the first on (no state is copied here)."""
         for layer in self.layers:
             if layer.cross is not None:
                 layer.cross.keep_sentences(kept)
-        self.batch.sentences = kept.numel()
-        self.rows_map = RowSources.beams(self.sentences, self.beam, self.runtime.device)
+        self.batch.keep_places(kept, order_buffer)
         self._native = None
 
     def attention_tensors(self) -> List[Tensor]:
@@ -648,35 +680,6 @@ class StepGraphs:
         graph, outputs = entry
         self.backend.replay(graph, outputs)  # a capture records without running: its first replay computes the step
         return outputs
-
-
-class CountingBackend:
-    """A graph backend counting the captures and replays of the one it wraps: what tests and benchmarks
-    (tests/test_cuda.py, benchmarks/gpu/profile_batches.py) read of a StepGraphs' work."""
-
-    def __init__(self, backend):
-        self.backend, self.captures, self.replays = backend, 0, 0
-
-    @classmethod
-    def of(cls, graphs: Optional[StepGraphs]) -> Optional["CountingBackend"]:
-        """The counting backend of `graphs` (its backend wrapped at the first call, counting from then on), or None
-        where there are no graphs."""
-        if graphs is None:
-            return None
-        if not isinstance(graphs.backend, cls):
-            graphs.backend = cls(graphs.backend)
-        return graphs.backend
-
-    def reset(self) -> None:
-        self.backend.reset()
-
-    def capture(self, step: Callable[[], object]):
-        self.captures += 1
-        return self.backend.capture(step)
-
-    def replay(self, graph, outputs) -> None:
-        self.replays += 1
-        self.backend.replay(graph, outputs)
 
 
 # ---------------------------------------------------------------- the step's pieces shared by the records

@@ -3,7 +3,7 @@
 fairseq-generate, fairseq-interactive and the hub encode each batch once, through TransformerEncoderBase's forward:
 the embedding, its positions, the padding, and per layer some 25 torch operations (fairseq's TransformerEncoderLayerBase
 and MultiheadAttention). At one sentence a batch the Python between those operations is most of the encoder's time,
-taken under the GIL. Where the decoding step is native (the CPU in fp32 weights, ops.step_kernels), the encoder's
+taken under the GIL. Where the decoding step is native (the CPU in fp32, kernel_choice.step_kernels), the encoder's
 pass is too: `EncodingRuntime` holds the encoder's records (one `EncoderLayerRecord` per layer: its linear layers
 packed for the decoding step's kernels, [q | k | v] as one product, its norms) and the native EncoderProgram built
 from them (cpu/csrc/encoder_program.cpp), which repeats fairseq's forward in C++: the same operations in the same

@@ -154,13 +154,24 @@ void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* 
               ") fp32 CPU matrix with unit column stride");
 }
 
+// `index` (rows,) names a row of a state buffer of `bound` rows for each of the step's rows
+void check_state_rows(const torch::Tensor& index, int64_t rows, int64_t bound, const char* name) {
+  TORCH_CHECK(index.device().is_cpu() && index.is_contiguous() && index.numel() == rows &&
+                  index.scalar_type() == torch::kInt64,
+              "rfa static step: ", name, " must be a contiguous (rows,) int64 CPU tensor");
+  const int64_t* p = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(p[r] >= 0 && p[r] < bound, "rfa static step: ", name, "[", r, "] = ", p[r], " is out of range for ",
+                bound, " rows");
+}
+
 }  // namespace
 
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
                        int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix,
-                       const Kernels& kernels) {
+                       const Kernels& kernels, const torch::Tensor& state_rows) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
   const MapParams map = map_params(activation, H, F, d, sigma, matrix);
   const int64_t P = map.width;  // values per head in phi_q / phi_k rows
@@ -169,9 +180,11 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   check_rows(v, R, H * d, "v");
   check_rows(out, R, H * d, "out");
   const auto state_type = state_out.scalar_type();
-  TORCH_CHECK(state_out.device().is_cpu() && state_out.is_contiguous() && state_out.size(0) >= R &&
+  const bool placed = state_rows.defined();
+  TORCH_CHECK(state_out.device().is_cpu() && state_out.is_contiguous() && (placed || state_out.size(0) >= R) &&
                   (state_type == torch::kFloat32 || state_type == torch::kFloat16),
               "rfa static step: state_out must be a contiguous fp32 or fp16 CPU (rows, heads, F, head_dim + 1) buffer");
+  if (placed) check_state_rows(state_rows, R, state_out.size(0), "state_rows");
   const bool first = !state_in.defined();
   const bool reorder = order.defined();
   TORCH_CHECK(!(first && reorder), "rfa static step: a reorder needs a state");
@@ -182,13 +195,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
     TORCH_CHECK(state_in.data_ptr() != state_out.data_ptr(), "rfa static step: state_out must not be state_in");
     const int64_t R0 = state_in.size(0);
     if (reorder) {
-      TORCH_CHECK(order.device().is_cpu() && order.is_contiguous() && order.numel() == R &&
-                      order.scalar_type() == torch::kInt64,
-                  "rfa static step: order must be a contiguous (rows,) int64 CPU tensor");
-      const int64_t* ord = order.data_ptr<int64_t>();
-      for (int64_t r = 0; r < R; ++r)
-        TORCH_CHECK(ord[r] >= 0 && ord[r] < R0, "rfa static step: order[", r, "] = ", ord[r], " is out of range for ",
-                    R0, " rows");
+      check_state_rows(order, R, R0, "order");
     } else {
       TORCH_CHECK(R0 >= R, "rfa static step: state has ", R0, " rows for ", R);
     }
@@ -208,6 +215,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const float* gp = gated ? gate_logits.data_ptr<float>() : nullptr;
   const bool* padp = padded ? key_pad.data_ptr<bool>() : nullptr;
   const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
+  const int64_t* dst_rows = placed ? state_rows.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t ldq = phi_q.stride(0), ldk = phi_k.stride(0), ldv = v.stride(0), ldo = out.stride(0);
   const int64_t ldg = gated ? gate_logits.stride(0) : 0;
@@ -229,11 +237,11 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       }
       std::copy(vp + r * ldv + h * d, vp + r * ldv + h * d + d, v_aug.begin());
       v_aug[d] = 1.0f;  // the ones column accumulates z
-      const int64_t src = reorder ? ord[r] : r;
+      const int64_t src = reorder ? ord[r] : r, dst = placed ? dst_rows[r] : r;
       const float* q = head_features(kernels, pq + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
       const float* k = head_features(kernels, pk + r * ldk + h * P, map, h, false, k_buf.data(), scratch.data());
-      update(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + rh * F * D1, q, k, v_aug.data(), decay, k_scale,
-             F, D1, acc.data());
+      update(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + (dst * H + h) * F * D1, q, k, v_aug.data(),
+             decay, k_scale, F, D1, acc.data());
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
