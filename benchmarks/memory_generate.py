@@ -100,8 +100,8 @@ def rfa_child(args) -> dict:
     packed = {id(obj): obj for obj in gc.get_objects() if isinstance(obj, PackedLinear)}
     packed_mb = sum(tensor_mb(t) for p in packed.values()
                     for t in (p.weight, p.bias, p.w_scales, p.w_sums) if t is not None)
-    return {"stages": stages, "packed_mb": round(packed_mb, 1),
-            "embedding_mb": round(tensor_mb(model.decoder.embed_tokens.weight), 1)}
+    return {"stages": stages, "packed_mb": round(packed_mb, 3),
+            "embedding_mb": round(tensor_mb(model.decoder.embed_tokens.weight), 3)}
 
 
 def ct2_child(args) -> dict:

@@ -118,7 +118,7 @@ def instrument(model):
     timer.wrap(static_beam_search._Search, "after_step", "steps", before=lambda search, *_: rows.append(search.rows.rows))
 
     def native_rows(search, *_):
-        if search._native is not None:
+        if search.native is not None:
             rows.extend(search.views.step_rows[: int(search.views.step)].tolist())
 
     timer.wrap(static_beam_search._Search, "collect", "collect", before=native_rows)

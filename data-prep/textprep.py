@@ -146,8 +146,14 @@ def map_chunks(function, chunks, workers, timeout_s=None):
     finally:
         if not finished:  # an error: stop the workers now, a hung one would block the exit
             # the executor's processes: private, but Python < 3.14 has no public way to stop them
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
+            processes = list((getattr(pool, "_processes", None) or {}).values())
+            for process in processes:
                 process.terminate()
+            for process in processes:  # reaped, so that none is left behind as a zombie (SIGKILL if SIGTERM is ignored)
+                process.join(timeout=5)
+                if process.is_alive():
+                    process.kill()
+                    process.join(timeout=5)
         pool.shutdown(wait=finished, cancel_futures=True)
 
 

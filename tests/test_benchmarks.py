@@ -63,23 +63,26 @@ def test_benchmark_train_small_run_writes_csv(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_generate_reports_each_stage_and_the_weights_copies(tmp_path_factory):
-    """benchmarks/memory_generate.py's rfa process on a tiny trained model: every stage in order with its resident
-    and peak memory, and the tensors behind the weights: the parameters, the packed weights and the few-rows blocks
-    (where the CPU has them) beside them, int8's codes smaller than fp32's packed weights."""
+def test_memory_generate_reports_each_stage_and_the_packed_weights(tmp_path_factory):
+    """benchmarks/memory_generate.py's rfa process on a tiny trained model, every hypothesis forced to 6 tokens: every
+    stage in order with its resident and peak memory, the split the CSV gets (imports, weights, runtime, a batch's
+    working memory, decoding's own peak) consistent with them, and the bytes the runtimes decode with: int8's codes
+    smaller than fp32's packed weights."""
     import json
 
     from cli_support import synthetic_data, train_generate_model
 
+    sys.path.insert(0, SCRIPTS)
+    import memory_generate
+
     data = synthetic_data(tmp_path_factory)
     checkpoint = train_generate_model(data, tmp_path_factory.mktemp("memory_model"), max_update=5)
-    prep = tmp_path_factory.mktemp("memory_prep")  # data-prep's layout: the binarized data under data-bin
-    (prep / "data-bin").symlink_to(data / "bin")
     packed = {}
     for precision in ("fp32", "int8"):
         proc = subprocess.run(
             [sys.executable, os.path.join(SCRIPTS, "memory_generate.py"), "--child", "rfa", "--precision", precision,
-             "--model", str(checkpoint), "--prep", str(prep), "--batch-size", "8"],
+             "--model", str(checkpoint), "--data-bin", str(data / "bin"), "--split", "test", "--sentences", "40",
+             "--forced-length", "6", "--batch-size", "8"],
             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if precision == "int8" and proc.returncode != 0 and "int8" in proc.stderr and "use fp32" in proc.stderr:
             print(f"int8 decoding is unavailable here: {proc.stderr.strip().splitlines()[-1]}")
@@ -87,15 +90,15 @@ def test_memory_generate_reports_each_stage_and_the_weights_copies(tmp_path_fact
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         stages = result["stages"]
-        assert [s["stage"] for s in stages] == ["python", "import torch", "import fairseq and the plugin",
-                                                "load the checkpoint", "load the test set", "build the generator",
-                                                "decode the test set"]
-        assert all(s["peak_mb"] >= s["rss_mb"] > 0 for s in stages)
-        assert stages[1]["rss_mb"] > stages[0]["rss_mb"] + 50  # importing torch is not free
-        tensors = result["tensors"]
-        assert tensors["parameters and buffers"] > 0
-        packed[precision] = tensors["packed weights (the library's layout or int8 codes)"]
-        assert packed[precision] > 0
+        assert [name for name, _ in stages] == ["python", "imports", "weights", "runtime", "decode"]
+        assert all(at["peak"] >= at["rss"] > 0 for _, at in stages)
+        assert stages[1][1]["rss"] > stages[0][1]["rss"] + 50  # importing torch is not free
+        split = memory_generate.split_of(stages)
+        assert split["imports_mb"] == stages[1][1]["rss"]
+        assert split["own_peak_mb"] == pytest.approx(stages[-1][1]["peak"] - stages[1][1]["rss"], abs=0.11)
+        assert split["batch_working_mb"] <= split["own_peak_mb"]
+        assert result["packed_mb"] > 0 and result["embedding_mb"] > 0
+        packed[precision] = result["packed_mb"]
     if "int8" in packed:
         assert packed["int8"] < packed["fp32"]
 

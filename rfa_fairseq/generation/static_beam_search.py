@@ -336,7 +336,9 @@ class StaticBeamSearchGenerator(nn.Module):
         if bucketed:  # the longest max_len of the bucket's source lengths: one token buffer length per bucket
             buffer_len = max(buffer_len, min(int(self.max_len_a * source_len + self.max_len_b), self.max_len - 1))
 
-        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None)
+        # the native search's rows read their own place's states only: one buffer, updated in place
+        state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None,
+                                 state_buffers=1 if runtime.program is not None else 2)
         rows = state.batch  # the batch's one account of its rows, the decoding state's and the search's
         search = _Search(self, lane, state, buffer_len, bos, device, lagged=device.type in self.LAGGED_READS_ON,
                          prefix_tokens=prefix_tokens)

@@ -150,13 +150,13 @@ class DecoderLayerRecord:
         return FFN_ACTIVATIONS.get(self.activation_fn)
 
     def start(self, previous: Optional[LayerCache], rows: int, key: Optional[Tensor], key_padding_mask, source_len,
-              runtime) -> "tuple[LayerCache, bool]":
+              runtime, state_buffers: int = 2) -> "tuple[LayerCache, bool]":
         """A batch's cache for this layer (reusing the previous batch's buffers where they fit). key: (S, sentences,
         C) encoder output, or None; source_len: the cross-attention's K/V length (>= S: padded, masked; None: S).
         With the native program, softmax cross-attention's K and V are left to it (DecodingState.start: one call for
         every layer). -> (the cache, whether a buffer is new)"""
         self_attn, allocated = self.self_attn.start(previous.self_attn if previous else None, rows, runtime.device,
-                                                        runtime.kernels.state_dtype)
+                                                    runtime.kernels.state_dtype, state_buffers)
         cross = None
         if self.cross is not None and key is not None:
             fill = {"fill": runtime.program is None} if self.cross.kind == "softmax" else {}

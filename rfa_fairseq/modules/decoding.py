@@ -252,25 +252,34 @@ def reuse_or_allocate(buffer: Optional[Tensor], shape: Tuple[int, ...], dtype, d
 
 
 class CausalCache:
-    """A causal RFA layer's cache: two state buffers (>= rows, H, F, d + 1) used in turn (the decoding state's
-    parity names the one a step reads; it writes the other), fp32, or fp16 where the kernels keep it so (int8)."""
+    """A causal RFA layer's cache: its state buffers (>= rows, H, F, d + 1), fp32, or fp16 where the kernels keep it so
+    (the native step's default). `states[parity]` is the buffer a step reads, `states[1 - parity]` the one it writes:
+    two buffers used in turn, or one for both where the native search drives the batch (its places read only their own
+    rows, and the native step updates them in place: half the memory, the same traffic)."""
 
     def __init__(self):
-        self.states: List[Tensor] = []
+        self.buffers: List[Tensor] = []  # the distinct buffers
+        self.states: List[Tensor] = []  # by parity
 
-    def allocate(self, rows: int, heads: int, features: int, head_dim: int, device, dtype=torch.float32) -> bool:
-        """States for `rows` rows, reusing the buffers when large enough. -> whether any buffer is new."""
+    def allocate(self, rows: int, heads: int, features: int, head_dim: int, device, dtype=torch.float32,
+                 count: int = 2) -> bool:
+        """`count` (1 or 2) state buffers for `rows` rows, reusing the last batch's when large enough. -> whether any
+        buffer is new."""
+        if count not in (1, 2):
+            raise ValueError(f"a causal cache keeps 1 or 2 state buffers, not {count}")
         shape, new = (rows, heads, features, head_dim + 1), False
-        states = []
-        for j in range(2):
-            state, allocated = reuse_or_allocate(self.states[j] if len(self.states) > j else None, shape, dtype, device)
-            states.append(state)
+        buffers = []
+        for j in range(count):
+            state, allocated = reuse_or_allocate(self.buffers[j] if len(self.buffers) > j else None, shape, dtype,
+                                                 device)
+            buffers.append(state)
             new |= allocated
-        self.states = states
+        self.buffers = buffers
+        self.states = buffers if count == 2 else buffers * 2
         return new
 
     def tensors(self, rows: int) -> List[Tensor]:
-        return [t[:rows] for t in self.states]
+        return [t[:rows] for t in self.buffers]
 
 
 class SentenceCache:
@@ -464,12 +473,13 @@ class DecodingState:
 
     def start(self, runtime: DecodingRuntime, rows: int, beam: int, key: Optional[Tensor],
               key_padding_mask: Optional[Tensor], source_len: Optional[int] = None,
-              buffers: Optional[StateBuffers] = None) -> "DecodingState":
+              buffers: Optional[StateBuffers] = None, state_buffers: int = 2) -> "DecodingState":
         """A batch of `rows` rows, `beam` per sentence, on `runtime`: key (S, sentences, C) the encoder output once
         per sentence (or None), its padding (sentences, S) or None. source_len >= S pads the cross-attention's K/V
         to that length (masked), so that batches of nearby source lengths share shapes. buffers: decode on these
-        (the last batch's, DecodingCache.buffers_for) instead of this state's own. The batch's rows get a new account
-        (`batch`). -> self"""
+        (the last batch's, DecodingCache.buffers_for) instead of this state's own. state_buffers: the causal states'
+        buffers, 2 (used in turn: any reorder) or 1 (the native search, whose rows read their own place's only). The
+        batch's rows get a new account (`batch`). -> self"""
         if buffers is not None and buffers is not self.buffers:
             self.buffers = buffers
             self.generation += 1
@@ -482,7 +492,7 @@ class DecodingState:
         caches = []
         for i, record in enumerate(runtime.layers):
             previous = self.layers[i] if i < len(self.layers) else None
-            cache, allocated = record.start(previous, rows, key, key_padding_mask, source_len, runtime)
+            cache, allocated = record.start(previous, rows, key, key_padding_mask, source_len, runtime, state_buffers)
             caches.append(cache)
             self.generation += int(allocated)
         self.layers[:] = caches

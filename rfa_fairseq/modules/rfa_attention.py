@@ -343,11 +343,12 @@ class CausalRecord:
     eps: float
     map: FeatureMapRecord
 
-    def start(self, previous: Optional[CausalCache], rows: int, device, dtype=torch.float32) -> Tuple[CausalCache, bool]:
-        """A batch's cache: two state buffers of `dtype` (the kernels' state_dtype) for `rows` rows (the previous
-        batch's when large enough)."""
+    def start(self, previous: Optional[CausalCache], rows: int, device, dtype=torch.float32,
+              buffers: int = 2) -> Tuple[CausalCache, bool]:
+        """A batch's cache: `buffers` state buffers (CausalCache) of `dtype` (the kernels' state_dtype) for `rows` rows
+        (the previous batch's when large enough)."""
         cache = previous if previous is not None else CausalCache()
-        return cache, cache.allocate(rows, self.heads, self.features, self.head_dim, device, dtype)
+        return cache, cache.allocate(rows, self.heads, self.features, self.head_dim, device, dtype, buffers)
 
     def step(self, kernels, h: Tensor, cache: CausalCache, state, order: Optional[Tensor], key_pad: Optional[Tensor],
              residual: Tensor) -> Tensor:

@@ -72,14 +72,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v, const Optional& gate_logits,
          const Optional& key_pad, const Optional& state_in, const Optional& order, const torch::Tensor& state_out,
          const torch::Tensor& out, double eps, const std::string& activation, const Optional& sigma,
-         const Optional& matrix, const std::string& level) {
+         const Optional& matrix, const std::string& level, const Optional& state_rows, int64_t group) {
         causal_layer_step(phi_q, phi_k, v, or_undefined(gate_logits), or_undefined(key_pad), or_undefined(state_in),
                           or_undefined(order), state_out, out, eps, activation_code(activation), or_undefined(sigma),
-                          or_undefined(matrix), kernels_named(level));
+                          or_undefined(matrix), kernels_named(level), or_undefined(state_rows), group);
       },
       py::arg("phi_q"), py::arg("phi_k"), py::arg("v"), py::arg("gate_logits"), py::arg("key_pad"),
       py::arg("state_in"), py::arg("order"), py::arg("state_out"), py::arg("out"), py::arg("eps"),
       py::arg("activation"), py::arg("sigma"), py::arg("matrix"), py::arg("level") = "auto",
+      py::arg("state_rows") = py::none(), py::arg("group") = 0,
       "causal RFA layer step: feature map (activation: 'features' or the map's kind), gate, reorder, update, read-out");
   m.def(
       "softmax_cross_step",

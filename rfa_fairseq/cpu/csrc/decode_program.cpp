@@ -244,7 +244,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
       causal_layer_step(proj.narrow(1, 0, width), proj.narrow(1, width, width), proj.narrow(1, 2 * width, C),
                         self_attn.gated ? proj.narrow(1, 2 * width + C, H) : at::Tensor(), key_pad, state_in,
                         state_order, state_out, attn, self_attn.eps, self_attn.map.kind, self_attn.map.sigma,
-                        self_attn.map.matrix, kernels, state_rows);
+                        self_attn.map.matrix, kernels, state_rows, beam);
     }
     at::Tensor y = lib.linear(self_attn.out_proj, attn, false, x);
     x = pre ? y : layer_norm(layer.self_attn_norm, y, true, kernels);

@@ -27,6 +27,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using rfa::cpu::Kernels;
@@ -171,7 +172,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
                        int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix,
-                       const Kernels& kernels, const torch::Tensor& state_rows) {
+                       const Kernels& kernels, const torch::Tensor& state_rows, int64_t group) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
   const MapParams map = map_params(activation, H, F, d, sigma, matrix);
   const int64_t P = map.width;  // values per head in phi_q / phi_k rows
@@ -192,12 +193,25 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
     TORCH_CHECK(state_in.device().is_cpu() && state_in.is_contiguous() &&
                     state_in.sizes().slice(1) == state_out.sizes().slice(1) && state_in.scalar_type() == state_type,
                 "rfa static step: state_in and state_out differ in layout or dtype");
-    TORCH_CHECK(state_in.data_ptr() != state_out.data_ptr(), "rfa static step: state_out must not be state_in");
     const int64_t R0 = state_in.size(0);
     if (reorder) {
       check_state_rows(order, R, R0, "order");
     } else {
       TORCH_CHECK(R0 >= R, "rfa static step: state has ", R0, " rows for ", R);
+    }
+    if (state_in.data_ptr() == state_out.data_ptr()) {  // one buffer: each group's rows read their own group only
+      TORCH_CHECK(group >= 1 && R % group == 0, "rfa static step: state_out is state_in, which needs the rows in groups "
+                  "(the native search's places) that read only their own group's states, got groups of ", group,
+                  " for ", R, " rows");
+      const int64_t* ord = reorder ? order.data_ptr<int64_t>() : nullptr;
+      const int64_t* dst = placed ? state_rows.data_ptr<int64_t>() : nullptr;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t from = ord ? ord[r] : r, to = dst ? dst[r] : r, first_row = r - r % group;
+        const int64_t place = (dst ? dst[first_row] : first_row) / group;
+        TORCH_CHECK(from / group == place && to / group == place, "rfa static step: in one state buffer, row ", r,
+                    " reads row ", from, " and writes row ", to, ", outside its group of ", group, " rows (place ",
+                    place, ")");
+      }
     }
   }
   const bool gated = gate_logits.defined();
@@ -222,11 +236,13 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const float eps_f = static_cast<float>(eps);
 
   // the state in fp32, or fp16 (its IEEE bits): the kernels' update of one head
+  const bool in_place = !first && state_in.data_ptr() == state_out.data_ptr();
   auto run = [&](auto* s_in, auto* s_out, auto update) {
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F), scratch(std::max(F, d));
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / H, h = rh % H;
+  using State = std::remove_const_t<std::remove_pointer_t<decltype(s_out)>>;
+  const int64_t head_size = F * D1;
+  // row r's step of head h, reading its state at `from` (none: the first step)
+  auto row_head = [&](int64_t r, int64_t h, const State* from, std::vector<float>& v_aug, std::vector<float>& acc,
+                      std::vector<float>& q_buf, std::vector<float>& k_buf, std::vector<float>& scratch) {
       float decay = 1.0f, k_scale = 1.0f;
       if (padded && padp[r]) {  // a padded key adds nothing and decays nothing
         k_scale = 0.0f;
@@ -237,14 +253,38 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
       }
       std::copy(vp + r * ldv + h * d, vp + r * ldv + h * d + d, v_aug.begin());
       v_aug[d] = 1.0f;  // the ones column accumulates z
-      const int64_t src = reorder ? ord[r] : r, dst = placed ? dst_rows[r] : r;
+      const int64_t dst = placed ? dst_rows[r] : r;
       const float* q = head_features(kernels, pq + r * ldq + h * P, map, h, true, q_buf.data(), scratch.data());
       const float* k = head_features(kernels, pk + r * ldk + h * P, map, h, false, k_buf.data(), scratch.data());
-      update(first ? nullptr : s_in + (src * H + h) * F * D1, s_out + (dst * H + h) * F * D1, q, k, v_aug.data(),
-             decay, k_scale, F, D1, acc.data());
+      update(from, s_out + (dst * H + h) * head_size, q, k, v_aug.data(), decay, k_scale, F, D1, acc.data());
       const float den = std::max(acc[d], eps_f);
       float* o = op + r * ldo + h * d;
       for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / den;
+  };
+  if (!in_place) {
+    at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F), scratch(std::max(F, d));
+      for (int64_t rh = begin; rh < end; ++rh) {
+        const int64_t r = rh / H, h = rh % H, src = reorder ? ord[r] : r;
+        row_head(r, h, first ? nullptr : s_in + (src * H + h) * head_size, v_aug, acc, q_buf, k_buf, scratch);
+      }
+    });
+    return;
+  }
+  // one buffer (the native search): each group's (place's) head-h states, the rows it reads, copied aside before its
+  // rows write theirs; the copies stay in the core's cache, so the memory traffic is a double buffer's
+  at::parallel_for(0, (R / group) * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> v_aug(D1), acc(D1), q_buf(F), k_buf(F), scratch(std::max(F, d));
+    std::vector<State> read(static_cast<size_t>(group * head_size));
+    for (int64_t gh = begin; gh < end; ++gh) {
+      const int64_t g = gh / H, h = gh % H;
+      for (int64_t b = 0; b < group; ++b) {
+        const int64_t r = g * group + b, src = reorder ? ord[r] : r;
+        const State* from = s_in + (src * H + h) * head_size;
+        std::copy(from, from + head_size, read.data() + b * head_size);
+      }
+      for (int64_t b = 0; b < group; ++b)
+        row_head(g * group + b, h, read.data() + b * head_size, v_aug, acc, q_buf, k_buf, scratch);
     }
   });
   };

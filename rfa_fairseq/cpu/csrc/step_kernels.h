@@ -40,12 +40,15 @@ const float* head_features(const rfa::cpu::Kernels& kernels, const float* row, c
 
 // The causal layer's step: row r reads the state at row order[r] of state_in (r where order is undefined; none when
 // state_in is undefined: the first step) and writes it at row state_rows[r] of state_out (r where undefined: the
-// native search's live rows written at their places' rows).
+// native search's live rows written at their places' rows). state_in may be state_out itself (one buffer: the native
+// search's) where the rows come in groups of `group` (a place's beams) that read and write rows of their own group
+// only (checked): each group's states are read before any of them is written.
 void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
                        const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
                        const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
                        int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix,
-                       const rfa::cpu::Kernels& kernels, const torch::Tensor& state_rows = torch::Tensor());
+                       const rfa::cpu::Kernels& kernels, const torch::Tensor& state_rows = torch::Tensor(),
+                       int64_t group = 0);
 // The cross-attention steps: row r reads sentence r / beam, or sentences[r / beam] where `sentences` (int64) is given
 // (the native search's rows of the places still translating).
 // RFA cross-attention of one step: phi(q) . S over the per-sentence states (N, H, F, d + 1); q (R, H * P): raw
