@@ -87,8 +87,8 @@ class RFAConfig(FairseqDataclass):
     rfa_decode_precision: ChoiceEnum(DECODE_PRECISIONS) = field(
         default="fp32",
         metadata=_meta("decoding", "the linear layers of the CPU decoding step (and the encoder's inference): fp32, or "
-            "int8 = oneDNN's int8 product on weights quantized per output channel and activations quantized at "
-            "each step (7-bit, one scale per row): faster on x86 CPUs, its BLEU within docs/benchmarks.md's measured "
+            "int8 = the runtime's int8 product on weights quantized once per output channel and activations "
+            "quantized at each step (7-bit, one scale per row): faster, its BLEU within docs/benchmarks.md's measured "
             "margin of fp32's; the CPU in fp32 weights with the native step only (default: fp32)", speed_only=True),
     )
     rfa_decode_state: ChoiceEnum(DECODE_STATES) = field(

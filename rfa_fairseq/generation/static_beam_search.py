@@ -129,7 +129,7 @@ class Lane:
         self.state = DecodingState()
         self.buffers = SearchBuffers()
         self.host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
-        self.views: Dict[tuple, Dict[str, Tensor]] = {}  # _Search's views of the buffers, per (N, L, generation)
+        self.views: Dict[tuple, Dict[str, Tensor]] = {}  # _Search's views of the buffers, per (N, L, generation, native)
 
 
 class StaticBeamSearchGenerator(nn.Module):
@@ -466,7 +466,8 @@ class SearchViews:
 
     token_pair: List[Tensor]  # two (R, L) int64, used in turn: BatchRows.parity names the one the next step reads
     score_pair: List[Tensor]  # two (R, L - 1) fp32 cumulative scores, likewise
-    lprobs: Tensor  # (R, V) fp32: the torch step's log-probabilities
+    lprobs: Optional[Tensor]  # (R, V) fp32: the torch step's log-probabilities; None for the native search (its
+    # log-softmax is fused into the choice of the candidates: a batch of 32 at a 32k vocabulary saves 16 MB)
     cand_scores: Tensor  # (N * 2K,) fp32: the candidates (the best 2K per place)
     cand_indices: Tensor  # (N * 2K,) int64: beam * V + token
     row_offsets: Tensor  # (N, 1) int64: n * K
@@ -566,12 +567,13 @@ class _Search:
     def _views(self, N: int) -> SearchViews:
         """The buffers for N places (prefixes of the workspace's: halving keeps their addresses), made once per (N, L)
         and kept while the workspace's buffers stay (a batch of one sentence sets up its search in microseconds)."""
-        views = self.lane.views.get((N, self.L, self.ws.generation))
+        key = (N, self.L, self.ws.generation, self.state.runtime.program is not None)  # native: no lprobs buffer
+        views = self.lane.views.get(key)
         if views is None:
             views = self._make_views(N)
             if len(self.lane.views) >= MAX_VIEW_SETS or any(key[2] != self.ws.generation for key in self.lane.views):
                 self.lane.views.clear()  # views of buffers since replaced, or too many shapes to keep
-            self.lane.views[(N, self.L, self.ws.generation)] = views
+            self.lane.views[key] = views
         if self.lagged:
             self.finished_host = self.gen.host_flags(self.lane, N)
         return views
@@ -582,7 +584,7 @@ class _Search:
         return SearchViews(
             token_pair=[take(f"tokens{i}", (R, L), torch.long, device) for i in range(2)],
             score_pair=[take(f"scores{i}", (R, L - 1), torch.float32, device) for i in range(2)],
-            lprobs=take("lprobs", (R, self.V), torch.float32, device),
+            lprobs=None if self.state.runtime.program is not None else take("lprobs", (R, self.V), torch.float32, device),
             cand_scores=take("cand_scores", (N * self.cand_size,), torch.float32, device),
             cand_indices=take("cand_indices", (N * self.cand_size,), torch.long, device),
             row_offsets=torch.arange(N, out=take("row_offsets", (N,), torch.long, device)).mul_(K).unsqueeze(1),

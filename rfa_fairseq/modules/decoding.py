@@ -370,7 +370,7 @@ class RuntimeCache:
     """A runtime a module builds from its weights (the decoder's DecodingRuntime, the encoder's EncodingRuntime), with
     the key it was built for: `get(module, options, build)` returns it while the options and the module's tensors
     (WeightsWatch) stay the same, and builds it again otherwise. A cache: copies and pickles of a model start with an
-    empty one (oneDNN's packed tensors and the native programs cannot be copied)."""
+    empty one (the packed weights and the native programs cannot be copied)."""
 
     def __init__(self):
         self.key, self.runtime = None, None

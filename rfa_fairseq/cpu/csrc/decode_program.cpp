@@ -194,7 +194,7 @@ void DecodeProgram::check_decode(const NativeBatch& batch, const at::Tensor& tok
 at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                                  const at::Tensor& order, int64_t read, bool first, bool padded_inputs,
                                  const at::Tensor& weights, int64_t beam, const at::Tensor& sentences,
-                                 const at::Tensor& state_rows) const {
+                                 const at::Tensor& state_rows, const at::Tensor& logits) const {
   const int64_t R = tokens.size(0);
   const rfa::cpu::Kernels& kernels = library_->kernels();
   at::Tensor x = at::empty({R, embed.size(1)}, embed.options());  // (R, C)
@@ -278,7 +278,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
     x = pre ? y : layer_norm(ffn.final_norm, y, true, kernels);
   }
   if (final_norm.defined()) x = layer_norm(final_norm, x, true, kernels);
-  return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection");
+  return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection", logits);
 }
 
 

@@ -80,11 +80,13 @@ class DecodeProgram {
   // buffer `read` through `order` (undefined: row r reads row r; ignored when first) and write the other buffer at
   // rows `state_rows` (undefined: row r at row r; the native search's live rows at their places' rows); row r reads
   // source sentence r / beam (or sentences[r / beam]: step_kernels.h). weights: (R, S) the last layer's head-averaged
-  // softmax cross-attention weights, or undefined (not wanted). The caller has checked the tensors (check_decode).
+  // softmax cross-attention weights, or undefined (not wanted). logits: a contiguous (R, V) fp32 buffer the logits
+  // are written into (the native search's, reused every step), or undefined: a new tensor. The caller has checked
+  // the tensors (check_decode).
   at::Tensor decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& order, int64_t read, bool first, bool padded_inputs, const at::Tensor& weights,
                     int64_t beam, const at::Tensor& sentences = at::Tensor(),
-                    const at::Tensor& state_rows = at::Tensor()) const;
+                    const at::Tensor& state_rows = at::Tensor(), const at::Tensor& logits = at::Tensor()) const;
   void check_decode(const NativeBatch& batch, const at::Tensor& tokens, const at::Tensor& positions,
                     const at::Tensor& order, int64_t read, bool first, const at::Tensor& weights, int64_t beam) const;
 

@@ -249,7 +249,7 @@ void LinearLibrary::linear_int8(const LinearLayer& layer, const at::Tensor& code
 }
 
 at::Tensor LinearLibrary::linear_int8_of(const LinearLayer& layer, const at::Tensor& x, const at::Tensor& residual,
-                                         bool relu) const {
+                                         bool relu, const at::Tensor& out_buffer) const {
   // every product quantizes its rows: into the calling thread's scratch, not two new tensors a product
   thread_local std::vector<uint8_t> codes;
   thread_local std::vector<float> row_scales;
@@ -258,7 +258,7 @@ at::Tensor LinearLibrary::linear_int8_of(const LinearLayer& layer, const at::Ten
   codes.resize(static_cast<size_t>(R * I));
   row_scales.resize(static_cast<size_t>(R));
   quantize_rows(x.data_ptr<float>(), x.stride(0), R, I, codes.data(), row_scales.data(), *kernels_);
-  at::Tensor y = at::empty({R, O}, x.options());
+  at::Tensor y = out_buffer.defined() ? out_buffer : at::empty({R, O}, x.options());
   check_output("rfa linear int8", R, O, layer.bias, residual, y);
   const rfa::cpu::LinearOutput out = output_of(y, layer.bias, residual, relu);
   const rfa::cpu::Int8Scales scales{layer.w_sums.data_ptr<int32_t>(), layer.w_scales.data_ptr<float>(),
@@ -273,18 +273,20 @@ at::Tensor LinearLibrary::linear_int8_of(const LinearLayer& layer, const at::Ten
 }
 
 at::Tensor LinearLibrary::linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
-                                 const char* part) const {
+                                 const char* part, const at::Tensor& out) const {
   RECORD_FUNCTION(part, std::vector<c10::IValue>());
-  return unrecorded_linear(layer, x, relu, residual);
+  return unrecorded_linear(layer, x, relu, residual, out);
 }
 
 at::Tensor LinearLibrary::unrecorded_linear(const LinearLayer& layer, const at::Tensor& x, bool relu,
-                                            const at::Tensor& residual) const {
+                                            const at::Tensor& residual, const at::Tensor& out) const {
+  TORCH_CHECK(!out.defined() || (out.is_contiguous() && out.scalar_type() == at::kFloat),
+              "rfa linear: the output buffer must be a contiguous fp32 tensor");
   if (precision_ == kPrecisionInt8) {
-    return linear_int8_of(layer, x.is_contiguous() ? x : x.contiguous(), rows_of(residual), relu);
+    return linear_int8_of(layer, x.is_contiguous() ? x : x.contiguous(), rows_of(residual), relu, out);
   }
   const at::Tensor input = rows_of(x);
-  at::Tensor y = at::empty({input.size(0), layer.out_features}, input.options());
+  at::Tensor y = out.defined() ? out : at::empty({input.size(0), layer.out_features}, input.options());
   linear_fp32(layer, input, rows_of(residual), relu, y);
   return y;
 }

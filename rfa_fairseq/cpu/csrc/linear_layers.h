@@ -36,11 +36,12 @@ class LinearLibrary {
   // a level's name)
   LinearLibrary(const std::string& precision, const std::string& cpu_isa);
   // act(x W^T + b) + residual (residual undefined: none), `part` naming it for torch's profiler (a region of the
-  // step's profile); unrecorded: the same outside the step (the encoder's inference, a batch's start)
+  // step's profile); unrecorded: the same outside the step (the encoder's inference, a batch's start). out: a
+  // contiguous (R, O) fp32 tensor the result is written into (the caller's reused buffer), or undefined: a new one
   at::Tensor linear(const LinearLayer& layer, const at::Tensor& x, bool relu, const at::Tensor& residual,
-                    const char* part = "rfa::linear") const;
+                    const char* part = "rfa::linear", const at::Tensor& out = at::Tensor()) const;
   at::Tensor unrecorded_linear(const LinearLayer& layer, const at::Tensor& x, bool relu,
-                               const at::Tensor& residual) const;
+                               const at::Tensor& residual, const at::Tensor& out = at::Tensor()) const;
   Precision precision() const { return precision_; }
   const rfa::cpu::Kernels& kernels() const { return *kernels_; }
 
@@ -62,7 +63,8 @@ class LinearLibrary {
   // the layer's blocks are this level's for in_features inputs and this precision (else an error naming them)
   void check_blocks(const LinearLayer& layer, int64_t in_features) const;
   // the int8 product of fp32 rows x, quantized into the calling thread's scratch
-  at::Tensor linear_int8_of(const LinearLayer& layer, const at::Tensor& x, const at::Tensor& residual, bool relu) const;
+  at::Tensor linear_int8_of(const LinearLayer& layer, const at::Tensor& x, const at::Tensor& residual, bool relu,
+                            const at::Tensor& out) const;
   Precision precision_;
   const rfa::cpu::Kernels* kernels_;
 };

@@ -212,8 +212,17 @@ int64_t search_step(const DecodeProgram& program, const NativeBatch& batch, Nati
     last_tokens = tokens.select(1, t).index_select(0, state_rows);
     state_order = s.order.index_select(0, state_rows);
   }
+  // the logits into this thread's buffer, grown on demand and kept: a step's largest tensor (R x V: 16 MB at 128 rows
+  // and 32k entries) allocated and freed at every step would leave the allocator's heap fragmented (a higher peak)
+  thread_local at::Tensor logits_buffer;
+  const int64_t V = program.vocab_size(), rows = last_tokens.size(0);
+  if (!logits_buffer.defined() || logits_buffer.numel() < rows * V) {
+    logits_buffer = at::Tensor();  // the old buffer freed before the new one is made
+    logits_buffer = at::empty({rows * V}, tokens.options().dtype(at::kFloat));
+  }
   const at::Tensor logits = program.decode(batch, last_tokens, position, state_order, parity, first, false,
-                                           at::Tensor(), first ? 1 : K, sentences, state_rows);
+                                           at::Tensor(), first ? 1 : K, sentences, state_rows,
+                                           logits_buffer.narrow(0, 0, rows * V).view({rows, V}));
   s.step_rows.data_ptr<int64_t>()[t] = logits.size(0);
   return choose(program, s, logits, live, t, parity, first, last);
 }
