@@ -28,7 +28,7 @@ from rfa_fairseq.modules.decoding import DecodingState
 
 VOCABULARY_WORDS = 200  # + fairseq's 4 specials: a union of a batch is a fraction of it
 N_SENTENCES = 6
-K_CANDIDATES, N_FREQUENT = 3, 4
+K_CANDIDATES, N_FREQUENT = 2, 4
 
 
 def shortlist_model(flags=(), seed=1):
@@ -335,24 +335,23 @@ def test_without_the_option_nothing_is_restricted(tmp_path):
     assert recorded and all(output is None and vocabulary is None for output, vocabulary in recorded)
 
 
+@torch.no_grad()
 def test_the_native_search_refuses_a_vocabulary_without_a_prefix_token(tmp_path):
     """The native search checks its vocabulary: a prefix token outside it is an error, not a dropped token."""
     cpp_extension()
     model, d = shortlist_model()
     runtime = model.decoder.decoding_runtime()
-    with torch.no_grad():
-        generator = StaticBeamSearchGenerator(model, d, **GENERATION)
-        src, src_lengths, _ = random_batch(d, bsz=2, src_len=5, seed=2)
-        key, pad = model.decoder.encoder_keys(model.encoder(src, src_lengths=src_lengths))
-        lane = static_beam_search.Lane()
-        state = lane.state.start(runtime, 2 * 4, 4, key, pad)
-        vocabulary = torch.tensor([0, 1, 2, 3, 10, 11, 12])
-        state.restrict_output(vocabulary)
-        prefix = torch.tensor([[10], [50]])
-        search = static_beam_search._Search(generator, lane, state, 8, d.eos(), torch.device("cpu"), lagged=False,
-                                           prefix_tokens=prefix)
-        with pytest.raises(RuntimeError, match="prefix token 50 is not in search.vocabulary"):
-            runtime.program.search_steps(state.native_batch(), search.native, 0, state.batch.parity, True, 8, 8)
+    generator = StaticBeamSearchGenerator(model, d, **GENERATION)
+    src, src_lengths, _ = random_batch(d, bsz=2, src_len=5, seed=2)
+    key, pad = model.decoder.encoder_keys(model.encoder(src, src_lengths=src_lengths))
+    lane = static_beam_search.Lane()
+    state = lane.state.start(runtime, 2 * 4, 4, key, pad, state_buffers=1)  # as the native search starts it
+    state.restrict_output(torch.tensor([0, 1, 2, 3, 10, 11, 12]))
+    prefix = torch.tensor([[10], [50]])
+    search = static_beam_search._Search(generator, lane, state, 8, d.eos(), torch.device("cpu"), lagged=False,
+                                       prefix_tokens=prefix)
+    with pytest.raises(RuntimeError, match="prefix token 50 is not in search.vocabulary"):
+        runtime.program.search_steps(state.native_batch(), search.native, 0, state.batch.parity, True, 8, 8)
 
 
 # ---------------------------------------------------------------- options, hub.load, errors
@@ -370,7 +369,7 @@ def test_bad_option_values_are_errors_naming_the_option_and_the_file(tmp_path):
                                                        r"dictionary \(34 symbols, the model's has 204\)"):
         build_model(["--rfa-shortlist", other], dictionary=make_dictionary(VOCABULARY_WORDS))
     with pytest.raises(shortlist.ShortlistError, match=r"rfa_shortlist_k=9.*asked for K=9, N=4, but the file holds "
-                                                       r"K=3, N=4"):
+                                                       r"K=2, N=4"):
         build_model(["--rfa-shortlist", path, "--rfa-shortlist-k", "9"], dictionary=make_dictionary(VOCABULARY_WORDS))
     with pytest.raises(ValueError, match="--rfa-shortlist-k must be an integer >= 1"):
         build_model(["--rfa-shortlist", path, "--rfa-shortlist-k", "0"], dictionary=make_dictionary(VOCABULARY_WORDS))
