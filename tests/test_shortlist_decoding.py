@@ -424,9 +424,21 @@ def test_hub_load_and_fairseq_generate_take_the_option(trained):
     everything = model.decoder.shortlist().union(torch.tensor([source.index(w) for s in sentences for w in s.split()]))
     for output in outputs:
         assert {target.index(w) for w in output.split()} <= set(everything.tolist()), output
-    generated = run("fairseq-generate", bin_dir, "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--beam", "4",
-                    "--batch-size", "8", "--cpu", "--model-overrides", repr({"rfa_shortlist": path}))
-    hypotheses = [line.split("\t")[2] for line in generated.stdout.splitlines() if line.startswith("H-")]
-    assert len(hypotheses) == 40
+    # fairseq-generate: the native search and the torch search (fp32 states: the same steps up to the last bits of
+    # the scores) give the same hypotheses, inside the sources' union
+    generated = {}
+    for kernel in ("auto", "torch"):
+        proc = run("fairseq-generate", bin_dir, "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--beam", "4",
+                   "--batch-size", "8", "--cpu", "--model-overrides",
+                   repr({"rfa_shortlist": path, "rfa_decode_kernel": kernel, "rfa_decode_state": "fp32"}))
+        lines = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith(("S-", "H-"))]
+        generated[kernel] = sorted((fields[0], fields[-1]) for fields in lines)  # (S-/H-id, the tokens)
+    assert generated["auto"] == generated["torch"]
+    sources = [text for name, text in generated["auto"] if name.startswith("S-")]
+    hypotheses = [text for name, text in generated["auto"] if name.startswith("H-")]
+    assert len(hypotheses) == len(sources) == 40
+    all_sources = model.decoder.shortlist().union(torch.tensor([source.index(w) for s in sources for w in s.split()]))
+    for hypothesis in hypotheses:
+        assert {target.index(w) for w in hypothesis.split()} <= set(all_sources.tolist()), hypothesis
     with pytest.raises(shortlist.ShortlistError, match=r"--rfa-shortlist .*nowhere\.npz: file not found"):
         hub.load(checkpoint, bin_dir, sentencepiece_model=None, rfa_shortlist=os.path.join(bin_dir, "nowhere.npz"))
