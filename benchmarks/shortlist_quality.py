@@ -17,6 +17,8 @@ batch 1 has the smallest unions (the strictest setting), larger batches approach
         --checkpoint outputs/quality/hedgehog_gate_softmax_cross_d32_u1000_s1/checkpoint_best.pt
     python benchmarks/shortlist_quality.py --pair en-fr --prep outputs/multi30k_en_fr --checkpoint CKPT \
         --k 10 20 50 --n 50 100 --batch-sizes 1
+    python benchmarks/shortlist_quality.py --pair en-de --prep outputs/multi30k --checkpoint CKPT \
+        --points 50:50 100:100 --splits test          # these (K, N) points instead of the --k x --n grid
 
 Rows already in the CSV are kept and skipped (--redo measures them again): the study can be stopped and continued.
 The rule of issue 72 (docs/benchmarks.md): with the default K and N, BLEU within 0.1 of the full vocabulary's and at
@@ -60,10 +62,10 @@ def key_of(row) -> tuple:
 def build_shortlist(args) -> str:
     """The grid's shortlist (largest K and N), built by rfa-build-shortlist unless up to date."""
     data = os.path.join(args.prep, "data-bin")
-    path = args.shortlist or os.path.join(
-        data, f"shortlist.{args.pair}.k{max(args.k)}_n{max(args.n)}.i{ITERATIONS}.npz")
+    k, n = max(k for k, _ in args.points), max(n for _, n in args.points)
+    path = args.shortlist or os.path.join(data, f"shortlist.{args.pair}.k{k}_n{n}.i{ITERATIONS}.npz")
     cli = [os.path.join(os.path.dirname(sys.executable), "rfa-build-shortlist"), data, "-s", args.source, "-t",
-           args.target, "--k", str(max(args.k)), "--n", str(max(args.n)), "--iterations", str(ITERATIONS),
+           args.target, "--k", str(k), "--n", str(n), "--iterations", str(ITERATIONS),
            "--output", path, "--quiet"]
     proc = subprocess.run(cli, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
@@ -115,6 +117,23 @@ def union_sizes(args, path: str, split: str, k: int, n: int) -> dict:
     return sizes
 
 
+def checkpoint_updates(path: str) -> int:
+    """Training updates behind a checkpoint (a partially trained one shows in the CSV)."""
+    from rfa_fairseq.checkpoints import safe_load
+
+    history = safe_load(path, mmap=True).get("optimizer_history") or [{}]
+    return int(history[-1].get("num_updates", -1))
+
+
+def point(text: str) -> tuple:
+    """--points' K:N -> (K, N)."""
+    try:
+        k, n = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a point is K:N (two integers), got {text!r}") from None
+    return k, n
+
+
 def main(argv=None) -> int:
     import sacrebleu
 
@@ -124,11 +143,15 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", required=True, help="an rfa_transformer checkpoint of that pair")
     p.add_argument("--k", nargs="+", type=int, default=[10, 20, 50, 100], help="candidates per source token")
     p.add_argument("--n", nargs="+", type=int, default=[50, 100], help="frequent target tokens")
+    p.add_argument("--points", nargs="+", type=point, default=None, metavar="K:N",
+                   help="these (K, N) points instead of the --k x --n grid")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 128],
                    help="fairseq-generate --batch-size (each batch has its own union): default 1 (the smallest "
                         "unions) and 128")
     p.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS))
-    p.add_argument("--shortlist", default=None, help="the shortlist file (default: built in the data-bin, above)")
+    p.add_argument("--shortlist", default=None,
+                   help="the shortlist file, built there with the points' largest K and N unless up to date "
+                        "(default: in the data-bin, above)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds one fairseq-generate may run")
     p.add_argument("--work-dir", default=os.path.join(REPO, "outputs", "shortlist_quality"),
@@ -142,14 +165,17 @@ def main(argv=None) -> int:
             p.error(f"--prep {args.prep} has no {needed} (data-prep/prepare-multi30k.sh --pair {args.pair} writes it)")
     if not os.path.isfile(args.checkpoint):
         p.error(f"--checkpoint {args.checkpoint} does not exist")
-    if min(args.k) < 1 or min(args.n) < 0 or min(args.batch_sizes) < 1:
-        p.error("--k and --batch-sizes must be positive, --n at least 0")
+    args.points = sorted(set(args.points or [(k, n) for k in args.k for n in args.n]))
+    if min(k for k, _ in args.points) < 1 or min(n for _, n in args.points) < 0 or min(args.batch_sizes) < 1:
+        p.error("K (--k, --points) and --batch-sizes must be positive, N (--n, --points) at least 0")
     path = build_shortlist(args)
     checkpoint = os.path.normpath(os.path.abspath(args.checkpoint))
+    updates = checkpoint_updates(checkpoint)
+    log(f"{checkpoint}: {updates} training updates")
     work = os.path.join(args.work_dir, args.pair, os.path.basename(os.path.dirname(checkpoint)))
     os.makedirs(work, exist_ok=True)
     rows = read_rows(args.csv)
-    grid = [(FULL, FULL)] + [(k, n) for k in sorted(args.k) for n in sorted(args.n)]
+    grid = [(FULL, FULL)] + args.points
     for split in args.splits:
         refs = open(os.path.join(args.prep, f"{split}.raw.{args.target}"), encoding="utf-8").read().splitlines()
         for batch_size in args.batch_sizes:
@@ -166,7 +192,7 @@ def main(argv=None) -> int:
                          for name, h in (("full", full), ("shortlist", hyps))}
                 same = sum(full[i] == hyps[i] for i in range(len(refs))) / len(refs)
                 row = {"pair": args.pair, "split": split, "checkpoint": checkpoint, "batch_size": batch_size,
-                       "k": k, "n": n, "sentences": len(refs), "bleu_full": f"{score['full']:.2f}",
+                       "k": k, "n": n, "checkpoint_updates": updates, "sentences": len(refs), "bleu_full": f"{score['full']:.2f}",
                        "bleu_shortlist": f"{score['shortlist']:.2f}",
                        "shortlist_minus_full": f"{score['shortlist'] - score['full']:.2f}", "identical": f"{same:.4f}",
                        **({} if k == FULL else union_sizes(args, path, split, k, n)),
