@@ -117,6 +117,15 @@ def union_sizes(args, path: str, split: str, k: int, n: int) -> dict:
     return sizes
 
 
+def checkpoint_column(path: str) -> str:
+    """The CSV's name of a checkpoint: its path from the checkout's outputs/ on (any checkout's), else its run
+    directory and file name (no machine's paths in a committed CSV)."""
+    parts = path.split(os.sep)
+    if "outputs" in parts:
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("outputs"):])
+    return "/".join(parts[-2:])
+
+
 def checkpoint_updates(path: str) -> int:
     """Training updates behind a checkpoint (a partially trained one shows in the CSV)."""
     from rfa_fairseq.checkpoints import safe_load
@@ -171,6 +180,7 @@ def main(argv=None) -> int:
     path = build_shortlist(args)
     checkpoint = os.path.normpath(os.path.abspath(args.checkpoint))
     updates = checkpoint_updates(checkpoint)
+    checkpoint_name = checkpoint_column(checkpoint)
     log(f"{checkpoint}: {updates} training updates")
     work = os.path.join(args.work_dir, args.pair, os.path.basename(os.path.dirname(checkpoint)))
     os.makedirs(work, exist_ok=True)
@@ -181,7 +191,7 @@ def main(argv=None) -> int:
         for batch_size in args.batch_sizes:
             full = None
             for k, n in grid:
-                key = (args.pair, split, checkpoint, str(batch_size), str(k), str(n))
+                key = (args.pair, split, checkpoint_name, str(batch_size), str(k), str(n))
                 if not args.redo and any(key_of(r) == key for r in rows):
                     continue
                 full = full or translate(args, split, batch_size, {}, os.path.join(work, f"{split}.b{batch_size}.full"))
@@ -191,7 +201,7 @@ def main(argv=None) -> int:
                 score = {name: sacrebleu.corpus_bleu([h[i] for i in range(len(refs))], [refs]).score
                          for name, h in (("full", full), ("shortlist", hyps))}
                 same = sum(full[i] == hyps[i] for i in range(len(refs))) / len(refs)
-                row = {"pair": args.pair, "split": split, "checkpoint": checkpoint, "batch_size": batch_size,
+                row = {"pair": args.pair, "split": split, "checkpoint": checkpoint_name, "batch_size": batch_size,
                        "k": k, "n": n, "checkpoint_updates": updates, "sentences": len(refs), "bleu_full": f"{score['full']:.2f}",
                        "bleu_shortlist": f"{score['shortlist']:.2f}",
                        "shortlist_minus_full": f"{score['shortlist'] - score['full']:.2f}", "identical": f"{same:.4f}",
