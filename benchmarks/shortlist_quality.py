@@ -8,8 +8,9 @@ with the shortlist's first k candidates per source token and n frequent tokens (
 references. The shortlist is built once with the grid's largest K and N (rfa-build-shortlist --output
 DATA/shortlist.SRC-TGT.kK_nN.i5.npz, the name benchmarks/shortlist_sizes.py gives it; skipped when up to date) and
 read at every smaller (k, n). One CSV row per (pair, split, checkpoint, batch size, k, n): both BLEUs, their
-difference, how many hypotheses are identical to the full vocabulary's, and the union's mean size per batch at
-batch sizes 1, 32 and 128 (the split cut as fairseq-generate cuts it; the size the decoder's projection has); the
+difference, how many hypotheses are identical to the full vocabulary's (and why the others changed: how many of the
+full vocabulary's hypotheses lie wholly in their batch's union, how many of those stayed identical), the union's mean
+size per batch at batch sizes 1, 32 and 128 (the split cut as fairseq-generate cuts it; the size the decoder's projection has); the
 full vocabulary's row has k = n = full. The union is a batch's, so the hypotheses of a sentence depend on its batch:
 batch 1 has the smallest unions (the strictest setting), larger batches approach the full vocabulary.
 
@@ -143,6 +144,39 @@ def point(text: str) -> tuple:
     return k, n
 
 
+def inside_unions(args, path: str, split: str, k: int, n: int, batch_size: int, full: dict, hyps: dict) -> dict:
+    """Why hypotheses change: the fraction of the full vocabulary's hypotheses whose tokens all lie in their batch's
+    union (fairseq-generate's batches of `batch_size`; the detokenized hypothesis encoded again with PREP/spm.model,
+    which gives fairseq's pieces but where the model chose a non-canonical segmentation), and how many of those the
+    shortlist left identical (the others moved by renormalizing over the union)."""
+    import sentencepiece
+    import torch
+    from fairseq.data import Dictionary
+    from shortlist_sizes import fairseq_batches, padded
+
+    from rfa_fairseq import shortlist
+
+    data = os.path.join(args.prep, "data-bin")
+    source_dictionary = Dictionary.load(os.path.join(data, f"dict.{args.source}.txt"))
+    target_dictionary = Dictionary.load(os.path.join(data, f"dict.{args.target}.txt"))
+    loaded = shortlist.Shortlist.load(path, source_dictionary, target_dictionary, k=k, n=n)
+    sides = {lang: shortlist.read_binarized(os.path.join(data, f"{split}.{args.pair}.{lang}"))
+             for lang in (args.source, args.target)}
+    pieces = sentencepiece.SentencePieceProcessor(model_file=os.path.join(args.prep, "spm.model"))
+    inside = kept = 0
+    for rows in fairseq_batches(sides[args.source].lengths, sides[args.target].lengths, batch_size):
+        union = torch.zeros(len(target_dictionary), dtype=torch.bool)
+        union[loaded.union(padded(sides[args.source], rows, source_dictionary.pad()))] = True
+        for row in rows.tolist():
+            ids = [target_dictionary.index(piece) for piece in pieces.encode(full[row], out_type=str)]
+            if bool(union[torch.tensor(ids, dtype=torch.long)].all()) if ids else True:
+                inside += 1
+                kept += full[row] == hyps[row]
+    total = len(sides[args.source].lengths)
+    return {"full_inside_union": f"{inside / total:.4f}",
+            "identical_when_inside": f"{kept / inside:.4f}" if inside else ""}
+
+
 def main(argv=None) -> int:
     import sacrebleu
 
@@ -206,6 +240,7 @@ def main(argv=None) -> int:
                        "bleu_shortlist": f"{score['shortlist']:.2f}",
                        "shortlist_minus_full": f"{score['shortlist'] - score['full']:.2f}", "identical": f"{same:.4f}",
                        **({} if k == FULL else union_sizes(args, path, split, k, n)),
+                       **({} if k == FULL else inside_unions(args, path, split, k, n, batch_size, full, hyps)),
                        "shortlist": os.path.relpath(path, REPO) if k != FULL else "",
                        "threads": args.threads,
                        "load_1min": f"{os.getloadavg()[0]:.1f}",
@@ -215,7 +250,9 @@ def main(argv=None) -> int:
                 log(f"{args.pair} {split} batch {batch_size} K={k} N={n}: BLEU {row['bleu_shortlist']} vs "
                     f"{row['bleu_full']} ({row['shortlist_minus_full']}), identical {same:.1%}"
                     + (f", union {row['union_mean_b1']} / {row['union_mean_b32']} / {row['union_mean_b128']} "
-                       f"of {row['vocab']} at batch 1 / 32 / 128" if k != FULL else ""))
+                       f"of {row['vocab']} at batch 1 / 32 / 128; full hypotheses inside their union "
+                       f"{row['full_inside_union']}, identical among them {row['identical_when_inside']}"
+                       if k != FULL else ""))
     return 0
 
 
