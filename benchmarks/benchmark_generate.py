@@ -21,6 +21,13 @@ over ct2_softmax's (ct2_softmax_int8's) in the same repeat loop, and a CTranslat
 fairseq's softmax hypotheses (how faithful the conversion is). The CTranslate2 rows need the `ctranslate2`
 package (the bench extra); without it they are left out with a message.
 
+`rfa_shortlist` and `rfa_int8_shortlist` decode the default model (fp32, int8) with a vocabulary shortlist
+(--rfa-shortlist: each batch's output projection and log-softmax over its sources' candidates; --shortlist, default
+the data-bin's shortlist.en-de.npz built by rfa-build-shortlist, --shortlist-k / --shortlist-n its K and N), and
+`ct2_softmax_vmap` / `ct2_softmax_int8_vmap` the CTranslate2 conversions with the same table as its vocabulary map
+(ct2-fairseq-converter --vocab_mapping, translated with use_vmap); speed_vs_ct2_vmap (speed_vs_ct2_int8_vmap) is a
+row's speed over theirs, and the CSV's shortlist column says which K and N (kK_nN).
+
 --size base / big decodes the users' sizes instead of the recipe model: transformer base / big with a 32k joint
 vocabulary, the default rfa_transformer and its softmax twin trained a few updates, made once by
 benchmarks/user_size_checkpoints.py (under outputs/user_size), with forced lengths (--forced-length, required there:
@@ -32,6 +39,9 @@ forced_length columns), `native` being the CPU's own level (no cap).
     python benchmarks/benchmark_generate.py --prep outputs/multi30k --device cuda  # on a GPU
     python benchmarks/benchmark_generate.py --size base --sentences 100 --forced-length 16 32 64 \
         --batch-sizes 1 32 128 --threads 1 2 --cpu-isa native avx2                 # the users' base size
+    python benchmarks/benchmark_generate.py --size base --forced-length 16 --batch-sizes 1 32 128 --threads 1 2 \
+        --models rfa rfa_shortlist rfa_int8 rfa_int8_shortlist ct2_softmax ct2_softmax_int8 ct2_softmax_vmap \
+        ct2_softmax_int8_vmap                                                      # the shortlist against use_vmap
 
 Finished rows are kept (the CSV is rewritten whole after each point): a row is done when the CSV has one for its
 device, size, instruction-set level, forced length, number of sentences, threads, batch size and model; --redo
@@ -80,6 +90,10 @@ MODELS = {
     # CPU: each batch decoded as one part on every thread (intra-op threads), not split into one part per thread
     "rfa_intra": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_parts': 1}"]),
     "rfa_int8_intra": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_precision': 'int8', 'rfa_decode_parts': 1}"]),
+    # CPU: the default model decoding each batch over its vocabulary shortlist's union (--rfa-shortlist: the file of
+    # --shortlist, its first --shortlist-k / --shortlist-n), fp32 and int8
+    "rfa_shortlist": (DEFAULT_VARIANT, []),
+    "rfa_int8_shortlist": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_decode_precision': 'int8'}"]),
     # CUDA: the default model with its decoding step run eagerly, not replayed as CUDA graphs (the reference)
     "rfa_eager": (DEFAULT_VARIANT, ["--model-overrides", "{'rfa_cuda_graphs': False}"]),
     # the default model trained at each number of features D (the study's D variants; the default's is also
@@ -90,32 +104,43 @@ MODELS = {
 CT2_MODELS = {
     "ct2_softmax": ("softmax", "float32"),
     "ct2_softmax_int8": ("softmax", "int8"),
+    # converted with the shortlist's table as CTranslate2's vocabulary map (--vocab_mapping), translated with use_vmap
+    "ct2_softmax_vmap": ("softmax", "float32"),
+    "ct2_softmax_int8_vmap": ("softmax", "int8"),
 }
+SHORTLIST_MODELS = ("rfa_shortlist", "rfa_int8_shortlist")  # decode with --rfa-shortlist (the --shortlist file)
+VMAP_MODELS = ("ct2_softmax_vmap", "ct2_softmax_int8_vmap")  # CTranslate2 with use_vmap on the same table
 DEFAULT_MODELS = ["softmax", "rfa", "rfa_torch", *CT2_MODELS]
 # --size: recipe, the quality study's Multi30k checkpoints; base / big, user_size_checkpoints.py's
 SIZES = ("recipe", *user_size_checkpoints.SIZES)
 # the models of a user size (its two checkpoints decoded each way) and the default ones there
-USER_SIZE_MODELS = ("softmax", "rfa", "rfa_torch", "rfa_int8", "rfa_intra", "rfa_int8_intra", "rfa_eager", *CT2_MODELS)
+USER_SIZE_MODELS = ("softmax", "rfa", "rfa_torch", "rfa_int8", "rfa_intra", "rfa_int8_intra", "rfa_eager",
+                    *SHORTLIST_MODELS, *CT2_MODELS)
 DEFAULT_USER_SIZE_MODELS = ["rfa", "rfa_int8", *CT2_MODELS]
 NATIVE_ISA = "native"  # --cpu-isa: the CPU's own level, nothing capped (the CSV's cpu_isa column)
 # fairseq-generate's summary; its seconds have one decimal, its sentences/s two: the time is taken from the rate
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s \(([\d.]+) sentences/s")
 # a row's identity: one is measured once per CSV (rows of CSVs written before a column existed read its default)
-KEY = ("device", "size", "cpu_isa", "forced_length", "sentences", "threads", "batch_size", "model")
-KEY_DEFAULTS = {"size": "recipe", "cpu_isa": NATIVE_ISA, "forced_length": "0"}
+KEY = ("device", "size", "cpu_isa", "forced_length", "sentences", "threads", "batch_size", "model", "shortlist")
+KEY_DEFAULTS = {"size": "recipe", "cpu_isa": NATIVE_ISA, "forced_length": "0", "shortlist": ""}
 # the rfa models whose hypotheses are compared with rfa's (the same checkpoint, another decoding path)
-SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8", "rfa_intra", "rfa_int8_intra")
+SAME_CHECKPOINT_AS_RFA = ("rfa_torch", "rfa_eager", "rfa_int8", "rfa_intra", "rfa_int8_intra", *SHORTLIST_MODELS)
 
 
-def generate_flags(model: str, no_triton_self_check: bool = False, cpu_isa: str = "") -> list:
+def generate_flags(model: str, no_triton_self_check: bool = False, cpu_isa: str = "", shortlist=None) -> list:
     """fairseq-generate's flags of a model: MODELS' own, and for an RFA model its --model-overrides with
-    rfa_triton_self_check False (no_triton_self_check) and rfa_cpu_isa (cpu_isa: a level's name)."""
+    rfa_triton_self_check False (no_triton_self_check), rfa_cpu_isa (cpu_isa: a level's name) and, for the shortlist
+    models, the shortlist's options (shortlist: {'rfa_shortlist': PATH, ...})."""
     flags = list(MODELS[model][1])
     overrides = {}
     if no_triton_self_check:
         overrides["rfa_triton_self_check"] = False
     if cpu_isa:
         overrides["rfa_cpu_isa"] = cpu_isa
+    if model in SHORTLIST_MODELS:
+        if not shortlist:
+            raise ValueError(f"{model} decodes with a shortlist: give its options")
+        overrides.update(shortlist)
     if not overrides or MODELS[model][0] == "softmax":
         return flags
     if "--model-overrides" not in flags:
@@ -150,19 +175,55 @@ def variant_of(model) -> str:
 
 
 def ct2_model_of(args, model) -> str:
-    """The CTranslate2 conversion of the model's checkpoint (ct2-fairseq-converter), made once beside it."""
+    """The CTranslate2 conversion of the model's checkpoint (ct2-fairseq-converter), made once beside it; a vmap
+    model's with the shortlist's vocabulary map (ctranslate2_<quantization>_vmap_<shortlist>)."""
     checkpoint = args.checkpoints[model]
     quantization = CT2_MODELS[model][1]
-    out = os.path.join(os.path.dirname(checkpoint), f"ctranslate2_{quantization}")
+    vmap = args.ct2_vmap if model in VMAP_MODELS else None
+    name = f"ctranslate2_{quantization}" + (f"_vmap_{args.shortlist_tag}" if vmap else "")
+    out = os.path.join(os.path.dirname(checkpoint), name)
     if os.path.exists(os.path.join(out, "model.bin")):
         return out
     data_bin = getattr(args, "data_bin", None) or os.path.join(args.prep, "data-bin")
     try:
-        user_size_checkpoints.convert_for_ctranslate2(checkpoint, data_bin, quantization, out)
+        user_size_checkpoints.convert_for_ctranslate2(checkpoint, data_bin, quantization, out, vocab_mapping=vmap)
     except user_size_checkpoints.UserSizeError as exc:
         sys.exit(f"benchmark_generate: {exc}")
-    log(f"converted {checkpoint} for CTranslate2 ({quantization}): {out}")
+    log(f"converted {checkpoint} for CTranslate2 ({quantization}{', vocabulary map ' + vmap if vmap else ''}): {out}")
     return out
+
+
+def prepare_shortlist(args) -> None:
+    """The shortlist the shortlist and vmap models decode with: --shortlist, else the data-bin's
+    (rfa-build-shortlist's defaults, built from its train split, which a user size's data-bin gets first where it has
+    none); its --shortlist-k / --shortlist-n as model options (args.shortlist_options), the row's tag (kK_nN) and, for
+    the vmap models, the same table as CTranslate2's vocabulary map beside the file (args.ct2_vmap)."""
+    from fairseq.data import Dictionary
+
+    from rfa_fairseq import shortlist as shortlists
+
+    args.shortlist_options, args.shortlist_tag, args.ct2_vmap = None, "", None
+    if not any(m in SHORTLIST_MODELS or m in VMAP_MODELS for m in args.models):
+        return
+    path = args.shortlist
+    if path is None:
+        try:
+            path = user_size_checkpoints.shortlist_of(args.prep, args.data_bin)
+        except user_size_checkpoints.UserSizeError as exc:
+            sys.exit(f"benchmark_generate: {exc}")
+    table = shortlists.read(path)
+    k = table.header["k"] if args.shortlist_k is None else args.shortlist_k
+    n = table.header["n"] if args.shortlist_n is None else args.shortlist_n
+    args.shortlist_options = {"rfa_shortlist": os.path.abspath(path), "rfa_shortlist_k": k, "rfa_shortlist_n": n}
+    args.shortlist_tag = f"k{k}_n{n}"
+    if any(m in VMAP_MODELS for m in args.models):
+        src, tgt = user_size_checkpoints.SRC, user_size_checkpoints.TGT
+        dictionaries = [Dictionary.load(os.path.join(args.data_bin, f"dict.{lang}.txt")) for lang in (src, tgt)]
+        args.ct2_vmap = os.path.splitext(path)[0] + f".{args.shortlist_tag}.ct2_vmap.txt"
+        if not os.path.exists(args.ct2_vmap):
+            shortlists.check_dictionaries(table, *dictionaries, path)
+            shortlists.write_ct2_vmap(args.ct2_vmap, table, *dictionaries, k=k, n=n)
+    log(f"shortlist {path} (K={k}, N={n})" + (f"; CTranslate2 vocabulary map {args.ct2_vmap}" if args.ct2_vmap else ""))
 
 
 def updates_of(path) -> int:
@@ -192,13 +253,15 @@ def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1), cpu_
                "--output", hyp_path + ".txt", "--threads", str(intra), "--inter-threads", str(inter),
                "--batch-size", str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50",
                "--forced-length", str(forced_length), "--sentences", str(args.sentences)]
+        if model in VMAP_MODELS:
+            cmd.append("--use-vmap")
     else:
         # fairseq-generate as a module: the console script need not sit beside this interpreter
         cmd = [sys.executable, "-m", "fairseq_cli.generate", args.data_bin,
                "--user-dir", PLUGIN_DIR, "--path", checkpoint, "--gen-subset", args.subset, "--beam", "4", "--lenpen", "1",
                *length_flags(forced_length), "--batch-size", str(batch_size),
                "--required-batch-size-multiple", "1", "--post-process", "sentencepiece", "--num-workers", "0",
-               *generate_flags(model, args.no_triton_self_check, cpu_isa)]
+               *generate_flags(model, args.no_triton_self_check, cpu_isa, args.shortlist_options)]
         if args.device == "cpu":
             cmd.append("--cpu")
         if args.fp16:
@@ -299,6 +362,11 @@ def plot(rows, png_path):
     log(f"wrote {png_path}")
 
 
+def shortlist_of_model(args, model) -> str:
+    """The CSV's shortlist column: the shortlist and vmap models' K and N (kK_nN), empty for the others."""
+    return args.shortlist_tag if model in SHORTLIST_MODELS or model in VMAP_MODELS else ""
+
+
 def row_key(row) -> tuple:
     """A CSV row's identity (KEY), as strings; a column an older CSV lacks reads its KEY_DEFAULTS value."""
     return tuple(str(row.get(k) if row.get(k) not in (None, "") else KEY_DEFAULTS.get(k, "")) for k in KEY)
@@ -374,6 +442,13 @@ def main(argv=None):
                    help="every hypothesis exactly this many tokens (fairseq --min-len L --max-len-a 0 --max-len-b L, "
                         "CTranslate2 min/max decoding length): both engines do the same work whatever the checkpoints' "
                         "quality; 0: natural lengths (the default of --size recipe). Several: each point at each")
+    p.add_argument("--shortlist", default=None,
+                   help="the shortlist file of the shortlist models (rfa_shortlist, rfa_int8_shortlist) and, as "
+                        "CTranslate2's vocabulary map, of the vmap models (ct2_softmax_vmap, ct2_softmax_int8_vmap); "
+                        "default: the data-bin's shortlist.en-de.npz, built by rfa-build-shortlist with its defaults "
+                        "(a user size's data-bin gets its train split binarized first)")
+    p.add_argument("--shortlist-k", type=int, default=None, help="its first K candidates (default: the file's K)")
+    p.add_argument("--shortlist-n", type=int, default=None, help="its N frequent tokens (default: the file's N)")
     p.add_argument("--no-triton-self-check", action="store_true",
                    help="CUDA: the RFA models decode with --no-rfa-triton-self-check (fairseq-generate's timer would "
                         "count the check; for a GPU checked before: benchmarks/gpu/self_check.py)")
@@ -445,14 +520,19 @@ def main(argv=None):
         args.data_bin = files.data_bin
         args.checkpoints = {m: files.checkpoints["softmax" if variant_of(m) == "softmax" else "rfa"]
                             for m in args.models}
-        args.ct2_models = {m: files.ct2_models[CT2_MODELS[m][1]] for m in args.models if m in CT2_MODELS}
+        args.ct2_models = {m: files.ct2_models[CT2_MODELS[m][1]] for m in args.models
+                           if m in CT2_MODELS and m not in VMAP_MODELS}
         args.size_variant = {m: f"{args.size} 32k: {os.path.relpath(args.checkpoints[m], args.user_size_dir)}"
                              for m in args.models}
     else:
         args.data_bin = os.path.join(args.prep, "data-bin")
         args.checkpoints = {model: checkpoint_of(args, model) for model in args.models}
-        args.ct2_models = {model: ct2_model_of(args, model) for model in args.models if model in CT2_MODELS}
+        # the vmap models' conversions once the shortlist is known (prepare_shortlist, below)
+        args.ct2_models = {model: ct2_model_of(args, model) for model in args.models
+                           if model in CT2_MODELS and model not in VMAP_MODELS}
         args.size_variant = {}
+    prepare_shortlist(args)
+    args.ct2_models.update({model: ct2_model_of(args, model) for model in args.models if model in VMAP_MODELS})
     args.updates = {model: updates_of(path) for model, path in args.checkpoints.items()}
     args.subset = user_size_checkpoints.test_subset(args.data_bin, args.sentences)
     for model, updates in args.updates.items():
@@ -479,7 +559,8 @@ def main(argv=None):
                                                                          args.batch_sizes):
             def key_of(model, threads=threads, batch=batch, cpu_isa=cpu_isa, forced_length=forced_length):
                 return row_key({"device": tag, "size": args.size, "cpu_isa": cpu_isa, "forced_length": forced_length,
-                                "sentences": len(refs), "threads": threads, "batch_size": batch, "model": model})
+                                "sentences": len(refs), "threads": threads, "batch_size": batch, "model": model,
+                                "shortlist": shortlist_of_model(args, model)})
 
             point = models_to_measure(rows, key_of, args.models, args.redo)
             if not point:
@@ -508,7 +589,8 @@ def main(argv=None):
                     "sentences_per_s": f"{sentences / seconds:.2f}", "tokens_per_s": f"{tokens / seconds:.1f}",
                     "peak_rss_mb": f"{peak:.0f}", "bleu": f"{bleu(hyps, refs):.2f}", "repeats": args.repeats,
                     "machine": description, "cpu_isa": cpu_isa,
-                    "forced_length": forced_length, "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+                    "forced_length": forced_length, "shortlist": shortlist_of_model(args, model),
+                    "gemm_backend": backend, "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                 }
                 if "softmax" in best:
                     row["speed_vs_softmax"] = f"{best['softmax'][2] / seconds:.3f}"
@@ -516,6 +598,10 @@ def main(argv=None):
                     row["speed_vs_ct2"] = f"{best['ct2_softmax'][2] / seconds:.3f}"
                 if "ct2_softmax_int8" in best:
                     row["speed_vs_ct2_int8"] = f"{best['ct2_softmax_int8'][2] / seconds:.3f}"
+                if "ct2_softmax_vmap" in best:
+                    row["speed_vs_ct2_vmap"] = f"{best['ct2_softmax_vmap'][2] / seconds:.3f}"
+                if "ct2_softmax_int8_vmap" in best:
+                    row["speed_vs_ct2_int8_vmap"] = f"{best['ct2_softmax_int8_vmap'][2] / seconds:.3f}"
                 if model in CT2_MODELS:
                     row["ct2_config"] = "intra_threads={} inter_threads={}".format(*ct2_config[model])
                 if model in CT2_MODELS and "softmax" in best:

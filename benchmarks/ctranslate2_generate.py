@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     p.add_argument("--forced-length", type=int, default=0,
                    help="every hypothesis exactly this many tokens (min and max decoding length; 0: natural lengths)")
     p.add_argument("--sentences", type=int, default=0, help="translate the first N source lines only (0: all)")
+    p.add_argument("--use-vmap", action="store_true",
+                   help="translate with the model's vocabulary map (use_vmap=True: a model converted with "
+                        "--vocab_mapping)")
     args = p.parse_args(argv)
     if args.sentences < 0:
         p.error(f"--sentences must be 0 (all) or positive, got {args.sentences}")
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     results = translator.translate_batch(
         sources, beam_size=args.beam, length_penalty=args.lenpen, max_batch_size=args.batch_size,
-        batch_type="examples", return_scores=False, **lengths,
+        batch_type="examples", return_scores=False, use_vmap=args.use_vmap, **lengths,
     )
     seconds = time.perf_counter() - start
     hypotheses = [r.hypotheses[0] for r in results]

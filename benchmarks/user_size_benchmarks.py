@@ -15,6 +15,7 @@ Every step skips what is done (checkpoints that exist, CSV rows already measured
 
     python benchmarks/user_size_benchmarks.py                  # the whole matrix (hours: docs/benchmarks.md)
     python benchmarks/user_size_benchmarks.py --dry-run        # the runs it would make, nothing measured
+    python benchmarks/user_size_benchmarks.py --shortlist      # also the shortlist models against use_vmap
     python benchmarks/user_size_benchmarks.py --sizes base --forced-lengths 16 --batch-sizes 1 32 --threads 1 \\
         --sentences 20 --results-dir outputs/user_size_check  # a small slice
 """
@@ -27,15 +28,32 @@ import benchmark_generate  # noqa: E402
 import user_size_checkpoints  # noqa: E402
 from benchmark_common import ISA_CAPS, REPO  # noqa: E402
 
-# precision -> (the plugin's model, CTranslate2's) in benchmark_generate.py
+# precision -> (the plugin's model, CTranslate2's) in benchmark_generate.py; with --shortlist also the plugin's
+# shortlist model and CTranslate2's use_vmap on the same table
 PRECISION_MODELS = {"fp32": ("rfa", "ct2_softmax"), "int8": ("rfa_int8", "ct2_softmax_int8")}
+SHORTLIST_PRECISION_MODELS = {"fp32": ("rfa_shortlist", "ct2_softmax_vmap"),
+                              "int8": ("rfa_int8_shortlist", "ct2_softmax_int8_vmap")}
 DEFAULTS = {"sizes": ["base", "big"], "forced_lengths": [16, 32, 64], "batch_sizes": [1, 32, 128], "threads": [1, 2],
             "cpu_isas": ["native", "avx2"], "precisions": ["fp32", "int8"], "sentences": 100, "repeats": 2}
 
 
+def models_of(args) -> list:
+    """benchmark_generate.py's models of the precisions (and, with --shortlist, their shortlist and vmap twins)."""
+    tables = [PRECISION_MODELS] + ([SHORTLIST_PRECISION_MODELS] if args.shortlist else [])
+    return [m for precision in args.precisions for table in tables for m in table[precision]]
+
+
+def shortlist_tag(args) -> str:
+    """The shortlist column of the shortlist models' rows: the data-bin's file is built with rfa-build-shortlist's
+    defaults (benchmark_generate.py's --shortlist default)."""
+    from rfa_fairseq.cli.build_shortlist import DEFAULT_K, DEFAULT_N
+
+    return f"k{DEFAULT_K}_n{DEFAULT_N}"
+
+
 def generate_argv(args, size: str) -> list:
     """benchmark_generate.py's arguments for one size."""
-    models = [m for precision in args.precisions for m in PRECISION_MODELS[precision]]
+    models = models_of(args)
     return ["--size", size, "--prep", args.prep, "--user-size-dir", args.user_size_dir, "--models", *models,
             "--sentences", str(args.sentences), "--forced-length", *map(str, args.forced_lengths),
             "--batch-sizes", *map(str, args.batch_sizes), "--threads", *map(str, args.threads),
@@ -49,16 +67,18 @@ def csv_path(args, size: str) -> str:
 def planned_runs(args, size: str, rows=()) -> int:
     """The engine processes benchmark_generate.py will start for one size: per point not yet in `rows` (CSV rows),
     one per model and repeat, CTranslate2 once per split of the threads."""
-    models = [m for precision in args.precisions for m in PRECISION_MODELS[precision]]
+    models = models_of(args)
     runs = 0
     for cpu_isa in args.cpu_isas:
         for length in args.forced_lengths:
             for threads in args.threads:
                 for batch in args.batch_sizes:
                     def key_of(model):
+                        shortlisted = model in benchmark_generate.SHORTLIST_MODELS + benchmark_generate.VMAP_MODELS
                         return benchmark_generate.row_key({
                             "device": "cpu", "size": size, "cpu_isa": cpu_isa, "forced_length": length,
-                            "sentences": args.sentences, "threads": threads, "batch_size": batch, "model": model})
+                            "sentences": args.sentences, "threads": threads, "batch_size": batch, "model": model,
+                            "shortlist": shortlist_tag(args) if shortlisted else ""})
 
                     todo = benchmark_generate.models_to_measure(list(rows), key_of, models)
                     runs += args.repeats * sum(len(benchmark_generate.ct2_configs(threads))
@@ -79,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-isas", nargs="+", default=DEFAULTS["cpu_isas"], choices=["native", *ISA_CAPS],
                    help="native: the CPU's own level; others: every library capped there (default: native avx2)")
     p.add_argument("--precisions", nargs="+", default=DEFAULTS["precisions"], choices=list(PRECISION_MODELS))
+    p.add_argument("--shortlist", action="store_true",
+                   help="also the default model with its vocabulary shortlist (rfa_shortlist, rfa_int8_shortlist: the "
+                        "data-bin's, rfa-build-shortlist's defaults) and CTranslate2 with use_vmap on the same table "
+                        "(ct2_softmax_vmap, ct2_softmax_int8_vmap)")
     p.add_argument("--sentences", type=int, default=DEFAULTS["sentences"],
                    help="the first N test_2016_flickr sources (default 100)")
     p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], help="runs per point; the fastest counts")

@@ -206,6 +206,43 @@ def make_data_bin(prep: str, data_bin: str, vocab_size: int) -> None:
     os.replace(tmp, data_bin)
 
 
+def add_train_split(prep: str, data_bin: str) -> None:
+    """The prep's train pieces binarized into data_bin with its own joint dictionary (fairseq-preprocess --srcdict
+    DATA_BIN/dict.SRC.txt --joined-dictionary), as make_data_bin binarizes every split: a data_bin made before
+    make_data_bin binarized the train split gets it (rfa-build-shortlist reads it). Skipped when it is there."""
+    names = [f"train.{SRC}-{TGT}.{lang}.{ext}" for lang in (SRC, TGT) for ext in ("bin", "idx")]
+    if all(os.path.exists(os.path.join(data_bin, name)) for name in names):
+        return
+    tmp = data_bin + ".train.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    cmd = [tool("fairseq-preprocess"), "--source-lang", SRC, "--target-lang", TGT,
+           f"--trainpref={os.path.join(prep, 'train.spm')}", "--destdir", tmp, "--joined-dictionary",
+           "--srcdict", os.path.join(data_bin, f"dict.{SRC}.txt"), "--workers", "1"]
+    log(f"binarizing {prep}'s train pieces into {data_bin} (its {SRC}/{TGT} dictionary)")
+    run_logged(cmd, os.path.join(os.path.dirname(data_bin), "preprocess_train.log"), "fairseq-preprocess (train)", 3600)
+    for lang in (SRC, TGT):
+        with open(os.path.join(tmp, f"dict.{lang}.txt"), "rb") as made, \
+                open(os.path.join(data_bin, f"dict.{lang}.txt"), "rb") as kept:
+            if made.read() != kept.read():
+                raise UserSizeError(f"binarizing the train split into {data_bin} wrote another dict.{lang}.txt than "
+                                    f"the data-bin's (see {tmp})")
+    for name in names[::-1]:  # the .idx files last: a train split is whole once both are there
+        os.replace(os.path.join(tmp, name), os.path.join(data_bin, name))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shortlist_of(prep: str, data_bin: str) -> str:
+    """The data_bin's vocabulary shortlist (rfa-build-shortlist's default K and N, DATA_BIN/shortlist.SRC-TGT.npz),
+    built from its train split (added first where missing); rebuilt only when out of date."""
+    add_train_split(prep, data_bin)
+    path = os.path.join(data_bin, f"shortlist.{SRC}-{TGT}.npz")
+    run_logged([tool("rfa-build-shortlist"), data_bin, "-s", SRC, "-t", TGT, "--quiet"],
+               os.path.join(os.path.dirname(data_bin), "build_shortlist.log"), "rfa-build-shortlist", 3600,
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return path
+
+
 def train_command(size: str, model: str, data_bin: str, save_dir: str, updates: int, max_tokens: int):
     """(environment, argv) of scripts/train.sh training `model` (rfa or softmax) of `size` for `updates` updates on
     the CPU in fp32: the recipe's flags, then the few-updates run's own (later flags win in fairseq's parser)."""
@@ -254,14 +291,18 @@ def updates_in(path: str) -> int:
     return int(history[-1].get("num_updates", -1))
 
 
-def convert_for_ctranslate2(checkpoint: str, data_bin: str, quantization: str, out: str) -> str:
-    """The softmax checkpoint converted by ct2-fairseq-converter (--quantization float32 or int8) into `out`;
-    skipped when out/model.bin exists. A conversion cut short is never taken for a finished one (out.tmp)."""
+def convert_for_ctranslate2(checkpoint: str, data_bin: str, quantization: str, out: str,
+                            vocab_mapping: str = None) -> str:
+    """The softmax checkpoint converted by ct2-fairseq-converter (--quantization float32 or int8) into `out`, with
+    the vocabulary map `vocab_mapping` (--vocab_mapping: translate with use_vmap=True) where given; skipped when
+    out/model.bin exists. A conversion cut short is never taken for a finished one (out.tmp)."""
     if os.path.exists(os.path.join(out, "model.bin")):
         return out
     cmd = [tool("ct2-fairseq-converter"), "--model_path", checkpoint, "--data_dir", data_bin, "--source_lang", SRC,
            "--target_lang", TGT, "--user_dir", PLUGIN_DIR, "--quantization", quantization,
            "--output_dir", out + ".tmp", "--force"]
+    if vocab_mapping is not None:
+        cmd += ["--vocab_mapping", vocab_mapping]
     log(f"converting {checkpoint} for CTranslate2 ({quantization})")
     run_logged(cmd, out + ".log", f"ct2-fairseq-converter ({quantization})", CONVERT_TIMEOUT_S)
     shutil.rmtree(out, ignore_errors=True)

@@ -10,7 +10,9 @@ Every field is marked with what it is for (metadata "role"):
 and "speed_only" when results do not depend on it (kernels, chunks): fine-tuning keeps the command line's.
 """
 import argparse
+import os
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
@@ -122,6 +124,27 @@ class RFAConfig(FairseqDataclass):
             "time on every thread (intra-op threads); 0 = auto: one part per thread (torch's thread count, e.g. "
             "OMP_NUM_THREADS), a batch on its own split only while each part keeps at least 32 sentences. Same "
             "hypotheses, other speeds (default: 0)", speed_only=True),
+    )
+    # changes hypotheses a little (like int8): marked speed_only all the same, so that fine-tuning a checkpoint decoded
+    # with a shortlist does not carry the decoding option into its training command
+    rfa_shortlist: str = field(
+        default="",
+        metadata=_meta("decoding", "a vocabulary shortlist (rfa-build-shortlist's DATA/shortlist.SRC-TGT.npz, built for "
+            "the model's dictionaries): each batch's output projection and log-softmax run over the union of its "
+            "sentences' candidate target tokens (each source token's K candidates, the N most frequent targets, the "
+            "special tokens, any prefix or constraint token), normalized over that union as Marian's lexical shortlist "
+            "does; hypotheses are in the full vocabulary's ids. Read once per model. Empty: the full vocabulary "
+            "(default: empty)", speed_only=True),
+    )
+    rfa_shortlist_k: Optional[int] = field(
+        default=None,
+        metadata=_meta("decoding", "with --rfa-shortlist: the first K candidates per source token, at most the file's K "
+            "(default: the file's)", speed_only=True),
+    )
+    rfa_shortlist_n: Optional[int] = field(
+        default=None,
+        metadata=_meta("decoding", "with --rfa-shortlist: the N most frequent target tokens always in, at most the "
+            "file's N; 0: none (default: the file's)", speed_only=True),
     )
     rfa_static_beam_search: bool = field(
         default=True,
@@ -239,6 +262,23 @@ def check_rfa_num_features(args) -> None:
         f"<= {MAX_RFA_NUM_FEATURES}")
 
 
+def check_shortlist_options(args) -> None:
+    """--rfa-shortlist is a path (a str, empty: off) and its K / N None or in range, named when not (the file itself is
+    read, and checked against the model's dictionaries, when the decoder loads it)."""
+    path = getattr(args, "rfa_shortlist", "")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{flag('rfa_shortlist')} must be a path (a str; empty: the full vocabulary), got {path!r}")
+    for name, least in (("rfa_shortlist_k", 1), ("rfa_shortlist_n", 0)):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{flag(name)} must be an integer >= {least} (None: the shortlist file's), got {value!r}")
+        if not path:
+            raise ValueError(f"{flag(name)}={value} is given without {flag('rfa_shortlist')} (the shortlist file it "
+                             f"picks from)")
+
+
 def validate_rfa_args(args) -> None:
     """Reject bad or contradictory options before any model is built, naming the flag."""
     if args.rfa_feature_map not in FEATURE_MAPS:
@@ -264,6 +304,7 @@ def validate_rfa_args(args) -> None:
     parts = getattr(args, "rfa_decode_parts", 0)
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 0:
         raise ValueError(f"{flag('rfa_decode_parts')} must be a non-negative integer (0: auto), got {parts!r}")
+    check_shortlist_options(args)
     if getattr(args, "rfa_sequence_kernel", "auto") not in SEQUENCE_KERNELS:
         raise ValueError(
             f"{flag('rfa_sequence_kernel')}={args.rfa_sequence_kernel!r} is not one of {', '.join(SEQUENCE_KERNELS)}"

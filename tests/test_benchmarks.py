@@ -276,7 +276,7 @@ def test_benchmark_generate_skips_the_rows_it_has_and_checks_the_user_size_argum
     bench = _bench_module("benchmark_generate")
     # a row of a CSV written before the size, level and length columns: the recipe model, native, natural lengths
     old = {"device": "cpu", "threads": "1", "batch_size": "32", "model": "rfa", "sentences": "1000"}
-    assert bench.row_key(old) == ("cpu", "recipe", "native", "0", "1000", "1", "32", "rfa")
+    assert bench.row_key(old) == ("cpu", "recipe", "native", "0", "1000", "1", "32", "rfa", "")
     point = {"device": "cpu", "size": "recipe", "cpu_isa": "native", "forced_length": 0, "sentences": 1000,
              "threads": 1, "batch_size": 32}
     key_of = lambda model, **change: bench.row_key({**point, **change, "model": model})  # noqa: E731

@@ -90,6 +90,15 @@ class NativeKernels:
         for begin, end in sorted(set(spans)):
             self.ext.release_pages(begin, end - begin)
 
+    def select_outputs(self, packed: PackedLinear, ids: Tensor, size: int, take=None) -> PackedLinear:
+        """The output channels `ids` of a packed layer in blocks of their own (the C++ LinearLibrary gathers them:
+        fp32 values, or int8 codes, sums and scales), each channel's product the whole layer's. No padding here (the
+        native search decodes any number of columns): size is ids' length."""
+        if size != ids.numel():
+            raise ValueError(f"the native output projection takes no padding columns: {ids.numel()} ids, {size} real")
+        weight, bias, scales, sums = self.library.select_outputs(packed, ids.contiguous())
+        return PackedLinear(weight, bias, packed.in_features, ids.numel(), w_scales=scales, w_sums=sums)
+
     def linear(self, x: Tensor, packed: PackedLinear, activation=None, residual=None) -> Tensor:
         return self.library.linear(packed, x, activation == "relu", residual)
 

@@ -6,8 +6,11 @@ hypotheses and scores, fixed-shape buffers) unless its --rfa-static-beam-search 
 what fairseq builds, with one log line naming the reason. The generator is the task's for joining its batches
 (`batch_groups.use_generator`).
 """
+import contextlib
 import functools
 import logging
+
+import torch
 
 from . import batch_groups
 from .static_beam_search import StaticBeamSearchGenerator
@@ -50,6 +53,35 @@ def fallback_reason(models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, p
     return None
 
 
+def forced_tokens_reach_shortlists(generator, models) -> None:
+    """fairseq's generator forces a batch's prefix tokens and constraints, which its decoder does not see: each
+    rfa_transformer with --rfa-shortlist gets them while the generator decodes a batch (its decoder's forcing_tokens),
+    so that its batch's union holds them (none is dropped). Nothing for models without a shortlist."""
+    from fairseq.token_generation_constraints import unpack_constraints
+
+    from ..models.rfa_transformer import RFATransformerModel
+
+    decoders = [m.decoder for m in models if isinstance(m, RFATransformerModel) and m.rfa_config.rfa_shortlist]
+    generate = getattr(generator, "generate", None)
+    if not decoders or generate is None:
+        return
+
+    @functools.wraps(generate)
+    def generate_forcing(*args, prefix_tokens=None, constraints=None, **kwargs):
+        constrained = None
+        if constraints is not None:  # fairseq's packed rows: counts and 0 separators besides the tokens
+            constrained = [c for row in constraints for c in unpack_constraints(row)]
+            constrained = torch.cat(constrained) if constrained else None
+        with contextlib.ExitStack() as stack:
+            for decoder in decoders:
+                stack.enter_context(decoder.forcing_tokens(prefix_tokens, constrained))
+            if constraints is not None:
+                kwargs["constraints"] = constraints
+            return generate(*args, prefix_tokens=prefix_tokens, **kwargs)
+
+    generator.generate = generate_forcing
+
+
 def wrap_build_generator(original):
     """FairseqTask.build_generator, giving the static beam search where it serves (see module docstring)."""
 
@@ -68,6 +100,7 @@ def wrap_build_generator(original):
                                 f"(only the static beam search splits batches into parts)")
             generator = original(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+            forced_tokens_reach_shortlists(generator, models)
             batch_groups.use_generator(self, generator)  # the task's batches come one at a time
             return generator
         logger.info("rfa_fairseq: static beam search generator")
@@ -86,4 +119,4 @@ def wrap_build_generator(original):
     return build_generator
 
 
-__all__ = ["StaticBeamSearchGenerator", "fallback_reason", "wrap_build_generator"]
+__all__ = ["StaticBeamSearchGenerator", "fallback_reason", "forced_tokens_reach_shortlists", "wrap_build_generator"]

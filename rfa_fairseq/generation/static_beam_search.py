@@ -51,6 +51,7 @@ from .joined_sample import user_batches
 logger = logging.getLogger(__name__)
 
 SOURCE_BUCKET = 16  # CUDA: cross-attention K/V padded to a multiple of this length (batches share graphs)
+OUTPUT_BUCKET = 64  # CUDA, with --rfa-shortlist: a batch's output columns padded to a multiple of this (likewise)
 MAX_VIEW_SETS = 256  # a lane keeps its search's views for this many (places, length) shapes at most
 MIN_PART_SENTENCES = 32  # auto: parts of at least this many sentences (smaller ones lose to intra-op threads: docs/benchmarks.md)
 
@@ -129,7 +130,7 @@ class Lane:
         self.state = DecodingState()
         self.buffers = SearchBuffers()
         self.host_flags: List[Tensor] = []  # CUDA: two pinned (>= N,) bool buffers the steps copy `finished` into
-        self.views: Dict[tuple, Dict[str, Tensor]] = {}  # _Search's views of the buffers, per (N, L, generation, native)
+        self.views: Dict[tuple, Dict[str, Tensor]] = {}  # _Search's views of the buffers, per (N, L, V, native, generation)
 
 
 class StaticBeamSearchGenerator(nn.Module):
@@ -248,10 +249,20 @@ class StaticBeamSearchGenerator(nn.Module):
             raise NotImplementedError("the static beam search takes no constraints (build_generator falls back)")
         net_input = sample["net_input"]
         runtime = self.model.decoder.decoding_runtime()
+        shortlist = self.model.decoder.shortlist()  # --rfa-shortlist: each batch decodes over its union's columns
         bos = self.eos if bos_token is None else bos_token
         parts = self._parts(sample, runtime, max_steps)
+
+        def union(src_tokens, prefix):  # a batch's output vocabulary: its sources' candidates, its prefix tokens
+            return None if shortlist is None else shortlist.union(src_tokens, prefix)
+
         if parts is None:
-            return self._decode(self.lanes[0], runtime, net_input, prefix_tokens, bos, max_steps)
+            return self._decode(self.lanes[0], runtime, net_input, prefix_tokens, bos, max_steps,
+                                union(net_input["src_tokens"], prefix_tokens))
+        # the user's batch is what a union is made of: each of a joined batch's own, and one batch split into parts
+        # decodes every part over the whole batch's union (its hypotheses then those of one thread)
+        whole = None if shortlist is None or user_batches(sample) is not None else union(net_input["src_tokens"],
+                                                                                          prefix_tokens)
         threads = min(len(parts), parts_at_once(self.parts))
         while len(self.part_lanes) < threads:
             self.part_lanes.append(Lane())
@@ -272,9 +283,10 @@ class StaticBeamSearchGenerator(nn.Module):
             part_input = {name: (value[rows][:, columns] if name == "src_tokens" else value[rows]).contiguous()
                           for name, value in net_input.items() if name != "prev_output_tokens" and value is not None}
             part_prefix = prefix_tokens[rows].contiguous() if prefix_tokens is not None else None
+            vocabulary = whole if whole is not None else union(part_input["src_tokens"], part_prefix)
             lane = free_lanes.get()
             try:
-                return self._decode(lane, runtime, part_input, part_prefix, bos, None)
+                return self._decode(lane, runtime, part_input, part_prefix, bos, None, vocabulary)
             finally:
                 free_lanes.put(lane)
 
@@ -311,19 +323,22 @@ class StaticBeamSearchGenerator(nn.Module):
         return [(torch.arange(i, N, parts, device=src_tokens.device), slice(None)) for i in range(parts)]
 
     def _decode(self, lane: Lane, runtime, net_input: Dict[str, Tensor], prefix_tokens: Optional[Tensor], bos: int,
-                max_steps: Optional[int]) -> List[List[Dict[str, Tensor]]]:
-        """The encoder pass and the beam search of the batch `net_input` on `lane`."""
+                max_steps: Optional[int], vocabulary: Optional[Tensor] = None) -> List[List[Dict[str, Tensor]]]:
+        """The encoder pass and the beam search of the batch `net_input` on `lane` (over the target ids `vocabulary`,
+        a shortlist's union, or every token: None)."""
         N, src_len = net_input["src_tokens"].shape[:2]
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
         encoder_out = self.model.encoder.forward_torchscript(net_input)
         key, pad = self.model.decoder.encoder_keys(encoder_out)  # once per sentence: no copies for the beams
-        return self._search(lane, runtime, key, pad, N, src_len, max_len, bos, prefix_tokens, max_steps)
+        return self._search(lane, runtime, key, pad, N, src_len, max_len, bos, prefix_tokens, vocabulary, max_steps)
 
     def _search(self, lane: Lane, runtime, key: Optional[Tensor], pad: Optional[Tensor], N: int, src_len: int,
-                max_len: int, bos: int, prefix_tokens: Optional[Tensor], max_steps: Optional[int]):
-        """The beam search of N sentences on `lane`: key (S, N, C) their encoder output (or None), pad (N, S) or None.
-        -> their finalized hypotheses, best first. Where the runtime has the native program (the CPU) the search is
+                max_len: int, bos: int, prefix_tokens: Optional[Tensor], vocabulary: Optional[Tensor],
+                max_steps: Optional[int]):
+        """The beam search of N sentences on `lane`: key (S, N, C) their encoder output (or None), pad (N, S) or None;
+        vocabulary: the sorted target ids (U,) its steps score (the batch's output projection their rows, its
+        candidates mapped back to ids), None: every token. -> their finalized hypotheses, best first. Where the runtime has the native program (the CPU) the search is
         native, every step of the batch in one call and every option with it (prefix tokens, n-gram blocking): each
         step decodes only the places still translating, so the batch never shrinks. Elsewhere the torch search runs
         (CUDA, captured as graphs; the torch step): every row is decoded, so the batch halves as sentences finish.
@@ -339,6 +354,7 @@ class StaticBeamSearchGenerator(nn.Module):
         # the native search's rows read their own place's states only: one buffer, updated in place
         state = lane.state.start(runtime, N * K, K, key, pad, source_len=source_len if key is not None else None,
                                  state_buffers=1 if runtime.program is not None else 2)
+        state.restrict_output(vocabulary, bucket=OUTPUT_BUCKET if bucketed else 1)
         rows = state.batch  # the batch's one account of its rows, the decoding state's and the search's
         search = _Search(self, lane, state, buffer_len, bos, device, lagged=device.type in self.LAGGED_READS_ON,
                          prefix_tokens=prefix_tokens)
@@ -371,6 +387,8 @@ class StaticBeamSearchGenerator(nn.Module):
         bucketed = device.type in self.BUCKETED_ON
         sentence_ids = list(range(rows.sentences))  # the batch's sentence at each place of the search (places only halve)
         decided_at = -1  # flags of steps launched before the last halving describe other places: not read
+        if prefix_tokens is not None:
+            prefix_tokens = search.columns_of(prefix_tokens)  # the forced tokens' columns of the logits
         step = -1
         while step < last_step:  # steps 0 .. max_len: one extra step for EOS
             step += 1
@@ -379,7 +397,7 @@ class StaticBeamSearchGenerator(nn.Module):
             plain = not (first or last or prefix or self.repeat_ngram_blocker is not None)
             if graphs is not None and plain:
                 graphs = self._graphs_for(lane, device)  # a step that allocated (a new shape) makes the graphs stale
-                shape = (rows.sentences, source_len, buffer_len)
+                shape = (rows.sentences, source_len, buffer_len, search.V, search.mask_columns)
                 graphs.run(shape + (rows.parity,), shape, lambda: self._step(search, state, step, False, False, None))
             else:
                 self._step(search, state, step, first=first, last=last, prefix_tokens=prefix_tokens if prefix else None)
@@ -419,21 +437,24 @@ class StaticBeamSearchGenerator(nn.Module):
         positions = torch.index_select(search.positions, 0, t) if search.positions is not None else None  # (1, C)
         # pad is never chosen (its log-probability is -inf), so no input is padding
         logits, _ = state.compute(tokens, positions, need_weights=False, padded_inputs=False)  # (R, V)
-        # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32
+        # fairseq's EnsembleModel.forward_decoder for one model at temperature 1: log-softmax in fp32 (over the
+        # batch's vocabulary's columns with a shortlist: the masks below name their tokens' columns)
         lprobs = torch.log_softmax(logits.float(), dim=-1, out=v.lprobs)
-        lprobs[:, self.pad] = -math.inf  # NaN: -inf in the candidates kernel
-        lprobs[:, self.unk] -= self.unk_penalty
+        eos, pad, unk = search.mask_columns
+        lprobs[:, pad] = -math.inf  # NaN: -inf in the candidates kernel
+        lprobs[:, unk] -= self.unk_penalty
         if last:  # only EOS is left
-            lprobs[:, : self.eos] = -math.inf
-            lprobs[:, self.eos + 1:] = -math.inf
+            lprobs[:, : eos] = -math.inf
+            lprobs[:, eos + 1:] = -math.inf
         elif prefix_tokens is not None:
             self._force_prefix(lprobs, step, prefix_tokens, search)
         else:
-            lprobs[:, self.eos] += search.eos_bias.index_select(0, t)  # -inf before the minimum length
+            lprobs[:, eos] += search.eos_bias.index_select(0, t)  # -inf before the minimum length
         if self.repeat_ngram_blocker is not None:
             # the tokens so far (fairseq's CUDA kernel reads them so; its CPU fallback, handed the whole buffer,
             # compares the buffer's padding and blocks nothing)
-            lprobs = self.repeat_ngram_blocker(search.tokens[:, : step + 1], lprobs, N, K, step)
+            lprobs = search.on_token_ids(
+                lprobs, lambda full: self.repeat_ngram_blocker(search.tokens[:, : step + 1], full, N, K, step))
 
         cand_scores, cand_tokens, cand_rows = search.candidates(lprobs, first, state.kernels)  # (N, 2K) each
         eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)  # (N, 2K)
@@ -445,13 +466,15 @@ class StaticBeamSearchGenerator(nn.Module):
 
     def _force_prefix(self, lprobs: Tensor, step: int, prefix_tokens: Tensor, search: "_Search") -> None:
         """SequenceGenerator._prefix_tokens over the whole batch: a row whose prefix has a token at `step`
-        may only choose it; a sentence whose prefix ends (EOS) gets its first beam copied to every beam."""
+        may only choose it; a sentence whose prefix ends (EOS) gets its first beam copied to every beam.
+        prefix_tokens: the prefix's columns of the logits (search.columns_of)."""
         K = self.beam_size
+        eos, pad, _ = search.mask_columns
         forced = prefix_tokens[:, step].repeat_interleave(K).unsqueeze(1)  # (R, 1)
         forced_lprobs = lprobs.gather(1, forced)
-        lprobs.masked_fill_(forced.ne(self.pad), -math.inf)
+        lprobs.masked_fill_(forced.ne(pad), -math.inf)
         lprobs.scatter_(1, forced, forced_lprobs)  # rows without a prefix token scatter pad's -inf onto itself
-        ends = forced.view(-1, K)[:, 0].eq(self.eos)  # (N,)
+        ends = forced.view(-1, K)[:, 0].eq(eos)  # (N,)
         if bool(ends.any()):
             for tensor in (search.tokens, search.scores, lprobs):
                 beams = tensor.view(-1, K, tensor.size(-1))
@@ -461,13 +484,13 @@ class StaticBeamSearchGenerator(nn.Module):
 @dataclass
 class SearchViews:
     """One batch's search buffers for N places of K beams (R = N * K rows, L tokens a row): prefixes of its lane's
-    workspace (SearchBuffers), made once per (N, L, the workspace's generation). The native search gets them in its
+    workspace (SearchBuffers), made once per (N, L, V, the workspace's generation). The native search gets them in its
     record (NativeSearchRecord)."""
 
     token_pair: List[Tensor]  # two (R, L) int64, used in turn: BatchRows.parity names the one the next step reads
     score_pair: List[Tensor]  # two (R, L - 1) fp32 cumulative scores, likewise
-    lprobs: Optional[Tensor]  # (R, V) fp32: the torch step's log-probabilities; None for the native search (its
-    # log-softmax is fused into the choice of the candidates: a batch of 32 at a 32k vocabulary saves 16 MB)
+    lprobs: Optional[Tensor]  # (R, V) fp32: the torch step's log-probabilities (V: the logits' columns); None for the
+    # native search (its log-softmax is fused into the choice of the candidates: a batch of 32 at 32k entries saves 16 MB)
     cand_scores: Tensor  # (N * 2K,) fp32: the candidates (the best 2K per place)
     cand_indices: Tensor  # (N * 2K,) int64: beam * V + token
     row_offsets: Tensor  # (N, 1) int64: n * K
@@ -504,6 +527,7 @@ class NativeSearchRecord:
     eos_bias: Tensor  # (>= max_len + 1,) fp32: -inf on EOS before the minimum length
     positions: Optional[Tensor]  # (>= max_len + 1, C) the steps' position embeddings, or None
     prefix_tokens: Optional[Tensor]  # (N, P) int64 (pad: none at that step), or None
+    vocabulary: Optional[Tensor]  # (U,) int64 sorted target ids, the logits' columns (--rfa-shortlist), or None: all
     no_repeat_ngram_size: int  # 0: off
     sentences: int  # N places
     beam: int  # K
@@ -517,6 +541,7 @@ class NativeSearchRecord:
         buffers = {name: getattr(search.views, name) for name in cls.__dataclass_fields__
                    if name in SearchViews.__dataclass_fields__}
         return cls(**buffers, eos_bias=search.eos_bias, positions=search.positions, prefix_tokens=search.prefix_tokens,
+                   vocabulary=None if search.output is None else search.output.ids,
                    no_repeat_ngram_size=search.no_repeat_ngram_size, sentences=search.rows.sentences, beam=search.K,
                    eos=search.eos, pad=search.pad, unk=search.unk, unk_penalty=search.unk_penalty)
 
@@ -533,8 +558,14 @@ class _Search:
                  device, lagged: bool, prefix_tokens: Optional[Tensor] = None):
         self.gen, self.lane, self.state, self.ws, self.device = gen, lane, state, lane.buffers, device
         self.rows: BatchRows = state.batch
-        self.K, self.V, self.L = gen.beam_size, gen.vocab_size, max_len + 2  # +2: BOS and EOS
+        # V: the logits' columns, the batch's output vocabulary's (--rfa-shortlist: state.output) or every token's
+        self.output = state.output
+        self.K, self.L = gen.beam_size, max_len + 2  # +2: BOS and EOS
+        self.V = gen.vocab_size if self.output is None else self.output.columns
         self.eos, self.pad, self.unk, self.unk_penalty = gen.eos, gen.pad, gen.unk, float(gen.unk_penalty)
+        # the columns of the tokens the torch step masks (EOS, pad, unk): their ids without a vocabulary
+        self.mask_columns = (self.eos, self.pad, self.unk) if self.output is None else tuple(
+            self.output.columns_of(torch.tensor([self.eos, self.pad, self.unk], device=device)).tolist())
         self.no_repeat_ngram_size = gen.repeat_ngram_blocker.no_repeat_ngram_size if gen.repeat_ngram_blocker else 0
         self.prefix_tokens = None if prefix_tokens is None else prefix_tokens.to(device=device, dtype=torch.long).contiguous()
         self.cand_size = 2 * self.K  # 2 x beam in case half are EOS (SequenceGenerator)
@@ -565,13 +596,14 @@ class _Search:
         self.native = self._native_search()
 
     def _views(self, N: int) -> SearchViews:
-        """The buffers for N places (prefixes of the workspace's: halving keeps their addresses), made once per (N, L)
+        """The buffers for N places (prefixes of the workspace's: halving keeps their addresses), made once per (N, L, V)
         and kept while the workspace's buffers stay (a batch of one sentence sets up its search in microseconds)."""
-        key = (N, self.L, self.ws.generation, self.state.runtime.program is not None)  # native: no lprobs buffer
+        native = self.state.runtime.program is not None  # the native search has no lprobs buffer
+        key = (N, self.L, self.V, native, self.ws.generation)
         views = self.lane.views.get(key)
         if views is None:
             views = self._make_views(N)
-            if len(self.lane.views) >= MAX_VIEW_SETS or any(key[2] != self.ws.generation for key in self.lane.views):
+            if len(self.lane.views) >= MAX_VIEW_SETS or any(key[-1] != self.ws.generation for key in self.lane.views):
                 self.lane.views.clear()  # views of buffers since replaced, or too many shapes to keep
             self.lane.views[key] = views
         if self.lagged:
@@ -598,6 +630,21 @@ class _Search:
             order=take("order", (R,), torch.long, device),
             step_rows=take("step_rows", (L,), torch.long, device),
         )
+
+    def columns_of(self, tokens: Tensor) -> Tensor:
+        """Target ids as columns of the logits (the same ids without a vocabulary)."""
+        return tokens if self.output is None else self.output.columns_of(tokens)
+
+    def on_token_ids(self, lprobs: Tensor, mask) -> Tensor:
+        """mask(lprobs over every token id) -> its result over the logits' columns: a mask that names token ids (fairseq's
+        n-gram blocker) applied to a vocabulary's columns through a (R, full vocabulary) copy, -inf outside it."""
+        if self.output is None:
+            return mask(lprobs)
+        out = self.output
+        full = out.full_logits(lprobs, self.gen.vocab_size)
+        masked = mask(full)
+        return masked.index_select(1, out.ids).masked_fill_(
+            torch.arange(out.columns, device=lprobs.device).ge(out.size), -math.inf)
 
     def _native_search(self):
         """The native program's NativeSearch of this search's record (NativeSearchRecord), or None where the runtime
@@ -628,7 +675,10 @@ class _Search:
         prev_scores = None if first else torch.index_select(self.scores, 1, v.step - 1).view(-1)  # (R,)
         kernels.beam_candidates(lprobs, prev_scores, K, cand_scores, flat)
         cand_beams = torch.div(flat, V, rounding_mode="trunc")
-        return cand_scores, flat.fmod(V), cand_beams + v.row_offsets
+        cand_tokens = flat.fmod(V)  # columns: a vocabulary's ids at them
+        if self.output is not None:
+            cand_tokens = self.output.ids.index_select(0, cand_tokens.view(-1)).view(cand_tokens.shape)
+        return cand_scores, cand_tokens, cand_beams + v.row_offsets
 
     def finalize(self, eos_mask: Tensor, eos_rows: Tensor, eos_scores: Tensor, last: bool) -> None:
         """SequenceGenerator.finalize_hypos on the device: the hypotheses ending in EOS among each sentence's top

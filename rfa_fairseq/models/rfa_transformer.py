@@ -9,7 +9,9 @@ Defaults follow the paper's MT setup: RFA in decoder self-attention and in encod
 softmax encoder self-attention unless --rfa-encoder-self-attn.
 """
 import argparse
+import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -35,7 +37,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
 from .. import checkpoints, fairseq_mirrors
-from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, validate_rfa_args
+from ..config import RFAConfig, add_rfa_args, apply_rfa_defaults, flag, validate_rfa_args
 from ..modules import RFAAttention, SoftmaxCrossAttention
 from ..modules.decoding import (
     FFN_ACTIVATIONS,
@@ -213,11 +215,18 @@ class RFATransformerEncoder(TransformerEncoderBase):
 
     def forward_scriptable(self, src_tokens, src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False,
                            token_embeddings: Optional[Tensor] = None):
+        out = None
         if not (self.training or torch.is_grad_enabled() or return_all_hiddens or token_embeddings is not None):
             runtime = self.encoding_runtime()
             if runtime is not None:
-                return runtime.encode(self, src_tokens)
-        return super().forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
+                out = runtime.encode(self, src_tokens)
+        if out is None:
+            out = super().forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
+        if self.rfa.rfa_shortlist and not out["src_tokens"]:
+            # the decoder's shortlist reads the batch's sources there (fairseq's field for them, which its encoder
+            # leaves empty and its reorder_encoder_out follows)
+            out["src_tokens"] = [src_tokens]
+        return out
 
     def encoding_runtime(self) -> Optional[EncodingRuntime]:
         """The native pass's runtime for the current weights and options, or None where fairseq's forward runs."""
@@ -275,6 +284,9 @@ class RFATransformerDecoder(TransformerDecoderBase):
         self._decoding = DecodingCache()  # the runtime (rebuilt when the weights change) and the last batch's buffers
         self._logged_kernels = None
         self._step_self_check = None  # (device, option, the verdicts' registry) last set for the step's Triton kernel
+        self.source_dictionary = None  # the encoder's (RFATransformerModel.build_model): what the shortlist's rows are
+        self._shortlist = None  # ((path, k, n), the Shortlist read for them): --rfa-shortlist, read once
+        self._forced_tokens = None  # fairseq's generator's prefix and constraint tokens of the batch (forcing_tokens)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(RFATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
@@ -308,6 +320,8 @@ class RFATransformerDecoder(TransformerDecoderBase):
         if self.embed_positions is not None:
             positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)[:, -1]
         logits, attn = state.step(prev_output_tokens[:, -1], positions)
+        if state.output is not None:  # a shortlist's columns: fairseq's generator scores every token (-inf outside)
+            logits = state.output.full_logits(logits, state.runtime.vocab_size)
         return logits.unsqueeze(1), {"attn": [attn.unsqueeze(1) if attn is not None else None], "inner_states": None}
 
     def _check_can_decode(self, *call_options) -> None:
@@ -343,7 +357,50 @@ class RFATransformerDecoder(TransformerDecoderBase):
             beam = self.beam_size
             key, pad = key[:, ::beam], (pad[::beam] if pad is not None else None)  # (S, sentences, C): one per sentence
         state = DecodingState(graphs=step_graphs_for(self.embed_tokens.weight.device, self.rfa.rfa_cuda_graphs))
-        return state.start(self.decoding_runtime(), rows, beam, key, pad, buffers=self._decoding.buffers_for(state))
+        state.start(self.decoding_runtime(), rows, beam, key, pad, buffers=self._decoding.buffers_for(state))
+        shortlist = self.shortlist()
+        if shortlist is not None:
+            sources = encoder_out.get("src_tokens", []) if encoder_out is not None else []
+            if not len(sources):
+                raise ValueError(f"{flag('rfa_shortlist')}: the encoder output holds no src_tokens, which the "
+                                 "shortlist's union is made of (RFATransformerEncoder puts them there)")
+            state.restrict_output(shortlist.union(sources[0], self._forced_tokens))
+        return state
+
+    def shortlist(self):
+        """The vocabulary shortlist of --rfa-shortlist (shortlist.Shortlist, its first --rfa-shortlist-k candidates and
+        --rfa-shortlist-n frequent tokens), read once per (path, K, N) and checked against the model's dictionaries;
+        None without the option. A ShortlistError naming the option and the file where it cannot be used."""
+        from ..shortlist import Shortlist, ShortlistError
+
+        path = self.rfa.rfa_shortlist
+        if not path:
+            return None
+        key = (os.fspath(path), self.rfa.rfa_shortlist_k, self.rfa.rfa_shortlist_n)
+        if self._shortlist is None or self._shortlist[0] != key:
+            if self.source_dictionary is None:
+                raise ShortlistError(f"{flag('rfa_shortlist')} {key[0]}: the decoder has no source dictionary to check "
+                                     "it against (RFATransformerModel.build_model sets the encoder's)")
+            try:
+                shortlist = Shortlist.load(key[0], self.source_dictionary, self.dictionary, k=key[1], n=key[2])
+            except ShortlistError as error:
+                picked = "".join(f", {name}={value}" for name, value in (("rfa_shortlist_k", key[1]),
+                                                                         ("rfa_shortlist_n", key[2])) if value is not None)
+                raise ShortlistError(f"{flag('rfa_shortlist')} (the model option rfa_shortlist{picked}): {error}") from None
+            self._shortlist = (key, shortlist)
+        return self._shortlist[1]
+
+    @contextlib.contextmanager
+    def forcing_tokens(self, *tokens):
+        """Within it, the shortlist's union of each batch fairseq's generator starts also holds `tokens` (tensors or
+        None: its prefix tokens, its constraints' tokens), which the generator forces: none is dropped."""
+        self._forced_tokens = [t.reshape(-1) for t in tokens if t is not None and t.numel()] or None
+        if self._forced_tokens is not None:
+            self._forced_tokens = torch.cat([t.to(torch.long) for t in self._forced_tokens])
+        try:
+            yield
+        finally:
+            self._forced_tokens = None
 
     def encoder_keys(self, encoder_out):
         """The encoder output (S, rows, C) and its padding mask (rows, S) that cross-attention reads, or Nones."""
@@ -442,6 +499,9 @@ class RFATransformerModel(TransformerModel):
         model.set_random_feature_seed(torch.initial_seed() if seed is None else seed)
         # a checkpoint loaded mapped lends the parameters its pages instead of being copied into them
         model.register_load_state_dict_pre_hook(checkpoints.share_mapped_tensors)
+        model.decoder.source_dictionary = model.encoder.dictionary
+        if args.rfa_shortlist:
+            model.decoder.shortlist()  # read now: a missing or mismatched file is an error at load, naming the option
         for hook in MODEL_BUILT_HOOKS:
             hook(task, model)
         return model

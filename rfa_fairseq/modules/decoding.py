@@ -429,6 +429,43 @@ class DecodingCache(RuntimeCache):
         return self._buffers
 
 
+# ---------------------------------------------------------------- a batch's output vocabulary
+
+
+@dataclass
+class OutputColumns:
+    """A batch's output vocabulary (--rfa-shortlist: the union of its sentences' candidate target tokens,
+    shortlist.Shortlist.union): the step's output projection is the runtime's rows of these ids (`projection`, made
+    once per batch by the kernel set's select_outputs) and its logits are their columns, column c scoring target id
+    ids[c]; a search maps its candidates' columns back to ids. Columns from `size` on pad the projection to a bucket
+    (CUDA: the graphs of nearby sizes are shared) and score -inf; their id is the padding token's."""
+
+    ids: Tensor  # (columns,) int64: the first `size` sorted distinct target ids, then padding
+    size: int
+    projection: object  # PackedLinear: (columns,) output rows of the runtime's output projection
+
+    @property
+    def columns(self) -> int:
+        return self.ids.numel()
+
+    def columns_of(self, tokens: Tensor) -> Tensor:
+        """The columns of target ids `tokens` (any shape); a ValueError where one is not in the vocabulary (the union
+        holds every token a caller forces: a prefix's are added, never dropped)."""
+        held = self.ids[: self.size]
+        columns = torch.searchsorted(held, tokens.reshape(-1)).clamp_(max=self.size - 1)
+        if not torch.equal(held.index_select(0, columns), tokens.reshape(-1)):
+            missing = tokens.reshape(-1)[held.index_select(0, columns) != tokens.reshape(-1)]
+            raise ValueError(f"RFA decoding: target ids {missing[:5].tolist()} are not in the batch's shortlist "
+                             "vocabulary (its union must add every forced token)")
+        return columns.view(tokens.shape)
+
+    def full_logits(self, logits: Tensor, vocab_size: int) -> Tensor:
+        """(R, columns) logits as (R, vocab_size), -inf outside the vocabulary: fairseq's generator then computes the
+        same log-softmax over the full vocabulary (exp(-inf) adds nothing)."""
+        full = logits.new_full((logits.size(0), vocab_size), -math.inf)
+        return full.index_copy_(1, self.ids[: self.size], logits[:, : self.size])
+
+
 # ---------------------------------------------------------------- one batch
 
 
@@ -454,6 +491,7 @@ class DecodingState:
         self.batch = BatchRows(0, 1)
         self.generation = 0  # bumped whenever a buffer is (re)allocated: a captured graph is stale then
         self._native = None  # the native program's view of this batch's caches (NativeBatch), made when they change
+        self.output: Optional[OutputColumns] = None  # the batch's output vocabulary (restrict_output), None: all
 
     @property
     def layers(self) -> List[LayerCache]:
@@ -497,15 +535,33 @@ class DecodingState:
             self.generation += int(allocated)
         self.layers[:] = caches
         self._native = None
+        self.output = None  # the full vocabulary until restrict_output says otherwise
         if runtime.program is not None and key is not None:  # the softmax cross-attention's K, V: one native call
             runtime.program.start_sources(self.native_batch(), key, key_padding_mask)
         return self
+
+    def restrict_output(self, vocabulary: Optional[Tensor], bucket: int = 1) -> None:
+        """This batch's output vocabulary, after `start`: the sorted distinct target ids (U,) its steps score (a
+        shortlist's union), its output projection their rows (`output`); None: the full vocabulary. bucket: the
+        columns padded to a multiple of it (CUDA: the projection's buffers keep their addresses and shapes across
+        batches of nearby U, so their graphs replay), the padding scoring -inf."""
+        self.output = None
+        self._native = None
+        if vocabulary is None:
+            return
+        size = vocabulary.numel()
+        columns = -(-size // bucket) * bucket
+        ids = self._input("output_ids", (columns,), torch.long)
+        ids[:size].copy_(vocabulary)
+        ids[size:].fill_(self.runtime.padding_idx)
+        projection = self.runtime.kernels.select_outputs(self.runtime.output, ids, size, take=self._input)
+        self.output = OutputColumns(ids, size, projection)
 
     # ------------------------------------------------------------ a step
 
     def step(self, tokens: Tensor, positions: Optional[Tensor]):
         """One step of every row: tokens (R,) the last tokens, positions (R, C) or None -> logits (R, V) that no
-        later step overwrites, the last layer's head-averaged cross-attention weights (R, S) or None."""
+        later step overwrites (V: the batch's output columns where restrict_output gave it a vocabulary), the last layer's head-averaged cross-attention weights (R, S) or None."""
         R = tokens.size(0)
         if R != self.rows:
             raise RuntimeError(f"RFA decoding: {R} rows for a state of {self.rows} (reorder missing?)")
@@ -544,7 +600,7 @@ class DecodingState:
             attn = weights if weights is not None else attn
         if runtime.final_norm is not None:
             x = runtime.final_norm(kernels, x)
-        return kernels.linear(x, runtime.output), attn
+        return kernels.linear(x, runtime.output if self.output is None else self.output.projection), attn
 
     def _compute_native(self, tokens, positions, need_weights, padded_inputs):
         weights = None
@@ -560,7 +616,8 @@ class DecodingState:
         """The native program's view of this batch's caches (their own tensors, read by name), made again whenever a
         cache's tensors change."""
         if self._native is None:
-            self._native = self.runtime.kernels.ext.NativeBatch(self.layers)
+            self._native = self.runtime.kernels.ext.NativeBatch(
+                self.layers, None if self.output is None else self.output.projection)
         return self._native
 
     def step_done(self) -> None:

@@ -24,6 +24,10 @@ of a kernel set is kernel_choice.step_kernels. The interface every kernel set ha
         module's pages back that packing read)
     kernels.linear(x, packed, activation=None, residual=None) -> y = act(x W^T + b) + residual
         x: (R, I)   activation: None or "relu"   residual: (R, O) or None
+    kernels.select_outputs(packed, ids, size, take=None) -> packed: the output rows `ids` (U,) of a packed layer as a
+        layer of their own (a vocabulary shortlist's output projection, once per batch); rows from `size` on pad it
+        (CUDA graphs of nearby sizes) and score -inf. take(name, shape, dtype): buffers to write into, kept at their
+        addresses across batches (a graph reads them there), else new tensors
     kernels.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out): beam search's candidates
         lprobs: (N * beam, V) fp32   prev_scores: (N * beam,) each row's score so far, or None at the first step
         (a sentence's beams are then one hypothesis: only its first row counts)   scores_out, indices_out: (N, k)
@@ -134,6 +138,10 @@ class TorchKernels:
         """Nothing: the torch step reads the module's own weights (they stay where they are)."""
 
     @staticmethod
+    def select_outputs(packed, ids: Tensor, size: int, take=None):
+        return TorchLinear.select_outputs(packed, ids, size, take)
+
+    @staticmethod
     def linear(x: Tensor, packed, activation: Optional[str] = None, residual: Optional[Tensor] = None) -> Tensor:
         return TorchLinear.linear(x, packed, activation, residual)
 
@@ -158,6 +166,25 @@ class TorchLinear:
     @staticmethod
     def pack_linear(weight: Tensor, bias: Optional[Tensor]) -> PackedLinear:
         return PackedLinear(weight.detach(), None if bias is None else bias.detach(), weight.size(1), weight.size(0))
+
+    @staticmethod
+    def select_outputs(packed: PackedLinear, ids: Tensor, size: int, take=None) -> PackedLinear:
+        """The rows `ids` of the layer's (O, I) weight and bias; rows from `size` on score -inf (a bias of -inf, so
+        whether a batch pads or not, layers of one shape compute alike: a bias wherever one pads)."""
+        weight = packed.weight
+        rows = ids.numel()
+        if take is None:
+            take = lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=weight.device)  # noqa: E731
+        out = torch.index_select(weight, 0, ids, out=take("output_weight", (rows, weight.size(1)), weight.dtype))
+        bias = None
+        if packed.bias is not None or size < rows:
+            bias = take("output_bias", (rows,), weight.dtype)
+            if packed.bias is not None:
+                torch.index_select(packed.bias, 0, ids, out=bias)
+            else:
+                bias.zero_()
+            bias[size:] = -math.inf
+        return PackedLinear(out, bias, weight.size(1), rows)
 
     @staticmethod
     def linear(x: Tensor, packed: PackedLinear, activation: Optional[str] = None,

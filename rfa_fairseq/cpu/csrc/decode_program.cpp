@@ -90,7 +90,8 @@ DecoderLayerProgram DecoderLayerProgram::from(const Record& r) {
   return layer;
 }
 
-NativeBatch::NativeBatch(const py::list& layer_caches) {
+NativeBatch::NativeBatch(const py::list& layer_caches, const py::object& output_record) {
+  if (!output_record.is_none()) output = LinearLayer::from(Record(output_record, "state.output.projection"));
   int64_t i = 0;
   for (py::handle item : layer_caches) {
     Record cache(item, "state.layers[" + std::to_string(i++) + "]");
@@ -162,6 +163,12 @@ void DecodeProgram::check_decode(const NativeBatch& batch, const at::Tensor& tok
                 positions.size(0), " rows for ", R);
   }
   if (weights.defined()) expect(weights, "weights", at::kFloat, {R, -1}, false, false);
+  if (batch.output) {
+    TORCH_CHECK(batch.output->in_features == C && batch.output->out_features >= 1 &&
+                    batch.output->out_features <= output.out_features,
+                "rfa decode program: the batch's output projection maps ", batch.output->in_features, " inputs to ",
+                batch.output->out_features, " columns, the model's ", C, " to ", output.out_features);
+  }
   for (size_t i = 0; i < L; ++i) {
     const DecoderLayerProgram& layer = layers[i];
     const std::string at = "state.layers[" + std::to_string(i) + "]";
@@ -278,7 +285,7 @@ at::Tensor DecodeProgram::decode(const NativeBatch& batch, const at::Tensor& tok
     x = pre ? y : layer_norm(ffn.final_norm, y, true, kernels);
   }
   if (final_norm.defined()) x = layer_norm(final_norm, x, true, kernels);
-  return lib.linear(output, x, false, at::Tensor(), "rfa::output_projection", logits);
+  return lib.linear(batch.output ? *batch.output : output, x, false, at::Tensor(), "rfa::output_projection", logits);
 }
 
 

@@ -68,7 +68,10 @@ struct NativeBatch {
   std::vector<at::Tensor> states0, states1;           // per layer (>= rows, H, F, d + 1) fp32
   std::vector<at::Tensor> keys, values, key_biases;   // softmax cross-attention, per layer (or undefined)
   std::vector<at::Tensor> cross_states;               // RFA cross-attention, per layer (or undefined)
-  explicit NativeBatch(const pybind11::list& layer_caches);
+  // the batch's own output projection (a vocabulary shortlist: modules/decoding.py's OutputColumns.projection, the
+  // runtime's output rows of the batch's target ids, LinearLibrary::select_outputs), or none: the runtime's
+  std::optional<LinearLayer> output;
+  explicit NativeBatch(const pybind11::list& layer_caches, const pybind11::object& output = pybind11::none());
 };
 
 class DecodeProgram {
@@ -76,7 +79,7 @@ class DecodeProgram {
   // runtime: a DecodingRuntime (its records); library: the linear layers' library its kernel set picked
   DecodeProgram(const pybind11::object& runtime, std::shared_ptr<LinearLibrary> library);
 
-  // logits (R, V) of one step for tokens (R,) int64 at positions (R, C), (1, C) or undefined; the causal states read
+  // logits (R, V) of one step (V: the batch's output columns where it has its own output projection) for tokens (R,) int64 at positions (R, C), (1, C) or undefined; the causal states read
   // buffer `read` through `order` (undefined: row r reads row r; ignored when first) and write the other buffer at
   // rows `state_rows` (undefined: row r at row r; the native search's live rows at their places' rows); row r reads
   // source sentence r / beam (or sentences[r / beam]: step_kernels.h). weights: (R, S) the last layer's head-averaged

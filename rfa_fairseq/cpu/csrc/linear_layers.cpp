@@ -182,6 +182,68 @@ std::vector<at::Tensor> LinearLibrary::pack_int8(const at::Tensor& weight, bool 
   return {packed, sums, scales};
 }
 
+// ------------------------------------------------------------------------------------------------ a layer's outputs
+
+LinearLayer LinearLibrary::select_outputs(const LinearLayer& layer, const at::Tensor& ids) const {
+  const int64_t I = layer.in_features, O = layer.out_features, block = kernels_->block;
+  check_blocks(layer, I);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu() && ids.is_contiguous() &&
+                  ids.numel() >= 1,
+              "rfa linear select_outputs: ids must be a non-empty (U,) contiguous int64 CPU tensor");
+  const int64_t U = ids.numel(), blocks = blocks_for(U, block);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < U; ++j) {
+    TORCH_CHECK(id[j] >= 0 && id[j] < O, "rfa linear select_outputs: ids[", j, "] = ", id[j], " is not one of the ",
+                O, " outputs");
+  }
+  LinearLayer out;
+  out.in_features = I;
+  out.out_features = U;
+  // per new block, its channels' inputs: a channel's values sit `block` apart in its old block (one per input row),
+  // and land `block` apart in the new one; channels of the shortlist that share an old block read its lines once
+  // from the cache
+  if (precision_ == kPrecisionFp32) {
+    out.weight = at::zeros({blocks, I, block}, layer.weight.options());
+    const float* w = layer.weight.data_ptr<float>();
+    float* dst = out.weight.data_ptr<float>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t lane = 0; lane < block && b * block + lane < U; ++lane) {
+          const int64_t o = id[b * block + lane];
+          const float* from = w + (o / block) * I * block + o % block;
+          float* to = dst + b * I * block + lane;
+          for (int64_t i = 0; i < I; ++i) to[i * block] = from[i * block];
+        }
+      }
+    });
+  } else {
+    const int64_t groups = (I + kInt8Group - 1) / kInt8Group, stride = block * kInt8Group;
+    out.weight = at::zeros({blocks, groups, block, kInt8Group}, layer.weight.options());
+    out.w_sums = at::zeros({blocks * block}, layer.w_sums.options());
+    out.w_scales = at::empty({U}, layer.w_scales.options());
+    const int8_t* w = layer.weight.data_ptr<int8_t>();
+    int8_t* dst = out.weight.data_ptr<int8_t>();
+    const int32_t* sums = layer.w_sums.data_ptr<int32_t>();
+    const float* scales = layer.w_scales.data_ptr<float>();
+    int32_t* out_sums = out.w_sums.data_ptr<int32_t>();
+    float* out_scales = out.w_scales.data_ptr<float>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t lane = 0; lane < block && b * block + lane < U; ++lane) {
+          const int64_t j = b * block + lane, o = id[j];
+          const int8_t* from = w + (o / block) * groups * stride + (o % block) * kInt8Group;
+          int8_t* to = dst + b * groups * stride + lane * kInt8Group;
+          for (int64_t g = 0; g < groups; ++g) std::copy(from + g * stride, from + g * stride + kInt8Group, to + g * stride);
+          out_sums[j] = sums[o];
+          out_scales[j] = scales[o];
+        }
+      }
+    });
+  }
+  if (layer.bias.defined()) out.bias = layer.bias.index_select(0, ids).contiguous();
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------------ products
 
 void LinearLibrary::check_blocks(const LinearLayer& layer, int64_t I) const {
@@ -339,6 +401,21 @@ void bind_linear_layers(py::module_& m) {
           },
           py::arg("weight"), py::arg("release_source") = false,
           "an fp32 weight (O, I) quantized per output channel -> [the codes' blocks, zero point x code sums, scales]")
+      .def(
+          "select_outputs",
+          [layer_of](const LinearLibrary& lib, const py::object& packed, const at::Tensor& ids) {
+            const LinearLayer layer = layer_of(packed);
+            LinearLayer out;
+            {
+              py::gil_scoped_release release;
+              out = lib.select_outputs(layer, ids);
+            }
+            auto maybe = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+            return py::make_tuple(out.weight, maybe(out.bias), maybe(out.w_scales), maybe(out.w_sums));
+          },
+          py::arg("packed"), py::arg("ids"),
+          "the output channels `ids` of a packed layer as a layer of their own (linear_layers.h) -> [its blocks, bias "
+          "or None, int8 scales or None, int8 zero point x code sums or None]")
       .def(
           "linear_fp32",
           [layer_of](const LinearLibrary& lib, const py::object& packed, const at::Tensor& x,

@@ -52,6 +52,11 @@ class LinearLibrary {
   // page is dropped, a written one kept), for a weight mapped from a file.
   at::Tensor pack_fp32(const at::Tensor& weight, bool release_source) const;
   std::vector<at::Tensor> pack_int8(const at::Tensor& weight, bool release_source) const;
+  // The output channels `ids` (U,) int64 of a layer packed by this library, as a layer of U outputs of its own (a
+  // vocabulary shortlist's output projection, made once per batch): each channel's inputs copied from its block into
+  // the new blocks (fp32 values; int8 codes, zero point x code sums and scales), its bias entry. A channel's products
+  // are computed as in the whole layer (the same inputs in the same order): the same values.
+  LinearLayer select_outputs(const LinearLayer& layer, const at::Tensor& ids) const;
   // the product itself (tests, benchmarks): y = act(x W^T + b) + residual on the layer's fp32 blocks, or on its int8
   // blocks from quantize_rows' codes and row scales
   void linear_fp32(const LinearLayer& layer, const at::Tensor& x, const at::Tensor& residual, bool relu,

@@ -48,6 +48,7 @@ const std::vector<SearchField>& search_fields() {
       {"eos_bias", &NativeSearch::eos_bias},
       {"positions", &NativeSearch::positions, true},
       {"prefix_tokens", &NativeSearch::prefix_tokens, true},
+      {"vocabulary", &NativeSearch::vocabulary, true},
       {"no_repeat_ngram_size", &NativeSearch::no_repeat_ngram_size},
       {"sentences", &NativeSearch::sentences},
       {"beam", &NativeSearch::beam},
@@ -109,10 +110,55 @@ NativeSearch::NativeSearch(const py::handle& object) {
 
 namespace {
 
+// The logits' columns: the search's vocabulary (sorted distinct target ids), or every token (column v: token v)
+struct Columns {
+  const int64_t* ids = nullptr;  // nullptr: the full vocabulary
+  int64_t size = 0;
+  explicit Columns(const NativeSearch& s, int64_t vocab_size)
+      : ids(s.vocabulary.defined() ? s.vocabulary.data_ptr<int64_t>() : nullptr),
+        size(s.vocabulary.defined() ? s.vocabulary.numel() : vocab_size) {}
+  int64_t token(int64_t column) const { return ids != nullptr ? ids[column] : column; }
+  // the column of a target id, -1 where the vocabulary does not hold it
+  int64_t of(int64_t token) const {
+    if (ids == nullptr) return token;
+    const int64_t* at = std::lower_bound(ids, ids + size, token);
+    return at != ids + size && *at == token ? at - ids : -1;
+  }
+};
+
+// the search's vocabulary, where it has one: sorted distinct ids of the model's vocabulary, holding the special tokens
+// and every prefix token (the caller's union adds them: none is dropped)
+void check_vocabulary(const DecodeProgram& program, const NativeSearch& s) {
+  if (!s.vocabulary.defined()) return;
+  const at::Tensor& ids = s.vocabulary;
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu() && ids.is_contiguous() &&
+                  ids.numel() >= 1,
+              "rfa search step: search.vocabulary must be a non-empty (U,) contiguous int64 CPU tensor");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t U = ids.numel(), V = program.vocab_size();
+  for (int64_t c = 0; c < U; ++c) {
+    TORCH_CHECK(id[c] >= 0 && id[c] < V && (c == 0 || id[c] > id[c - 1]), "rfa search step: search.vocabulary[", c,
+                "] = ", id[c], ": the vocabulary must be sorted distinct ids of the model's ", V);
+  }
+  const Columns columns(s, V);
+  for (const int64_t token : {s.eos, s.pad, s.unk}) {
+    TORCH_CHECK(columns.of(token) >= 0, "rfa search step: search.vocabulary lacks the special token ", token);
+  }
+  if (s.prefix_tokens.defined()) {
+    const at::Tensor prefix = s.prefix_tokens.contiguous();
+    const int64_t* p = prefix.data_ptr<int64_t>();
+    for (int64_t i = 0; i < prefix.numel(); ++i) {
+      TORCH_CHECK(columns.of(p[i]) >= 0, "rfa search step: the prefix token ", p[i],
+                  " is not in search.vocabulary (the batch's union must add its prefix tokens)");
+    }
+  }
+}
+
 // the search's buffers are fit for steps up to t
 void check_search_buffers(const DecodeProgram& program, const NativeSearch& s, int64_t t, int64_t parity, bool first) {
   TORCH_CHECK(parity == 0 || parity == 1, "rfa search step: parity must be 0 or 1, got ", parity);
-  const int64_t N = s.sentences, K = s.beam, R = N * K, V = program.vocab_size();
+  check_vocabulary(program, s);
+  const int64_t N = s.sentences, K = s.beam, R = N * K, V = Columns(s, program.vocab_size()).size;
   TORCH_CHECK(N >= 1 && K >= 1, "rfa search step: ", N, " places x ", K, " beams");
   expect(s.tokens[0], "search.token_pair[0]", at::kLong, {R, -1});
   const int64_t L = s.tokens[0].size(1);
@@ -135,7 +181,8 @@ void check_search_buffers(const DecodeProgram& program, const NativeSearch& s, i
   expect(s.step_rows, "search.step_rows", at::kLong, {L});
   if (s.positions.defined()) expect(s.positions, "search.positions", at::kFloat, {t + 1, program.model_dim()}, true);
   for (const int64_t token : {s.eos, s.pad, s.unk}) {
-    TORCH_CHECK(token >= 0 && token < V, "rfa search step: the special token ", token, " is not in the vocabulary");
+    TORCH_CHECK(token >= 0 && token < program.vocab_size(), "rfa search step: the special token ", token,
+                " is not in the vocabulary");
   }
   const int64_t* fin = s.fin_count.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
@@ -152,13 +199,20 @@ void check_search_buffers(const DecodeProgram& program, const NativeSearch& s, i
 void check_search_logits(const DecodeProgram& program, const NativeSearch& s, const at::Tensor& logits, int64_t t,
                          int64_t parity, bool first) {
   check_search_buffers(program, s, t, parity, first);
-  expect(logits, "logits", at::kFloat, {-1, program.vocab_size()}, false, false);
+  expect(logits, "logits", at::kFloat, {-1, Columns(s, program.vocab_size()).size}, false, false);
 }
 
 void check_search(const DecodeProgram& program, const NativeBatch& batch, const NativeSearch& s, int64_t t0,
                   int64_t t_last, int64_t parity, bool first) {
   TORCH_CHECK(0 <= t0 && t0 <= t_last, "rfa search step: steps ", t0, " to ", t_last);
   check_search_buffers(program, s, t_last, parity, first);  // the sizes must hold up to the last step
+  // the batch's output projection gives the vocabulary's columns (both or neither)
+  TORCH_CHECK(s.vocabulary.defined() == batch.output.has_value() &&
+                  (!batch.output || batch.output->out_features == s.vocabulary.numel()),
+              "rfa search step: the batch's output projection has ",
+              batch.output ? std::to_string(batch.output->out_features) + " columns" : std::string("no columns of its own"),
+              ", the search's vocabulary ",
+              s.vocabulary.defined() ? std::to_string(s.vocabulary.numel()) + " ids" : std::string("is the model's"));
   // the first step decodes one row per sentence (its beams are one hypothesis), with no state to reorder; later
   // steps read tokens and an order the steps before wrote
   const int64_t K = s.beam, R = s.sentences * K;
@@ -215,7 +269,7 @@ int64_t search_step(const DecodeProgram& program, const NativeBatch& batch, Nati
   // the logits into this thread's buffer, grown on demand and kept: a step's largest tensor (R x V: 16 MB at 128 rows
   // and 32k entries) allocated and freed at every step would leave the allocator's heap fragmented (a higher peak)
   thread_local at::Tensor logits_buffer;
-  const int64_t V = program.vocab_size(), rows = last_tokens.size(0);
+  const int64_t V = Columns(s, program.vocab_size()).size, rows = last_tokens.size(0);  // a shortlist: its columns
   if (!logits_buffer.defined() || logits_buffer.numel() < rows * V) {
     logits_buffer = at::Tensor();  // the old buffer freed before the new one is made
     logits_buffer = at::empty({rows * V}, tokens.options().dtype(at::kFloat));
@@ -236,7 +290,8 @@ int64_t choose(const DecodeProgram& program, NativeSearch& s, const at::Tensor& 
   at::Tensor& next_scores = s.scores[1 - parity];
   const int64_t L = tokens.size(1);
   bool* finished = s.finished.data_ptr<bool>();
-  const int64_t V = logits.size(1);
+  const int64_t V = logits.size(1);  // the vocabulary's columns (a shortlist: fewer than the model's tokens)
+  const Columns columns(s, program.vocab_size());
   const int64_t k = std::min(2 * K, (first ? V : K * V) - 1);  // -1: never pad (SequenceGenerator)
   const int64_t beams = first ? 1 : K;  // the first step: a sentence's beams are one hypothesis
   const float* lg = logits.data_ptr<float>();
@@ -255,7 +310,9 @@ int64_t choose(const DecodeProgram& program, NativeSearch& s, const at::Tensor& 
   int64_t* order = s.order.data_ptr<int64_t>();
   const float eos_bias = s.eos_bias.data_ptr<float>()[t];
   const float unk_penalty = static_cast<float>(s.unk_penalty);
-  const int64_t eos = s.eos, pad = s.pad, unk = s.unk, Ls = L - 1;
+  const int64_t eos = s.eos, pad = s.pad, Ls = L - 1;
+  // the masks' tokens as columns of the logits (check_vocabulary: each is there)
+  const int64_t eos_column = columns.of(eos), pad_column = columns.of(pad), unk_column = columns.of(s.unk);
   // prefix tokens (fairseq's --prefix-size, SequenceGenerator._prefix_tokens): at a step inside the prefix a place's
   // beams may only take its token there (none where the place's prefix has pad), and the minimum length's EOS mask is
   // off; a prefix that ends in EOS makes every beam of its place a copy of the first
@@ -276,6 +333,7 @@ int64_t choose(const DecodeProgram& program, NativeSearch& s, const at::Tensor& 
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n = live[p];
       const int64_t forced = prefix_step ? prefix[n * prefix_len + t] : pad;
+      const int64_t forced_column = forced == pad ? pad_column : columns.of(forced);
       const bool copy_first_beam = forced == eos && !first;
       if (copy_first_beam) {  // the place's beams become copies of its first: tokens and scores so far, logits
         for (int64_t b = 1; b < K; ++b) {
@@ -300,20 +358,24 @@ int64_t choose(const DecodeProgram& program, NativeSearch& s, const at::Tensor& 
           }
         }
       }
+      // v: a column of the logits (token columns.token(v))
       auto value = [&](int64_t b, int64_t v) {
-        if (v == pad || (last && v != eos) || (forced != pad && v != forced)) return kNegInf;
+        if (v == pad_column || (last && v != eos_column) || (forced != pad && v != forced_column)) return kNegInf;
         float lp = (row(b)[v] - row_max[b]) - row_log_sum[b];
         if (!last) {
-          if (v == unk) lp -= unk_penalty;
-          if (v == eos && !prefix_step) lp += eos_bias;
+          if (v == unk_column) lp -= unk_penalty;
+          if (v == eos_column && !prefix_step) lp += eos_bias;
         }
-        if (!banned[b].empty() && std::find(banned[b].begin(), banned[b].end(), v) != banned[b].end()) return kNegInf;
+        if (!banned[b].empty() &&
+            std::find(banned[b].begin(), banned[b].end(), columns.token(v)) != banned[b].end()) {
+          return kNegInf;
+        }
         return std::isnan(lp) ? kNegInf : lp + row_add[b];
       };
       // the block's largest logit bounds its candidates: the masks only lower a value, but for a negative unk
       // penalty (which raises <unk>)
       auto bound = [&](int64_t b, int64_t start, int64_t len) {
-        const bool raises_unk = !last && unk_penalty < 0.0f && unk >= start && unk < start + len;
+        const bool raises_unk = !last && unk_penalty < 0.0f && unk_column >= start && unk_column < start + len;
         return (kernels.block_max(row(b) + start, len) - row_max[b]) - row_log_sum[b] + row_add[b] -
                (raises_unk ? unk_penalty : 0.0f);
       };
@@ -324,7 +386,7 @@ int64_t choose(const DecodeProgram& program, NativeSearch& s, const at::Tensor& 
       // EOS candidates (finite) end a hypothesis, but not those the last step's advance ignored, nor in a
       // sentence already finished
       for (int64_t j = 0; j < k; ++j) {
-        const bool is_eos = ci[j] % V == eos && cs[j] != kNegInf;
+        const bool is_eos = ci[j] % V == eos_column && cs[j] != kNegInf;
         eos_mask[j] = is_eos && !(j < K && ignore[n * K + j]) && !finished[n];
         ended[j] = eos_mask[j] || (j < K && ignore[n * K + j]);
       }
@@ -360,7 +422,7 @@ int64_t choose(const DecodeProgram& program, NativeSearch& s, const at::Tensor& 
         // the row of place n the beam continues (its state kept at that row)
         order[row_j] = source;
         std::copy(tok + source * L, tok + source * L + t + 1, next_tok + row_j * L);
-        next_tok[row_j * L + t + 1] = ci[c] % V;
+        next_tok[row_j * L + t + 1] = columns.token(ci[c] % V);
         std::copy(sc + source * Ls, sc + source * Ls + t, next_sc + row_j * Ls);
         next_sc[row_j * Ls + t] = cs[c];
       }

@@ -39,6 +39,11 @@ struct NativeSearch {
   at::Tensor eos_bias;   // (>= max_len + 1,) fp32: -inf before the minimum length
   at::Tensor positions;  // (>= max_len + 1, C) or undefined
   at::Tensor prefix_tokens;  // (N, P) int64 prefix tokens (pad: none at that step), or undefined
+  // (U,) int64 sorted distinct target ids, the logits' columns (a vocabulary shortlist: the batch's output projection
+  // is these rows, NativeBatch::output), or undefined: column v is token v. Candidates are columns, mapped back to ids
+  // as the tokens are written; the masks' ids (pad, unk, EOS, a prefix's token, a repeated n-gram's) are found among
+  // them
+  at::Tensor vocabulary;
   int64_t no_repeat_ngram_size = 0;  // --no-repeat-ngram-size (0: off)
   int64_t sentences = 0, beam = 1;   // N places of K beams
   int64_t eos = 2, pad = 1, unk = 3;

@@ -32,7 +32,9 @@ void bind_decode_program(py::module_& m) {
       py::arg("threads"),
       "the calling thread's OpenMP and MKL teams (torch's ops, the native step, its GEMMs) from now on: per-thread "
       "settings (the OpenMP ICV, MKL's local count), other threads keep theirs");
-  py::class_<NativeBatch>(m, "NativeBatch").def(py::init<const py::list&>(), py::arg("layer_caches"));
+  py::class_<NativeBatch>(m, "NativeBatch")
+      .def(py::init<const py::list&, const py::object&>(), py::arg("layer_caches"), py::arg("output") = py::none(),
+           "a batch's caches (and its own output projection, a PackedLinear, or None: the runtime's)");
   py::class_<NativeSearch>(m, "NativeSearch")
       .def(py::init<const py::handle&>(), py::arg("record"),
            "the search's buffers and constants, read whole from its NativeSearchRecord (a field missing or unknown: "
