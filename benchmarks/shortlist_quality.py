@@ -95,11 +95,10 @@ def translate(args, split: str, batch_size: int, overrides: dict, hyp_path: str)
     return detokenized_hypotheses(proc.stdout)
 
 
-def union_sizes(args, path: str, split: str, k: int, n: int) -> dict:
-    """The union's mean size per batch of `split`, at batch sizes 1, 32 and 128 (fairseq-generate's batches)."""
-    import numpy as np
+def split_with_shortlist(args, path: str, split: str, k: int, n: int):
+    """-> the source and target dictionaries, the shortlist at `path` cut to (k, n), and `split`'s binarized sides
+    ({lang: read_binarized})."""
     from fairseq.data import Dictionary
-    from shortlist_sizes import fairseq_batches, padded
 
     from rfa_fairseq import shortlist
 
@@ -109,6 +108,15 @@ def union_sizes(args, path: str, split: str, k: int, n: int) -> dict:
     loaded = shortlist.Shortlist.load(path, source_dictionary, target_dictionary, k=k, n=n)
     sides = {lang: shortlist.read_binarized(os.path.join(data, f"{split}.{args.pair}.{lang}"))
              for lang in (args.source, args.target)}
+    return source_dictionary, target_dictionary, loaded, sides
+
+
+def union_sizes(args, path: str, split: str, k: int, n: int) -> dict:
+    """The union's mean size per batch of `split`, at batch sizes 1, 32 and 128 (fairseq-generate's batches)."""
+    import numpy as np
+    from shortlist_sizes import fairseq_batches, padded
+
+    source_dictionary, target_dictionary, loaded, sides = split_with_shortlist(args, path, split, k, n)
     sizes = {}
     for batch_size in UNION_BATCH_SIZES:
         batches = fairseq_batches(sides[args.source].lengths, sides[args.target].lengths, batch_size)
@@ -151,17 +159,9 @@ def inside_unions(args, path: str, split: str, k: int, n: int, batch_size: int, 
     shortlist left identical (the others moved by renormalizing over the union)."""
     import sentencepiece
     import torch
-    from fairseq.data import Dictionary
     from shortlist_sizes import fairseq_batches, padded
 
-    from rfa_fairseq import shortlist
-
-    data = os.path.join(args.prep, "data-bin")
-    source_dictionary = Dictionary.load(os.path.join(data, f"dict.{args.source}.txt"))
-    target_dictionary = Dictionary.load(os.path.join(data, f"dict.{args.target}.txt"))
-    loaded = shortlist.Shortlist.load(path, source_dictionary, target_dictionary, k=k, n=n)
-    sides = {lang: shortlist.read_binarized(os.path.join(data, f"{split}.{args.pair}.{lang}"))
-             for lang in (args.source, args.target)}
+    source_dictionary, target_dictionary, loaded, sides = split_with_shortlist(args, path, split, k, n)
     pieces = sentencepiece.SentencePieceProcessor(model_file=os.path.join(args.prep, "spm.model"))
     inside = kept = 0
     for rows in fairseq_batches(sides[args.source].lengths, sides[args.target].lengths, batch_size):

@@ -148,3 +148,15 @@ class CppKernels:
 
     def beam_candidates(self, lprobs, prev_scores, beam, scores_out, indices_out):
         self.ext.beam_candidates(lprobs, prev_scores, beam, scores_out, indices_out, self.level)
+
+
+def resident_pages(tensor):
+    """(how many of the pages under `tensor` this process has in memory (/proc/self/pagemap's present bit: what its
+    resident set counts), how many there are)."""
+    page = os.sysconf("SC_PAGESIZE")
+    first = tensor.data_ptr() // page
+    count = (tensor.data_ptr() + tensor.numel() * tensor.element_size() + page - 1) // page - first
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = memoryview(pagemap.read(count * 8)).cast("Q")
+    return sum(entry >> 63 for entry in entries), count

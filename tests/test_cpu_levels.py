@@ -14,7 +14,7 @@ import sysconfig
 
 import pytest
 import torch
-from helpers import cpp_extension, cpu_level_params
+from helpers import cpp_extension, cpu_level_params, resident_pages
 
 from rfa_fairseq.cpu import extension
 from rfa_fairseq.cpu import levels as cpu_levels
@@ -162,18 +162,6 @@ def test_the_kernels_reject_blocks_of_another_shape_precision_or_level(ext):
             other.linear_fp32(fp32.pack_linear(torch.zeros(32, 64), None), x, None, False, y)
 
 
-def _resident_pages(tensor):
-    """(how many of the pages under `tensor` this process has in memory (/proc/self/pagemap's present bit: what its
-    resident set counts), how many there are)."""
-    page = os.sysconf("SC_PAGESIZE")
-    first = tensor.data_ptr() // page
-    count = (tensor.data_ptr() + tensor.numel() * tensor.element_size() + page - 1) // page - first
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(first * 8)
-        entries = memoryview(pagemap.read(count * 8)).cast("Q")
-    return sum(entry >> 63 for entry in entries), count
-
-
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_packing_a_mapped_weight_gives_its_pages_back_and_keeps_a_written_one(ext, tmp_path, precision):
     """A weight mapped from a file (a checkpoint loaded mapped) is packed in chunks, each chunk's pages given back once
@@ -194,16 +182,16 @@ def test_packing_a_mapped_weight_gives_its_pages_back_and_keeps_a_written_one(ex
     mapped, written = state["w"], state["v"]
     assert FileMappings.now().holds(mapped) and not FileMappings.now().holds(weight)
     assert torch.equal(mapped, weight)  # read: every page resident
-    resident, pages = _resident_pages(mapped)
+    resident, pages = resident_pages(mapped)
     assert resident == pages
     packed = kernels.pack_linear(mapped, None)
-    assert _resident_pages(mapped)[0] <= pages // 100
+    assert resident_pages(mapped)[0] <= pages // 100
     x = torch.randn(3, 512)
     assert torch.equal(kernels.linear(x, packed), kernels.linear(x, kernels.pack_linear(weight, None)))
     assert torch.equal(mapped, weight)  # read again from the file
     in_memory = weight.clone()
     kernels.pack_linear(in_memory, None)
-    resident, pages = _resident_pages(in_memory)
+    resident, pages = resident_pages(in_memory)
     assert resident == pages  # memory, not a file's: kept
     written.mul_(2)  # copy-on-write: the pages are the process's now
     kernels.pack_linear(written, None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_support import run, synthetic_data
 from conftest import PLUGIN_DIR
-from helpers import cpp_extension
+from helpers import cpp_extension, resident_pages
 from tiny_models import tiny_model_flags
 
 from rfa_fairseq import checkpoints
@@ -26,17 +26,6 @@ MODEL = tiny_model_flags(embed_dim=256, ffn_dim=1024, heads=4, encoder_layers=2,
 def _kernel_pages_out() -> bool:
     release = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
     return platform.system() == "Linux" and release >= (5, 4)
-
-
-def _resident(tensor) -> int:
-    """The pages under `tensor` this process has in memory (/proc/self/pagemap's present bit)."""
-    page = os.sysconf("SC_PAGESIZE")
-    first = tensor.data_ptr() // page
-    count = (tensor.data_ptr() + tensor.numel() * tensor.element_size() + page - 1) // page - first
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(first * 8)
-        entries = memoryview(pagemap.read(count * 8)).cast("Q")
-    return sum(entry >> 63 for entry in entries)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +84,12 @@ def test_a_checkpoint_loaded_for_decoding_lends_its_pages_and_the_runtime_gives_
     packed = {name: p for name, p in named.items() if p.dim() == 2 and "embed" not in name and p.numel() >= 65536}
     assert len(packed) >= 8, sorted(named)
     # built without filling them, the parameters' own memory was never written; the checkpoint's pages not yet read
-    assert sum(_resident(p) for p in packed.values()) <= sum(p.numel() for p in packed.values()) * 4 // 4096 // 20
+    assert sum(resident_pages(p)[0] for p in packed.values()) <= sum(p.numel() for p in packed.values()) * 4 // 4096 // 20
     hypotheses = _translate(model, cfg, task)
     with torch.no_grad():
         runtime = model.decoder.decoding_runtime()
     assert runtime.program is not None and runtime.kernels.precision == precision
-    left = {name: _resident(p) for name, p in packed.items()}
+    left = {name: resident_pages(p)[0] for name, p in packed.items()}
     assert sum(left.values()) <= sum(p.numel() for p in packed.values()) * 4 // 4096 // 20, left
 
     # the same model with its parameters copied (not a file's pages): the same hypotheses and scores
