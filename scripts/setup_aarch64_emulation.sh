@@ -34,7 +34,7 @@ DEBIAN_PACKAGES=(python3.11 libpython3.11-dev libstdc++6)
 # ninja: the host's builds), torch's own, pytest, and the build tools of fairseq and the module
 # pure-Python packages published only as sdists: made wheels here (they fit every platform)
 PURE_SDISTS=(antlr4-python3-runtime)
-PYPI_PACKAGES=(numpy hydra-core omegaconf sacrebleu regex tqdm bitarray cffi cython packaging sentencepiece sacremoses
+PYPI_PACKAGES=(numpy scikit-learn hydra-core omegaconf sacrebleu regex tqdm bitarray cffi cython packaging sentencepiece sacremoses
     filelock typing_extensions sympy networkx Jinja2 fsspec pytest pytest-timeout setuptools wheel pip)
 
 die() { echo "setup_aarch64_emulation.sh: error: $*" >&2; exit 1; }

@@ -58,19 +58,24 @@ JIT_STEP = textwrap.dedent("""
     print("module", extension.require_fused_extension().__file__)
 """)
 
-# the JIT path up to torch's load, which then stops inside, holding torch's lock file, until killed
+# the JIT path up to torch's load (in its build process), which then stops inside, holding torch's lock file, until
+# killed: the pinned ninja (ninja.BIN_DIR, first on the build process's PATH) is argv[2]'s, which never ends a build
 HANG_INSIDE_TORCH_LOAD = textwrap.dedent("""
-    import sys, time
-    import torch.utils.cpp_extension as cpp_extension
+    import sys
+    import ninja
     from rfa_fairseq.cpu import extension
 
-    def build_that_never_ends(*args, **kwargs):
-        open(sys.argv[1], "w").close()  # tell the test: inside torch's load now
-        time.sleep(600)
-
-    cpp_extension._write_ninja_file_and_build_library = build_that_never_ends
+    ninja.BIN_DIR = sys.argv[2]
     extension.build_jit()
 """)
+# a ninja that answers --version and tells the test (a file, argv[1]) that a build started, then never ends it
+NINJA_THAT_NEVER_ENDS = textwrap.dedent("""\
+    #!/bin/sh
+    if [ "$1" = --version ]; then echo 1.13.2; exit 0; fi
+    : > {inside}
+    exec sleep 600
+""")
+
 
 # holds our build flock, as a live process building the kernels does, until killed
 HOLD_BUILD_LOCK = textwrap.dedent("""
@@ -270,8 +275,13 @@ def test_a_stale_torch_lock_is_removed_and_the_step_runs(jit_extensions_dir):
 def test_sigkill_inside_torch_load_does_not_block_the_next_generate(jit_extensions_dir, data, checkpoint, tmp_path):
     torch_lock = build_dir(jit_extensions_dir) / extension.TORCH_LOCK_NAME
     inside = tmp_path / "inside_torch_load"
-    killed = subprocess.Popen([sys.executable, "-c", HANG_INSIDE_TORCH_LOAD, str(inside)], cwd=REPO,
-                              env=env(TORCH_EXTENSIONS_DIR=jit_extensions_dir),
+    fake_ninja_dir = tmp_path / "ninja_bin"
+    fake_ninja_dir.mkdir()
+    (fake_ninja_dir / "ninja").write_text(NINJA_THAT_NEVER_ENDS.format(inside=inside))
+    (fake_ninja_dir / "ninja").chmod(0o755)
+    # its own process group: the SIGKILL reaches the process, torch's load in its build process, and ninja
+    killed = subprocess.Popen([sys.executable, "-c", HANG_INSIDE_TORCH_LOAD, str(inside), str(fake_ninja_dir)],
+                              cwd=REPO, env=env(TORCH_EXTENSIONS_DIR=jit_extensions_dir), start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -280,11 +290,11 @@ def test_sigkill_inside_torch_load_does_not_block_the_next_generate(jit_extensio
             assert time.monotonic() < deadline, "the process did not reach torch's load within 120 s"
             time.sleep(0.05)
         assert torch_lock.exists(), "torch's load holds its lock file while it builds"
-        killed.send_signal(signal.SIGKILL)
+        os.killpg(killed.pid, signal.SIGKILL)
         assert killed.wait(timeout=60) == -signal.SIGKILL
     finally:
         if killed.poll() is None:
-            killed.kill()
+            os.killpg(killed.pid, signal.SIGKILL)
             killed.wait(timeout=60)
         killed.stdout.close()
     assert torch_lock.exists(), "the SIGKILL left torch's lock file behind"
@@ -313,6 +323,20 @@ def test_cpp_kernel_without_a_buildable_extension_fails_clearly(breakage, data, 
     assert ("RuntimeError: --rfa-decode-kernel cpp: the fused C++ decoding step is not available (the prebuilt "
             "module is skipped by tests/fairseq_generate_jit.py; " + cause) in proc.stderr
     assert "use --rfa-decode-kernel torch (or auto, which falls back to it)" in proc.stderr
+
+
+def test_the_build_process_gets_the_pinned_ninja_first_and_this_process_keeps_its_path(monkeypatch):
+    """torch's load runs ninja from its process's PATH: the JIT build's process gets the pinned ninja first, and this
+    process's environment is not changed for it."""
+    ninja = pytest.importorskip("ninja", reason="the ninja package is not installed (nothing is pinned)")
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))
+    before = dict(os.environ)
+    build_env = extension.jit_build_environment()
+    assert build_env["PATH"] == os.pathsep.join([ninja.BIN_DIR, "/usr/bin", "/bin"])
+    assert dict(os.environ) == before
+    assert {k: v for k, v in build_env.items() if k != "PATH"} == {k: v for k, v in before.items() if k != "PATH"}
+    monkeypatch.setenv("PATH", os.pathsep.join([ninja.BIN_DIR, "/usr/bin"]))  # first already: kept as it is
+    assert extension.jit_build_environment()["PATH"] == os.environ["PATH"]
 
 
 @pytest.fixture
@@ -396,7 +420,7 @@ def test_a_dead_holder_releases_the_build_lock(tmp_path):
             holder.wait(timeout=60)
         holder.stdout.close()
     with extension.build_lock(tmp_path, timeout_s=0.0) as held:  # free at once: no wait allowed
-        assert held == lock_path
+        assert held.path == lock_path
         fd = os.open(lock_path, os.O_RDWR)
         try:  # held now: another open file description cannot take it
             with pytest.raises(BlockingIOError):

@@ -12,7 +12,9 @@ Where the module comes from, first that works:
    the torch version it was built from (BUILD_HASH_DEFINE); a module whose hash differs from that of
    the files now in csrc/ is stale and not used (logged), nor is one that does not import.
 2. Just in time (JIT): torch.utils.cpp_extension.load, built once and cached in the build directory
-   JIT_NAME under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/py3XX_cpu/).
+   JIT_NAME under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/py3XX_cpu/). torch's load runs in a child
+   process, whose environment names the pinned ninja first on PATH (jit_build_environment); this process then
+   imports the built library.
 
 Up to torch 2.13, torch's load takes the file `lock` in that directory (O_CREAT|O_EXCL,
 torch/utils/file_baton.py) on every call, cached build or not, and a process that finds the file sleeps
@@ -43,15 +45,17 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
-import unittest.mock
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 CSRC_DIR = Path(__file__).with_name("csrc")
 PREBUILT_MODULE = "rfa_fairseq.cpu._cpp_kernels"  # setup.py's setuptools extension
@@ -199,9 +203,15 @@ def import_prebuilt():
     return module, None
 
 
+class HeldBuildLock(NamedTuple):
+    path: Path
+    fd: int
+
+
 @contextlib.contextmanager
 def build_lock(build_dir: Path, timeout_s: float):
-    """Hold an exclusive flock on build_dir/BUILD_LOCK_NAME, waiting at most timeout_s for it."""
+    """Hold an exclusive flock on build_dir/BUILD_LOCK_NAME, waiting at most timeout_s for it. -> HeldBuildLock: a
+    process given its fd (the JIT build's) holds the lock too, until the last holder closes it or dies."""
     path = build_dir / BUILD_LOCK_NAME
     # never removed: a process waiting on the old file would hold a lock nobody else sees
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -222,7 +232,7 @@ def build_lock(build_dir: Path, timeout_s: float):
                                 timeout_s, path)
                     waiting = True
                 time.sleep(BUILD_LOCK_POLL_S)
-        yield path
+        yield HeldBuildLock(path, fd)
     finally:
         os.close(fd)  # releases the flock
 
@@ -251,27 +261,73 @@ def build_jit(lock_timeout_s=None):
     build_dir = None
     try:
         import torch
-        from torch.utils.cpp_extension import load
 
         from ..torch_internals import cpp_extension_build_directory
 
         build_dir = Path(cpp_extension_build_directory(JIT_NAME, verbose=False))
-        with build_lock(build_dir, timeout_s):
+        with build_lock(build_dir, timeout_s) as lock:
             remove_stale_torch_lock(build_dir)
             logger.info("building/loading the fused C++ kernels just in time in %s (built once, then cached)",
                         build_dir)
             objects = compile_level_objects(build_dir / LEVEL_DIR_NAME, **torch_level_build_args())
-            with _pinned_ninja_first_on_path():
-                module = load(name=JIT_NAME, sources=[str(p) for p in source_files()],
-                              extra_cflags=compile_flags(torch.__version__),
-                              extra_ldflags=[*EXTRA_LDFLAGS, *map(str, objects)],
-                              build_directory=str(build_dir), verbose=False)
+            library = _torch_load_in_child(lock, name=JIT_NAME, sources=[str(p) for p in source_files()],
+                                           extra_cflags=compile_flags(torch.__version__),
+                                           extra_ldflags=[*EXTRA_LDFLAGS, *map(str, objects)],
+                                           build_directory=str(build_dir), verbose=False)
+            module = _import_library(library)
         return module, None
     except BuildLockTimeout as error:
         return None, str(error)
-    except Exception as error:  # no compiler, no ninja, an unwritable TORCH_EXTENSIONS_DIR, ...
+    except JitBuildFailed as error:
+        return None, f"the just-in-time build in {build_dir} failed: {error}"
+    except Exception as error:  # no compiler, an unwritable TORCH_EXTENSIONS_DIR, ...
         where = f" in {build_dir}" if build_dir is not None else ""
         return None, f"the just-in-time build{where} failed: {type(error).__name__}: {_first_line(error)}"
+
+
+class JitBuildFailed(RuntimeError):
+    """torch's load failed in the JIT build's process; the message is its error's type and first line."""
+
+
+# torch.utils.cpp_extension.load (keyword arguments: argv[2], JSON) run in a process of its own (the same Python and
+# torch: argv[1]), which prints the built library's path; an error's type and first line are its stderr's last line
+_TORCH_LOAD_CHILD = """
+import json, sys
+sys.path.append(sys.argv[1])  # where this process found torch (a child started without its sys.path)
+from torch.utils.cpp_extension import load
+try:
+    print(load(**json.loads(sys.argv[2])).__file__)
+except Exception as error:
+    print(str(error), file=sys.stderr)
+    print(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def _torch_load_in_child(lock: HeldBuildLock, **load_args) -> Path:
+    """Build with torch's load in a child process whose environment is jit_build_environment()'s (torch runs ninja
+    with a copy of its process's environment: the child's PATH reaches ninja and the compilers, this process's stays
+    as it is). The child holds `lock` too: killed mid-build, this process leaves the lock held until the child ends.
+    -> the built library; JitBuildFailed naming the error."""
+    import torch
+
+    torch_root = os.path.dirname(os.path.dirname(torch.__file__))
+    proc = subprocess.run([sys.executable, "-c", _TORCH_LOAD_CHILD, torch_root, json.dumps(load_args)],
+                          capture_output=True, text=True, env=jit_build_environment(), pass_fds=(lock.fd,))
+    if proc.returncode != 0:
+        logger.warning("the just-in-time build of the fused C++ kernels failed:\n%s", proc.stderr[-4000:])
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        raise JitBuildFailed(last if proc.returncode == 1 and last else
+                             f"its process ended with exit status {proc.returncode}: {last}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _import_library(path: Path):
+    """The extension module built at `path` (as torch's load imports it)."""
+    spec = importlib.util.spec_from_file_location(JIT_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_extension(use_prebuilt: bool = True, lock_timeout_s=None):
@@ -323,23 +379,20 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
-@contextlib.contextmanager
-def _pinned_ninja_first_on_path():
-    """Build with the same ninja in every process: the pinned `ninja` package when installed.
-    Ninja versions keep incompatible build logs (1.11 and 1.13 hash commands differently), so
-    a process finding the system ninja and the next one the package's would each rebuild."""
+def jit_build_environment() -> dict:
+    """This process's environment for the JIT build's process, with the pinned `ninja` package's binary first on PATH
+    where that package is installed and another ninja (or none) comes first. torch.utils.cpp_extension runs `ninja`
+    from PATH and has no way to name the binary, and ninja versions keep incompatible build logs (1.11 and 1.13 hash
+    commands differently): a process finding the system ninja and the next one the package's would each rebuild."""
+    env = dict(os.environ)
     try:
         import ninja
 
-        pinned = os.path.join(ninja.BIN_DIR, "ninja")
+        bin_dir = ninja.BIN_DIR
     except (ImportError, AttributeError):
-        yield
-        return
-    found = shutil.which("ninja")
-    if found is not None and os.path.realpath(found) == os.path.realpath(pinned):
-        yield  # already first on PATH (a venv's bin): nothing to change
-        return
-    # torch.utils.cpp_extension runs `ninja` from PATH and has no way to name the binary, so
-    # PATH names it for the duration of the build only; restored exactly (unset stays unset)
-    with unittest.mock.patch.dict(os.environ, {"PATH": ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")}):
-        yield
+        return env
+    path = env.get("PATH", os.defpath)
+    found = shutil.which("ninja", path=path)
+    if found is None or os.path.realpath(found) != os.path.realpath(os.path.join(bin_dir, "ninja")):
+        env["PATH"] = bin_dir + os.pathsep + path
+    return env
