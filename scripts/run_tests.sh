@@ -10,14 +10,18 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup_env.sh"
 cd "$REPO"
-# The aarch64 build check (tests/test_cpu_levels.py) compiles the C++ sources with Debian's cross compiler: installed
-# here where apt-get can (as root; RFA_NO_APT=1 skips it); elsewhere the test skips, saying why.
-if ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && [[ -z "${RFA_NO_APT:-}" ]] && command -v apt-get >/dev/null 2>&1 &&
-    [[ $(id -u) -eq 0 ]]; then
-    echo "run_tests.sh: installing g++-aarch64-linux-gnu (the aarch64 build check)" >&2
-    if ! { apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1 ||
-        { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1; }; }; then
-        echo "run_tests.sh: warning: apt-get could not install g++-aarch64-linux-gnu: the aarch64 build check skips" >&2
+# The aarch64 checks (tests/test_cpu_levels.py's build, tests/test_aarch64_emulated.py's kernels run under qemu-user)
+# need Debian's cross compiler and qemu-user: installed here where apt-get can (as root; RFA_NO_APT=1 skips it);
+# elsewhere those tests skip, saying why.
+missing=()
+command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || missing+=(g++-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null 2>&1 || command -v qemu-aarch64-static >/dev/null 2>&1 || missing+=(qemu-user)
+if ((${#missing[@]})) && [[ -z "${RFA_NO_APT:-}" ]] && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) -eq 0 ]]; then
+    echo "run_tests.sh: installing ${missing[*]} (the aarch64 checks)" >&2
+    if ! { apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 &&
+            apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1; }; }; then
+        echo "run_tests.sh: warning: apt-get could not install ${missing[*]}: the aarch64 checks skip" >&2
     fi
 fi
 # PYTHON picked the interpreter that creates .venv; the project's scripts (train.sh, generate.sh, score.sh) read it as
