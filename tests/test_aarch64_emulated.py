@@ -9,6 +9,7 @@ answer (getauxval's HWCAP) is checked on an emulated CPU without the dot-product
 Skipped, saying why, where qemu-user or the cross compiler is not installed (scripts/run_tests.sh installs both with
 apt-get where it can). The decoding step through the native runtime needs an aarch64 torch and is not run here."""
 import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,18 +52,12 @@ def program(tmp_path_factory):
             for src, obj in zip([extension.CSRC_DIR / "cpu_level.cpp", PROGRAM_SOURCE], objects)]
     for job in jobs:
         output = job.communicate()[0]
-        assert job.returncode == 0, f"{shlex_join(job.args)}:\n{output[-3000:]}"
+        assert job.returncode == 0, f"{shlex.join(map(str, job.args))}:\n{output[-3000:]}"
     binary = out / "level_kernels_program"
     proc = subprocess.run([CXX, "-static", *extension.EXTRA_LDFLAGS, *map(str, [*objects, *levels]), "-o", str(binary)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"linking the aarch64 kernels' program failed:\n{proc.stderr[-3000:]}"
     return binary
-
-
-def shlex_join(args):
-    import shlex
-
-    return shlex.join(map(str, args))
 
 
 def _levels_under(program, cpu):
@@ -71,6 +66,7 @@ def _levels_under(program, cpu):
     return dict(line.split(": ", 1) for line in proc.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_the_emulated_cpu_runs_the_levels_its_hwcap_has(program):
     """getauxval's HWCAP as qemu presents each CPU: cortex-a53 (ARMv8.0, no dot product) runs neon alone, max both."""
     assert _levels_under(program, "max") == {"architecture": " ".join(AARCH64_LEVELS),
