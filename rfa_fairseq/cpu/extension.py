@@ -290,18 +290,20 @@ class JitBuildFailed(RuntimeError):
 
 
 # torch.utils.cpp_extension.load (keyword arguments: argv[2], JSON) run in a process of its own (the same Python and
-# torch: argv[1]), which prints the built library's path; an error's type and first line are its stderr's last line
+# torch: argv[1]), which prints the built library's path after _BUILT_LIBRARY (whatever else the build prints); an
+# error's type and first line are its stderr's last line
+_BUILT_LIBRARY = "rfa-jit-built-library: "
 _TORCH_LOAD_CHILD = """
 import json, sys
 sys.path.append(sys.argv[1])  # where this process found torch (a child started without its sys.path)
 from torch.utils.cpp_extension import load
 try:
-    print(load(**json.loads(sys.argv[2])).__file__)
+    print(%r + load(**json.loads(sys.argv[2])).__file__)
 except Exception as error:
     print(str(error), file=sys.stderr)
     print(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}", file=sys.stderr)
     sys.exit(1)
-"""
+""" % _BUILT_LIBRARY
 
 
 def _torch_load_in_child(lock: HeldBuildLock, **load_args) -> Path:
@@ -319,7 +321,10 @@ def _torch_load_in_child(lock: HeldBuildLock, **load_args) -> Path:
         last = (proc.stderr.strip().splitlines() or [""])[-1]
         raise JitBuildFailed(last if proc.returncode == 1 and last else
                              f"its process ended with exit status {proc.returncode}: {last}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    built = [line[len(_BUILT_LIBRARY):] for line in proc.stdout.splitlines() if line.startswith(_BUILT_LIBRARY)]
+    if not built:
+        raise JitBuildFailed(f"its process named no built library (its output: {proc.stdout[-500:]!r})")
+    return Path(built[-1])
 
 
 def _import_library(path: Path):
