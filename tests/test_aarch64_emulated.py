@@ -287,8 +287,9 @@ def _all_cases(level):
     for precision in ("fp32", "int8"):
         # shapes of tests/test_cpu_levels.py: inputs not a multiple of 4 and past one fp32 chunk of 512, outputs not a
         # multiple of the vector width, a beam's rows and past every tile's rows, a batch past one row block
-        for i, (I, O, R) in enumerate([(256, 516, 1), (256, 516, 9), (13, 7, 3), (13, 7, 40), (258, 50, 17),
-                                       (1030, 131, 4), (1030, 131, 23), (1024, 4096, 4)]):
+        for i, (I, O, R) in enumerate([(256, 516, 1), (256, 516, 4), (256, 516, 9), (13, 7, 3), (13, 7, 40),
+                                       (258, 50, 6), (258, 50, 17), (1030, 131, 4), (1030, 131, 23), (1030, 60, 300),
+                                       (1024, 4096, 4), (4096, 1024, 4), (4096, 1024, 40)]):  # + transformer big's FFN
             variants = every if I * O * R < 2_000_000 else every[i % 4:i % 4 + 1]
             _linear_cases(cases, precision, I, O, R, variants, seed=I * 1000 + O + R)
         _row_independence_cases(cases, precision)
