@@ -319,25 +319,6 @@ void fp32_tile(const float* x, int64_t ldx, int64_t I, const float* weight, cons
   }
 }
 
-// group g's products into the sums: row r's 4 codes of the group at codes + r * ldc, each row's broadcast just before
-// its products (with AVX2's 16 registers, every row's broadcast held at once made the sums spill to the stack)
-template <int ROWS, int BLOCKS>
-__attribute__((always_inline)) inline void accumulate_group(Int8Acc (&acc)[ROWS][BLOCKS], const uint8_t* codes,
-                                                            int64_t ldc, const int8_t* w, int64_t block_stride,
-                                                            int64_t g, bool ahead) {
-  Int8W wb[BLOCKS];
-  for (int b = 0; b < BLOCKS; ++b) {
-    wb[b] = int8_weights(w + b * block_stride + g * kLanes * kInt8Group);
-    if (ahead) prefetch(w + b * block_stride + (g + kPrefetchSteps) * kLanes * kInt8Group);
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    int32_t word;  // the group's 4 codes as one int32 (rows need no 4-byte alignment)
-    std::memcpy(&word, codes + r * ldc, sizeof(word));
-    const Int8Acc a = broadcast_codes(word);
-    for (int b = 0; b < BLOCKS; ++b) acc[r][b] = dot4(acc[r][b], a, wb[b]);
-  }
-}
-
 template <int ROWS, int BLOCKS>
 void int8_tile(const uint8_t* codes, int64_t I, const int8_t* weight, const Int8Scales& scales,
                const LinearOutput& out, int64_t r0, int64_t b0, bool ahead) {
@@ -345,19 +326,40 @@ void int8_tile(const uint8_t* codes, int64_t I, const int8_t* weight, const Int8
   const int64_t block_stride = groups * kLanes * kInt8Group;
   const int8_t* w = weight + b0 * block_stride;
   const uint8_t* rows = codes + r0 * I;
+  // a last partial group: its missing codes 0 (their weights are padding)
+  uint8_t tail[ROWS][kInt8Group] = {};
+  if (whole < groups)
+    for (int r = 0; r < ROWS; ++r) std::memcpy(tail[r], rows + r * I + whole * kInt8Group, I - whole * kInt8Group);
+  // the sums stay in registers: one loop body over every group (the tail's codes read from `tail`), written in this
+  // function (sums passed to a helper by reference were kept on the stack too, a store after every product)
   Int8Acc acc[ROWS][BLOCKS];
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < BLOCKS; ++b) acc[r][b] = int8_zero();
-  for (int64_t g = 0; g < whole; ++g)
-    accumulate_group<ROWS, BLOCKS>(acc, rows + g * kInt8Group, I, w, block_stride, g, ahead);
-  if (whole < groups) {  // a last partial group: its missing codes 0 (their weights are padding)
-    uint8_t tail[ROWS][kInt8Group] = {};
-    for (int r = 0; r < ROWS; ++r) std::memcpy(tail[r], rows + r * I + whole * kInt8Group, I - whole * kInt8Group);
-    accumulate_group<ROWS, BLOCKS>(acc, &tail[0][0], kInt8Group, w, block_stride, whole, false);
+  for (int64_t g = 0; g < groups; ++g) {
+    const bool partial = g == whole;
+    const uint8_t* group_codes = partial ? &tail[0][0] : rows + g * kInt8Group;
+    const int64_t ldc = partial ? kInt8Group : I;
+    const bool prefetching = ahead && !partial;
+    Int8W wb[BLOCKS];
+    for (int b = 0; b < BLOCKS; ++b) {
+      wb[b] = int8_weights(w + b * block_stride + g * kLanes * kInt8Group);
+      if (prefetching) prefetch(w + b * block_stride + (g + kPrefetchSteps) * kLanes * kInt8Group);
+    }
+    // each row's broadcast just before its products (with AVX2's 16 registers, every row's broadcast held at once
+    // made the sums spill to the stack)
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t word;  // the group's 4 codes as one int32 (rows need no 4-byte alignment)
+      std::memcpy(&word, group_codes + r * ldc, sizeof(word));
+      const Int8Acc a = broadcast_codes(word);
+      for (int b = 0; b < BLOCKS; ++b) acc[r][b] = dot4(acc[r][b], a, wb[b]);
+    }
   }
+  // the epilogue unrolled too: a sum read at a variable index kept the whole array on the stack
+#pragma GCC unroll 16
   for (int b = 0; b < BLOCKS; ++b) {
     const int64_t n0 = (b0 + b) * kLanes, valid = valid_lanes(out, n0);
     const Vec w_scales = Vec::loadu(scales.w_scales + n0, valid), bias = bias_of(out, n0, valid);
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       // oneDNN's int8 output, float(sum) * w_scale, then the row's scale and the bias in that order (no fused
       // multiply-add: the roundings of the int8 path this replaced, the same results)
