@@ -7,8 +7,8 @@ with the shortlist's first k candidates per source token and n frequent tokens (
 "{'rfa_shortlist': PATH, 'rfa_shortlist_k': k, 'rfa_shortlist_n': n}"), scored with sacreBLEU against the raw
 references. The shortlist is built once with the grid's largest K and N (rfa-build-shortlist --output
 DATA/shortlist.SRC-TGT.kK_nN.i5.npz, the name benchmarks/shortlist_sizes.py gives it; skipped when up to date) and
-read at every smaller (k, n). One CSV row per (pair, split, checkpoint, batch size, k, n): both BLEUs, their
-difference, how many hypotheses are identical to the full vocabulary's (and why the others changed: how many of the
+read at every smaller (k, n). One CSV row per (pair, split, checkpoint and its updates, batch size, k, n): both
+BLEUs, their difference, how many hypotheses are identical to the full vocabulary's (and why the others changed: how many of the
 full vocabulary's hypotheses lie wholly in their batch's union, how many of those stayed identical), the union's mean
 size per batch at batch sizes 1, 32 and 128 (the split cut as fairseq-generate cuts it; the size the decoder's projection has); the
 full vocabulary's row has k = n = full. The union is a batch's, so the hypotheses of a sentence depend on its batch:
@@ -39,7 +39,7 @@ RESULTS = os.path.join(REPO, "benchmarks", "results", "shortlist_quality_multi30
 SPLITS = ("test", "valid")  # fairseq's --gen-subset; the prepared references are PREP/<split>.raw.<tgt>
 UNION_BATCH_SIZES = (1, 32, 128)
 FULL = "full"  # the k and n of the full vocabulary's rows
-KEY = ("pair", "split", "checkpoint", "batch_size", "k", "n")
+KEY = ("pair", "split", "checkpoint", "checkpoint_updates", "batch_size", "k", "n")  # a checkpoint trained on: new rows
 ITERATIONS = 5  # rfa-build-shortlist's default
 
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     updates = checkpoint_updates(checkpoint)
     checkpoint_name = checkpoint_column(checkpoint)
     log(f"{checkpoint}: {updates} training updates")
-    work = os.path.join(args.work_dir, args.pair, os.path.basename(os.path.dirname(checkpoint)))
+    work = os.path.join(args.work_dir, args.pair, os.path.basename(os.path.dirname(checkpoint)), f"u{updates}")
     os.makedirs(work, exist_ok=True)
     rows = read_rows(args.csv)
     grid = [(FULL, FULL)] + args.points
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         for batch_size in args.batch_sizes:
             full = None
             for k, n in grid:
-                key = (args.pair, split, checkpoint_name, str(batch_size), str(k), str(n))
+                key = (args.pair, split, checkpoint_name, str(updates), str(batch_size), str(k), str(n))
                 if not args.redo and any(key_of(r) == key for r in rows):
                     continue
                 full = full or translate(args, split, batch_size, {}, os.path.join(work, f"{split}.b{batch_size}.full"))

@@ -160,3 +160,12 @@ def resident_pages(tensor):
         pagemap.seek(first * 8)
         entries = memoryview(pagemap.read(count * 8)).cast("Q")
     return sum(entry >> 63 for entry in entries), count
+
+
+def decode_incrementally(model, encoder_out, prev, incremental_state, start=0):
+    """The decoder's logits of steps start .. prev's length, one token a call through incremental_state."""
+    outs = []
+    for t in range(start, prev.size(1)):
+        logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=incremental_state)
+        outs.append(logits)
+    return torch.cat(outs, dim=1)

@@ -15,9 +15,9 @@ import pytest
 import torch
 from cli_support import env, json_losses, run
 from conftest import PLUGIN_DIR, REPO
-from helpers import build_model, random_batch
+from helpers import build_model, decode_incrementally, random_batch
 from test_decoding_step import assert_beam_grouped_state_follows_reorders_and_shrinks
-from test_model import _decode_incrementally, assert_beam_reorder_equals_decoding_the_reordered_batch
+from test_model import assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
 from rfa_fairseq.gpu import triton_self_check
@@ -183,7 +183,7 @@ def test_self_check_trusts_every_kernel_a_model_runs_on_this_gpu():
                 model.eval()
                 with torch.no_grad():
                     model(src, src_lengths, prev)
-                    _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :4], {})
+                    decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :4], {})
         records = triton_self_check.checks()
     for record in records:
         print(f"{record.kernel} ({record.variant}) {record.dtypes}: {record.outcome}, {record.largest_error:.1e} "
@@ -218,7 +218,7 @@ def test_incremental_decoding_equals_full_forward_on_cuda(feature_map, gate, rfa
     src, src_lengths, prev = on_cuda(*random_batch(d, bsz=3, src_len=9, tgt_len=70))
     with torch.no_grad():
         full, _ = model(src, src_lengths, prev)
-        incremental = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+        incremental = decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
     error = relative_error(incremental, full)
     print(f"max |full - incremental| = {error:.1e} of the logits' range")
     assert error < TOLERANCE

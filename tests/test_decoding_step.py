@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from cli_support import run, synthetic_data, train_generate_model
 from conftest import PLUGIN_DIR
 from fairseq.sequence_generator import SequenceGenerator
-from helpers import FP32_STATE, CppKernels, build_model, cpp_extension, cpu_level_params, random_batch
-from test_model import _decode_incrementally, _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
+from helpers import (FP32_STATE, CppKernels, build_model, cpp_extension, cpu_level_params, decode_incrementally,
+                     random_batch)
+from test_model import _state_tensors, assert_beam_reorder_equals_decoding_the_reordered_batch
 from tiny_models import tiny_model_flags
 
 from rfa_fairseq.modules.decoding import BatchRows, DecodingState
@@ -231,7 +232,7 @@ def test_decoding_step_equals_the_full_forward_with_either_kernels(feature_map, 
         for name, m in (("default", model), ("torch", torch_kernels)):
             encoder_out = m.encoder(src, src_lengths=src_lengths)
             for tokens in (prev, padded):
-                outs[(name, tokens is padded)] = _decode_incrementally(m, encoder_out, tokens, {})
+                outs[(name, tokens is padded)] = decode_incrementally(m, encoder_out, tokens, {})
     # fp32 with other summation orders (one fused input projection, the C++ kernels); the random maps'
     # small denominators amplify those roundings, hence 1e-4 rather than 1e-5
     for padded_input in (False, True):
@@ -255,7 +256,7 @@ def test_bf16_decoding_step_is_as_close_to_fp32_as_the_bf16_full_forward(feature
         model.to(torch.bfloat16)
         full = log_probs(model(src, src_lengths, prev)[0])
         state = {}
-        incremental = log_probs(_decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state))
+        incremental = log_probs(decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state))
     assert state[DecodingState.KEY].kernels.name == "torch"
     full_error, step_error = (full - want).abs().max().item(), (incremental - want).abs().max().item()
     print(f"max |log p - fp32 full|: bf16 full forward {full_error:.3f}, bf16 decoding step {step_error:.3f}")
@@ -288,7 +289,7 @@ def assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengt
         encoder_out = model.encoder.reorder_encoder_out(model.encoder(src, src_lengths=src_lengths), expand)
         src, src_lengths = src[expand], src_lengths[expand]
         state, rows = {}, torch.arange(9, device=device)
-        _decode_incrementally(model, encoder_out, prev[:, :k], state)
+        decode_incrementally(model, encoder_out, prev[:, :k], state)
         decoding = state[DecodingState.KEY]
         assert (decoding.beam, decoding.sentences) == (beam, 3)
         for step, order in enumerate(orders):
@@ -296,10 +297,10 @@ def assert_beam_grouped_state_follows_reorders_and_shrinks(model, src, src_lengt
             model.decoder.reorder_incremental_state_scripting(state, order)
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, order)
             rows = rows[order]
-            continued = _decode_incrementally(model, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
+            continued = decode_incrementally(model, encoder_out, prev[rows, : k + step + 1], state, start=k + step)
             model.decoder.set_beam_size(1)
             fresh = model.encoder(src[rows], src_lengths=src_lengths[rows])
-            scratch = _decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
+            scratch = decode_incrementally(model, fresh, prev[rows, : k + step + 1], {})[:, -1:]
             model.decoder.set_beam_size(beam)
             torch.testing.assert_close(continued, scratch, rtol=tolerance, atol=tolerance)
         assert (decoding.beam, decoding.sentences) == (beam, 2)  # compacted, still once per sentence
@@ -563,7 +564,7 @@ def test_a_reorder_that_keeps_the_rows_moves_kv_in_place():
     src, src_lengths, prev = random_batch(d, bsz=4, src_len=8, tgt_len=5, seed=3)
     with torch.no_grad():
         state = {}
-        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :2], state)
+        decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev[:, :2], state)
         decoding = state[DecodingState.KEY]
         cross = [t for layer in decoding.layers for t in layer.cross.tensors()]
         before = [(t.data_ptr(), t.clone()) for t in cross]
@@ -634,7 +635,7 @@ def test_int8_decoding_step_logits_stay_within_a_tolerance_of_fp32():
         model.decoder.rfa.rfa_decode_precision = precision  # one RFAConfig: the encoder reads it too
         encoder_out = model.encoder(src, src_lengths=src_lengths)
         state = {}
-        logits = _decode_incrementally(model, encoder_out, prev, state)
+        logits = decode_incrementally(model, encoder_out, prev, state)
         assert state[DecodingState.KEY].kernels.gemm.startswith("int8") == (precision == "int8")
         assert model.encoder.encoding_runtime().kernels.gemm == state[DecodingState.KEY].kernels.gemm
         outputs[precision] = torch.log_softmax(logits, dim=-1)
@@ -674,15 +675,15 @@ def test_the_native_step_at_base_and_big_widths_equals_the_torch_step_and_int8_s
     full, _ = model(src, src_lengths, prev)
     outs = {}
     for name, m in (("native", model), ("torch", torch_kernels)):
-        outs[name] = _decode_incrementally(m, m.encoder(src, src_lengths=src_lengths), prev, {})
+        outs[name] = decode_incrementally(m, m.encoder(src, src_lengths=src_lengths), prev, {})
     state = {}
-    decoded = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+    decoded = decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert state[DecodingState.KEY].kernels.name == "cpp"
     torch.testing.assert_close(outs["native"], outs["torch"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs["native"], full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(decoded, outs["native"], rtol=0, atol=0)
     model.decoder.rfa.rfa_decode_precision = "int8"  # one RFAConfig: the encoder reads it too
-    int8 = torch.log_softmax(_decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {}), -1)
+    int8 = torch.log_softmax(decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {}), -1)
     fp32 = torch.log_softmax(outs["native"], -1)
     # per-row 7-bit activations and per-channel int8 weights through a layer of each kind: within 2 % of the
     # log-probabilities' span, the same best token at most positions

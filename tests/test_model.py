@@ -4,7 +4,8 @@ import io
 import pytest
 import torch
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
-from helpers import FP32_STATE, PAPER_RFA, build_model, build_model_from_args, cpp_extension, parse_args, random_batch, use_decoding_step
+from helpers import (FP32_STATE, PAPER_RFA, build_model, build_model_from_args, cpp_extension, decode_incrementally,
+                     parse_args, random_batch, use_decoding_step)
 
 from rfa_fairseq.conversion import RFA_PARAMETER_SUFFIXES
 from rfa_fairseq.config import RFAConfig
@@ -31,14 +32,6 @@ def _flags(feature_map, gate, rfa_encoder, cross="rfa", chunk=4):
     return flags + (["--rfa-encoder-self-attn"] if rfa_encoder else [])
 
 
-def _decode_incrementally(model, encoder_out, prev, incremental_state, start=0):
-    outs = []
-    for t in range(start, prev.size(1)):
-        logits, _ = model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=incremental_state)
-        outs.append(logits)
-    return torch.cat(outs, dim=1)
-
-
 def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders, tolerance):
     """Decode 4 steps, reorder (permute / duplicate / shrink the batch), decode on: the same logits as
     decoding the reordered batch from scratch. batch: (src, src_lengths, prev) on the model's device."""
@@ -48,13 +41,13 @@ def assert_beam_reorder_equals_decoding_the_reordered_batch(model, batch, orders
         with torch.no_grad():
             encoder_out = model.encoder(src, src_lengths=src_lengths)
             state = {}
-            _decode_incrementally(model, encoder_out, prev[:, :k], state)
+            decode_incrementally(model, encoder_out, prev[:, :k], state)
             model.decoder.reorder_incremental_state_scripting(state, new_order)
             encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-            continued = _decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
+            continued = decode_incrementally(model, encoder_out, prev[new_order], state, start=k)
 
             fresh_out = model.encoder(src[new_order], src_lengths=src_lengths[new_order])
-            scratch = _decode_incrementally(model, fresh_out, prev[new_order], {})[:, k:]
+            scratch = decode_incrementally(model, fresh_out, prev[new_order], {})[:, k:]
         assert continued.shape == scratch.shape
         torch.testing.assert_close(continued, scratch, rtol=tolerance, atol=tolerance)
 
@@ -76,7 +69,7 @@ def test_a_decoder_without_cross_attention_decodes_incrementally_as_a_whole(cros
     src, src_lengths, prev = random_batch(d, bsz=3, src_len=9, tgt_len=11)
     with torch.no_grad():
         full, _ = model(src, src_lengths, prev)
-        incremental = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+        incremental = decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
     torch.testing.assert_close(incremental, full, rtol=1e-5, atol=1e-5)
 
 
@@ -105,7 +98,7 @@ def test_incremental_decoding_equals_full_forward(feature_map, gate, rfa_encoder
     with torch.no_grad():
         full, _ = model(src, src_lengths, prev)
         encoder_out = model.encoder(src, src_lengths=src_lengths)
-        incremental = _decode_incrementally(model, encoder_out, prev, {})
+        incremental = decode_incrementally(model, encoder_out, prev, {})
     diff = (full - incremental).abs().max().item()
     print(f"max |full - incremental| = {diff:.2e}")
     assert diff <= 1e-5
@@ -125,7 +118,7 @@ def test_the_native_steps_fp16_state_decodes_within_fp16_rounding_of_the_full_fo
         with torch.no_grad():
             full, _ = model(src, src_lengths, prev)
             state = {}
-            incremental = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+            incremental = decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
         dtypes = {t.dtype for layer in state[DecodingState.KEY].layers for t in layer.self_attn.states}
         errors["fp32" if state_flags else "fp16"] = (incremental - full).abs().max().item() / full.abs().max().item()
         assert dtypes == {torch.float32 if state_flags else torch.float16}
@@ -139,13 +132,13 @@ def test_an_fp16_state_where_the_native_step_does_not_run_is_an_error_naming_the
     src, src_lengths, prev = random_batch(d, bsz=2, tgt_len=3)
     with torch.no_grad():
         state = {}
-        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+        decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert {t.dtype for layer in state[DecodingState.KEY].layers for t in layer.self_attn.states} == {torch.float32}
     model, d = build_model(["--rfa-decode-kernel", "torch", "--rfa-decode-state", "fp16"])
     model.eval()
     with torch.no_grad(), pytest.raises(ValueError, match="--rfa-decode-state fp16 keeps the state in fp16 in the "
                                                            "native step, which does not run here \\(torch step"):
-        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+        decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
     with pytest.raises(SystemExit):
         parse_args(["--rfa-decode-state", "bf16"])
 
@@ -275,7 +268,7 @@ def test_bf16_model_keeps_fp32_states_and_finite_outputs():
     state = {}
     with torch.no_grad():
         full, _ = model(src, src_lengths, prev)
-        _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
+        decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, state)
     assert full.dtype == torch.bfloat16 and torch.isfinite(full.float()).all()
     assert all(t.dtype == torch.float32 for t in state[DecodingState.KEY].attention_tensors())
 
@@ -431,7 +424,7 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
             loader = kernel_choice.load_fused_extension
             patch.setattr(kernel_choice, "load_fused_extension", lambda: builds.append(1) or loader())
             with torch.no_grad():
-                outputs[kernel] = _decode_incrementally(model, encoder_out, prev, state)
+                outputs[kernel] = decode_incrementally(model, encoder_out, prev, state)
         assert len(builds) == (kernel == "auto"), "the kernels are chosen once per batch; torch never loads C++"
         assert state[DecodingState.KEY].kernels.name == ("torch" if kernel == "torch" else "cpp")
     for kernel, out in outputs.items():
@@ -444,7 +437,7 @@ def test_decode_kernel_option_picks_the_kernels_once_per_batch_and_every_kernel_
     with torch.no_grad():
         encoder_out = model.encoder(src, src_lengths=src_lengths)
     with torch.no_grad(), pytest.raises(ValueError, match="--rfa-decode-kernel cpp: the C\\+\\+ decoding step runs on the CPU in fp32"):
-        _decode_incrementally(model, encoder_out, prev, {})
+        decode_incrementally(model, encoder_out, prev, {})
 
 
 def test_a_run_set_to_decode_in_cpp_validates_where_cpp_cannot_run():
@@ -563,7 +556,7 @@ def test_a_fairseq_training_step_between_two_validations_repacks_the_weights(bat
         model.eval()
         with torch.no_grad():
             encoder_out = model.encoder(src, src_lengths=src_lengths)
-            logits = _decode_incrementally(model, encoder_out, prev, incremental_state)
+            logits = decode_incrementally(model, encoder_out, prev, incremental_state)
         reference = model(src, src_lengths, prev)[0].detach()
         return logits, reference
 
@@ -591,8 +584,8 @@ def test_a_model_that_has_decoded_deep_copies_and_pickles_and_its_copy_decodes_a
     model.eval()
     src, src_lengths, prev = random_batch(d, bsz=2, src_len=7, tgt_len=5, seed=4)
     with torch.no_grad():
-        out = _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+        out = decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         with torch.no_grad():
-            twin_out = _decode_incrementally(twin, twin.encoder(src, src_lengths=src_lengths), prev, {})
+            twin_out = decode_incrementally(twin, twin.encoder(src, src_lengths=src_lengths), prev, {})
         torch.testing.assert_close(twin_out, out, rtol=0, atol=0)
