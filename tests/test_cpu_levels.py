@@ -332,9 +332,9 @@ def test_the_sources_compile_for_aarch64(tmp_path):
     the test set-up, scripts/run_tests.sh), each file on its own (a missing #include in one is not hidden by
     another's, and the failing file is named): the levels into objects (neon_dotprod's int8 products with sdot,
     neon's without, read by aarch64-linux-gnu-objdump where binutils-aarch64-linux-gnu is installed), the module's
-    sources through the compiler's front end, torch's headers read once (a precompiled header of torch/extension.h,
-    included before each file: the project's own headers are still each file's to include). tests/test_aarch64_emulated.py
-    runs them."""
+    sources through the compiler's front end, torch's headers read once (a precompiled header of the torch and
+    pybind11 headers the sources include, included before each file: the project's own headers are still each file's
+    to include). tests/test_aarch64_emulated.py runs them."""
     if shutil.which(AARCH64_CXX) is None:
         pytest.skip(f"{AARCH64_CXX} is not installed (scripts/run_tests.sh installs it with apt-get where it can: "
                     f"Debian's g++-aarch64-linux-gnu)")
@@ -352,12 +352,17 @@ def test_the_sources_compile_for_aarch64(tmp_path):
     flags = [*extension.compile_flags(torch.__version__), extension.LEVEL_STD, "-DTORCH_EXTENSION_NAME=rfa_check",
              "-DTORCH_API_INCLUDE_EXTENSION_H", args["abi_flag"], *(f"-I{d}" for d in args["include_dirs"]),
              f"-I{sysconfig.get_paths()['include']}"]
-    # torch/extension.h precompiled once with the same flags: parsing it took most of each file's ~17 s
+    # the torch and pybind11 headers the sources include, precompiled once with the same flags: parsing them took
+    # most of each file's time
+    included = sorted({line.strip() for path in extension.CSRC_DIR.rglob("*") if path.suffix in (".h", ".cpp")
+                       for line in path.read_text().splitlines()
+                       if re.match(r"#include <(ATen|c10|torch|pybind11)/", line.strip())})
+    assert any("ATen/ATen.h" in line for line in included), included
     torch_headers = tmp_path / "torch_headers.h"
-    torch_headers.write_text("#include <torch/extension.h>\n")
+    torch_headers.write_text("\n".join(included) + "\n")
     proc = subprocess.run([AARCH64_CXX, *flags, "-x", "c++-header", str(torch_headers), "-o", f"{torch_headers}.gch"],
                           capture_output=True, text=True)
-    assert proc.returncode == 0, f"torch/extension.h for aarch64: {proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{', '.join(included)} for aarch64: {proc.stderr[-3000:]}"
     failed = {}
     for source in extension.source_files():  # each file its own translation unit
         proc = subprocess.run([AARCH64_CXX, *flags, "-include", str(torch_headers), "-fsyntax-only", str(source)],

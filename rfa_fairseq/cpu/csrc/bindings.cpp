@@ -2,7 +2,8 @@
 // (step_kernels.h, bound with the level they run on for the tests that compare every level with the torch step), the
 // linear layers (linear_layers.h), the decoder's and the encoder's programs. Absent tensors are None.
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <stdexcept>
@@ -25,7 +26,7 @@
 
 namespace {
 
-using Optional = std::optional<torch::Tensor>;
+using Optional = std::optional<at::Tensor>;
 
 // a level's kernels by name (resolve_level's: "auto", the best this CPU runs), or a ValueError: not a level of this
 // architecture, or one this CPU does not run (the tests name a level to run exactly that level's kernels)
@@ -69,9 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("cap"), "the level a runtime capped at `cap` ('auto' or a level's name) runs on");
   m.def(
       "causal_layer_step",
-      [](const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v, const Optional& gate_logits,
-         const Optional& key_pad, const Optional& state_in, const Optional& order, const torch::Tensor& state_out,
-         const torch::Tensor& out, double eps, const std::string& activation, const Optional& sigma,
+      [](const at::Tensor& phi_q, const at::Tensor& phi_k, const at::Tensor& v, const Optional& gate_logits,
+         const Optional& key_pad, const Optional& state_in, const Optional& order, const at::Tensor& state_out,
+         const at::Tensor& out, double eps, const std::string& activation, const Optional& sigma,
          const Optional& matrix, const std::string& level, const Optional& state_rows, int64_t group) {
         causal_layer_step(phi_q, phi_k, v, or_undefined(gate_logits), or_undefined(key_pad), or_undefined(state_in),
                           or_undefined(order), state_out, out, eps, activation_code(activation), or_undefined(sigma),
@@ -84,8 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "causal RFA layer step: feature map (activation: 'features' or the map's kind), gate, reorder, update, read-out");
   m.def(
       "softmax_cross_step",
-      [](const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, const Optional& key_bias,
-         int64_t beam, double scaling, const torch::Tensor& out, const Optional& weights, const std::string& level) {
+      [](const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, const Optional& key_bias,
+         int64_t beam, double scaling, const at::Tensor& out, const Optional& weights, const std::string& level) {
         softmax_cross_step(q, key, value, or_undefined(key_bias), beam, scaling, out, or_undefined(weights),
                            kernels_named(level));
       },
@@ -94,24 +95,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "softmax cross-attention step over per-sentence K, V");
   m.def(
       "add_layer_norm",
-      [](const torch::Tensor& x, const Optional& residual, const torch::Tensor& gamma, const torch::Tensor& beta,
-         double eps, const torch::Tensor& out, const std::string& level) {
+      [](const at::Tensor& x, const Optional& residual, const at::Tensor& gamma, const at::Tensor& beta,
+         double eps, const at::Tensor& out, const std::string& level) {
         add_layer_norm(x, or_undefined(residual), gamma, beta, eps, out, kernels_named(level));
       },
       py::arg("x"), py::arg("residual"), py::arg("gamma"), py::arg("beta"), py::arg("eps"), py::arg("out"),
       py::arg("level") = "auto", "out = LayerNorm(x + residual)");
   m.def(
       "beam_candidates",
-      [](const torch::Tensor& lprobs, const Optional& prev_scores, int64_t beam, const torch::Tensor& scores_out,
-         const torch::Tensor& indices_out, const std::string& level) {
+      [](const at::Tensor& lprobs, const Optional& prev_scores, int64_t beam, const at::Tensor& scores_out,
+         const at::Tensor& indices_out, const std::string& level) {
         beam_candidates(lprobs, or_undefined(prev_scores), beam, scores_out, indices_out, kernels_named(level));
       },
       py::arg("lprobs"), py::arg("prev_scores"), py::arg("beam"), py::arg("scores_out"), py::arg("indices_out"),
       py::arg("level") = "auto", "beam search: the k best (score so far + log-probability) per sentence");
   m.def(
       "rfa_cross_step",
-      [](const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-         const std::string& activation, const Optional& sigma, const Optional& matrix, const torch::Tensor& out,
+      [](const at::Tensor& q, const at::Tensor& cross_state, int64_t beam, double eps,
+         const std::string& activation, const Optional& sigma, const Optional& matrix, const at::Tensor& out,
          const std::string& level) {
         rfa_cross_step(q, cross_state, beam, eps, activation_code(activation), or_undefined(sigma),
                        or_undefined(matrix), out, kernels_named(level));
@@ -121,12 +122,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "RFA cross-attention step: phi(q) . S over per-sentence states");
   m.def(
       "row_log_sum_exp",
-      [](const torch::Tensor& x, const std::string& level) {
-        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+      [](const at::Tensor& x, const std::string& level) {
+        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
                     "row_log_sum_exp: x must be a contiguous (rows, n) fp32 CPU tensor");
         const rfa::cpu::Kernels& kernels = kernels_named(level);
         const int64_t rows = x.size(0), n = x.size(1);
-        torch::Tensor max = torch::empty({rows}, x.options()), log_sum = torch::empty({rows}, x.options());
+        at::Tensor max = at::empty({rows}, x.options()), log_sum = at::empty({rows}, x.options());
         for (int64_t r = 0; r < rows; ++r) {
           kernels.row_log_sum_exp(x.data_ptr<float>() + r * n, n, max.data_ptr<float>() + r,
                                   log_sum.data_ptr<float>() + r);
@@ -137,17 +138,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the search step's log-softmax of each row: (max, log(sum(exp(x - max))))");
   m.def(
       "exp",
-      [](const torch::Tensor& x, const std::string& level) {
-        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+      [](const at::Tensor& x, const std::string& level) {
+        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "exp: x must be a contiguous fp32 CPU tensor");
-        torch::Tensor y = x.clone();
+        at::Tensor y = x.clone();
         kernels_named(level).exp_inplace(y.data_ptr<float>(), y.numel());
         return y;
       },
       py::arg("x"), py::arg("level") = "auto", "the kernels' exp of every element (a polynomial, about 1 ulp)");
   m.def(
       "quantize_rows",
-      [](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, const std::string& level) {
+      [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::string& level) {
         quantize_rows(x, codes, scales, kernels_named(level));
       },
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("level") = "auto",

@@ -9,7 +9,8 @@
 // different parts of a batch run at once.
 #pragma once
 #include <pybind11/pybind11.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <optional>

@@ -5,6 +5,7 @@
 // Python between ~25 operations a layer (at one sentence a batch, most of the encoder's time) and the GIL (threads
 // that decode different batches encode at once). The pass is named rfa::encoder for torch's profiler.
 #include <ATen/record_function.h>
+#include <ATen/core/grad_mode.h>
 #include <pybind11/stl.h>
 
 #include "encoder_program.h"

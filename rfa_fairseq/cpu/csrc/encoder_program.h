@@ -2,7 +2,8 @@
 // EncodingRuntime (rfa_fairseq/modules/encoding.py) and its records, on the decoder's linear-layer library.
 #pragma once
 #include <pybind11/pybind11.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <vector>

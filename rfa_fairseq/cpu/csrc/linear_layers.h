@@ -9,7 +9,8 @@
 // from its checkpoint file, which only a fallback path reads again).
 #pragma once
 #include <pybind11/pybind11.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>

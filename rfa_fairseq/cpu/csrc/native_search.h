@@ -14,7 +14,8 @@
 // translating, their rows packed for the products; their states are read and written at their places' rows.
 #pragma once
 #include <pybind11/pybind11.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <array>
 #include <string>

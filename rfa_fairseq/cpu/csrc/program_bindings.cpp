@@ -1,9 +1,12 @@
 // The Python face of the decoder's program (decode_program.h) and of the native search (native_search.h): every
 // tensor a call takes a pointer of is checked with the GIL held, then the GIL is released (threads that decode
 // different parts of a batch run at once). Absent tensors are None.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <omp.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 

@@ -1,7 +1,7 @@
 // What the decoder's and the encoder's programs (decode_program.h, encoder_program.h) both read from their records:
 // a layer norm and a feed-forward activation.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <optional>
 

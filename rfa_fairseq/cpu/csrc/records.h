@@ -3,7 +3,8 @@
 // path. Nothing here writes to Python.
 #pragma once
 #include <pybind11/pybind11.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <map>
 #include <optional>

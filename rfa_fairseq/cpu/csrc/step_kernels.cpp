@@ -56,8 +56,8 @@ std::vector<std::string> activation_names() {
   return names;
 }
 
-MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const torch::Tensor& sigma,
-                     const torch::Tensor& matrix) {
+MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const at::Tensor& sigma,
+                     const at::Tensor& matrix) {
   TORCH_CHECK(activation >= kFeatures && activation <= kELU, "rfa static step: unknown feature-map activation ",
               activation);
   MapParams map;
@@ -79,10 +79,10 @@ MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim,
     default: {  // random maps: raw per-head inputs, projected on (H, D, d)
       const int64_t D = activation == kSinCos ? F / 2 : F;
       TORCH_CHECK(activation != kSinCos || F % 2 == 0, "rfa static step: the sincos map has an even number of features");
-      TORCH_CHECK(sigma.defined() && sigma.device().is_cpu() && sigma.scalar_type() == torch::kFloat32 &&
+      TORCH_CHECK(sigma.defined() && sigma.device().is_cpu() && sigma.scalar_type() == at::kFloat &&
                       sigma.is_contiguous() && sigma.numel() == H * head_dim,
                   "rfa static step: a random map needs sigma as a contiguous fp32 (heads, head_dim) tensor");
-      TORCH_CHECK(matrix.defined() && matrix.device().is_cpu() && matrix.scalar_type() == torch::kFloat32 &&
+      TORCH_CHECK(matrix.defined() && matrix.device().is_cpu() && matrix.scalar_type() == at::kFloat &&
                       matrix.is_contiguous() && matrix.numel() == H * D * head_dim,
                   "rfa static step: a random map needs its matrix as a contiguous fp32 (heads, D, head_dim) tensor");
       map.width = head_dim;
@@ -148,17 +148,17 @@ const float* head_features(const Kernels& kernels, const float* row, const MapPa
 
 namespace {
 
-void check_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* name) {
+void check_rows(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(t.defined() && t.device().is_cpu() && t.dim() == 2 && t.size(0) >= rows && t.size(1) == cols &&
-                  t.stride(1) == 1 && t.scalar_type() == torch::kFloat32,
+                  t.stride(1) == 1 && t.scalar_type() == at::kFloat,
               "rfa static step: ", name, " must be a (", rows, ", ", cols,
               ") fp32 CPU matrix with unit column stride");
 }
 
 // `index` (rows,) names a row of a state buffer of `bound` rows for each of the step's rows
-void check_state_rows(const torch::Tensor& index, int64_t rows, int64_t bound, const char* name) {
+void check_state_rows(const at::Tensor& index, int64_t rows, int64_t bound, const char* name) {
   TORCH_CHECK(index.device().is_cpu() && index.is_contiguous() && index.numel() == rows &&
-                  index.scalar_type() == torch::kInt64,
+                  index.scalar_type() == at::kLong,
               "rfa static step: ", name, " must be a contiguous (rows,) int64 CPU tensor");
   const int64_t* p = index.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
@@ -168,11 +168,11 @@ void check_state_rows(const torch::Tensor& index, int64_t rows, int64_t bound, c
 
 }  // namespace
 
-void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
-                       const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
-                       const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
-                       int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix,
-                       const Kernels& kernels, const torch::Tensor& state_rows, int64_t group) {
+void causal_layer_step(const at::Tensor& phi_q, const at::Tensor& phi_k, const at::Tensor& v,
+                       const at::Tensor& gate_logits, const at::Tensor& key_pad, const at::Tensor& state_in,
+                       const at::Tensor& order, const at::Tensor& state_out, const at::Tensor& out, double eps,
+                       int64_t activation, const at::Tensor& sigma, const at::Tensor& matrix,
+                       const Kernels& kernels, const at::Tensor& state_rows, int64_t group) {
   const int64_t R = v.size(0), H = state_out.size(1), F = state_out.size(2), D1 = state_out.size(3), d = D1 - 1;
   const MapParams map = map_params(activation, H, F, d, sigma, matrix);
   const int64_t P = map.width;  // values per head in phi_q / phi_k rows
@@ -183,7 +183,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const auto state_type = state_out.scalar_type();
   const bool placed = state_rows.defined();
   TORCH_CHECK(state_out.device().is_cpu() && state_out.is_contiguous() && (placed || state_out.size(0) >= R) &&
-                  (state_type == torch::kFloat32 || state_type == torch::kFloat16),
+                  (state_type == at::kFloat || state_type == at::kHalf),
               "rfa static step: state_out must be a contiguous fp32 or fp16 CPU (rows, heads, F, head_dim + 1) buffer");
   if (placed) check_state_rows(state_rows, R, state_out.size(0), "state_rows");
   const bool first = !state_in.defined();
@@ -219,7 +219,7 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
   const bool padded = key_pad.defined();
   if (padded) {
     TORCH_CHECK(key_pad.device().is_cpu() && key_pad.is_contiguous() && key_pad.numel() == R &&
-                    key_pad.scalar_type() == torch::kBool,
+                    key_pad.scalar_type() == at::kBool,
                 "rfa static step: key_pad must be a contiguous (rows,) bool CPU tensor");
   }
 
@@ -288,8 +288,8 @@ void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, c
     }
   });
   };
-  if (state_type == torch::kFloat16) {
-    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); };
+  if (state_type == at::kHalf) {
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); };
     run(first ? nullptr : static_cast<const uint16_t*>(bits(state_in)), bits(state_out), kernels.update_and_read_out_fp16);
   } else {
     run(first ? nullptr : static_cast<const float*>(state_in.data_ptr<float>()), state_out.data_ptr<float>(),
@@ -303,14 +303,14 @@ namespace {
 struct SentenceOfRow {
   const int64_t* sentences = nullptr;
   int64_t beam = 1;
-  SentenceOfRow(const torch::Tensor& given, int64_t R, int64_t N, int64_t beam_, const char* kernel) : beam(beam_) {
+  SentenceOfRow(const at::Tensor& given, int64_t R, int64_t N, int64_t beam_, const char* kernel) : beam(beam_) {
     TORCH_CHECK(beam >= 1, kernel, ": beam must be positive, got ", beam);
     if (!given.defined()) {
       TORCH_CHECK(R <= N * beam, kernel, ": ", R, " rows for ", N, " sentences x beam ", beam);
       return;
     }
     const int64_t groups = (R + beam - 1) / beam;
-    TORCH_CHECK(given.device().is_cpu() && given.scalar_type() == torch::kInt64 && given.dim() == 1 &&
+    TORCH_CHECK(given.device().is_cpu() && given.scalar_type() == at::kLong && given.dim() == 1 &&
                     given.is_contiguous() && given.numel() >= groups,
                 kernel, ": sentences must be a contiguous int64 CPU vector of ", groups, " or more entries");
     sentences = given.data_ptr<int64_t>();
@@ -324,9 +324,9 @@ struct SentenceOfRow {
 
 }  // namespace
 
-void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out,
-                    const Kernels& kernels, const torch::Tensor& sentences) {
+void rfa_cross_step(const at::Tensor& q, const at::Tensor& cross_state, int64_t beam, double eps,
+                    int64_t activation, const at::Tensor& sigma, const at::Tensor& matrix, const at::Tensor& out,
+                    const Kernels& kernels, const at::Tensor& sentences) {
   const int64_t R = q.size(0), N = cross_state.size(0), H = cross_state.size(1), F = cross_state.size(2);
   const int64_t D1 = cross_state.size(3), d = D1 - 1;
   TORCH_CHECK(activation != kFeatures, "rfa cross step: the map is applied here (to raw queries or a learned affine "
@@ -335,7 +335,7 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
   const int64_t P = map.width;  // values per head in q's rows
   check_rows(q, R, H * P, "q");
   check_rows(out, R, H * d, "out");
-  TORCH_CHECK(cross_state.device().is_cpu() && cross_state.is_contiguous() && cross_state.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(cross_state.device().is_cpu() && cross_state.is_contiguous() && cross_state.scalar_type() == at::kFloat,
               "rfa cross step: the state must be a contiguous fp32 (sentences, heads, F, head_dim + 1) tensor");
   const SentenceOfRow sentence_of(sentences, R, N, beam, "rfa cross step");
   const float* qp = q.data_ptr<float>();
@@ -358,20 +358,20 @@ void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, in
   });
 }
 
-void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                        const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
-                        const torch::Tensor& weights, const Kernels& kernels, const torch::Tensor& sentences) {
+void softmax_cross_step(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& key_bias, int64_t beam, double scaling, const at::Tensor& out,
+                        const at::Tensor& weights, const Kernels& kernels, const at::Tensor& sentences) {
   const int64_t R = q.size(0), N = key.size(0), H = key.size(1), S = key.size(2), d = key.size(3), C = H * d;
   check_rows(q, R, C, "q");
   check_rows(out, R, C, "out");
-  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && key.scalar_type() == torch::kFloat32 &&
-                  value.scalar_type() == torch::kFloat32 && key.is_contiguous() && value.is_contiguous() &&
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat && key.is_contiguous() && value.is_contiguous() &&
                   value.sizes() == key.sizes(),
               "rfa static step: key and value must be contiguous fp32 CPU (sentences, heads, source, head_dim)");
   const SentenceOfRow sentence_of(sentences, R, N, beam, "rfa static step");
   const bool biased = key_bias.defined();
   if (biased) {
-    TORCH_CHECK(key_bias.device().is_cpu() && key_bias.scalar_type() == torch::kFloat32 && key_bias.is_contiguous() &&
+    TORCH_CHECK(key_bias.device().is_cpu() && key_bias.scalar_type() == at::kFloat && key_bias.is_contiguous() &&
                     key_bias.numel() >= N * S,
                 "rfa static step: key_bias must be a contiguous fp32 CPU (sentences, source) tensor");
   }
@@ -421,15 +421,15 @@ void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const 
   });
 }
 
-void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
-                    const torch::Tensor& beta, double eps, const torch::Tensor& out, const Kernels& kernels) {
+void add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& gamma,
+                    const at::Tensor& beta, double eps, const at::Tensor& out, const Kernels& kernels) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
   check_rows(out, R, C, "out");
   const bool add = residual.defined();
   if (add) check_rows(residual, R, C, "residual");
-  TORCH_CHECK(gamma.device().is_cpu() && beta.device().is_cpu() && gamma.scalar_type() == torch::kFloat32 &&
-                  beta.scalar_type() == torch::kFloat32 && gamma.is_contiguous() && beta.is_contiguous() &&
+  TORCH_CHECK(gamma.device().is_cpu() && beta.device().is_cpu() && gamma.scalar_type() == at::kFloat &&
+                  beta.scalar_type() == at::kFloat && gamma.is_contiguous() && beta.is_contiguous() &&
                   gamma.numel() == C && beta.numel() == C,
               "rfa static step: layer norm weight and bias must have ", C, " values");
   const float* xp = x.data_ptr<float>();
@@ -448,19 +448,19 @@ void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const
   });
 }
 
-void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
-                     const torch::Tensor& scores_out, const torch::Tensor& indices_out, const Kernels& kernels) {
+void beam_candidates(const at::Tensor& lprobs, const at::Tensor& prev_scores, int64_t beam,
+                     const at::Tensor& scores_out, const at::Tensor& indices_out, const Kernels& kernels) {
   const int64_t V = lprobs.size(1), N = scores_out.size(0), k = scores_out.size(1);
   const bool first = !prev_scores.defined();  // step 0: a sentence's beams are one hypothesis: beam 0 only
   const int64_t beams = first ? 1 : beam;
   check_rows(lprobs, N * beam, V, "lprobs");
   TORCH_CHECK(scores_out.device().is_cpu() && indices_out.device().is_cpu() && scores_out.is_contiguous() &&
-                  scores_out.scalar_type() == torch::kFloat32 && indices_out.is_contiguous() &&
-                  indices_out.scalar_type() == torch::kInt64 && indices_out.size(0) == N && indices_out.size(1) == k,
+                  scores_out.scalar_type() == at::kFloat && indices_out.is_contiguous() &&
+                  indices_out.scalar_type() == at::kLong && indices_out.size(0) == N && indices_out.size(1) == k,
               "rfa beam_candidates: scores_out (N, k) fp32 and indices_out (N, k) int64, contiguous, on the CPU");
   TORCH_CHECK(k >= 1 && k <= beams * V, "rfa beam_candidates: k = ", k, " of ", beams * V, " candidates");
   TORCH_CHECK(first || (prev_scores.device().is_cpu() && prev_scores.dim() == 1 && prev_scores.size(0) == N * beam &&
-                        prev_scores.scalar_type() == torch::kFloat32),
+                        prev_scores.scalar_type() == at::kFloat),
               "rfa beam_candidates: prev_scores must be (", N * beam, ",) fp32, or None at the first step");
   const float* lp = lprobs.data_ptr<float>();
   const float* prev = first ? nullptr : prev_scores.data_ptr<float>();
@@ -483,13 +483,13 @@ void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scor
 }
 
 
-void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+void quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const Kernels& kernels) {
   const int64_t R = x.size(0), C = x.size(1);
   check_rows(x, R, C, "x");
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 && codes.size(0) == R && codes.size(1) == C,
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(0) == R && codes.size(1) == C,
               "rfa static step: codes must be a contiguous (", R, ", ", C, ") uint8 tensor");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == R,
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == R,
               "rfa static step: scales must be a contiguous fp32 tensor of ", R, " values");
   quantize_rows(x.data_ptr<float>(), x.stride(0), R, C, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), kernels);
 }

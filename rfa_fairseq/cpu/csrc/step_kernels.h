@@ -1,7 +1,7 @@
 // The kernels of a decoding step on tensors (step_kernels.cpp), bound in bindings.cpp; each takes the kernels of the
 // runtime's instruction-set level (cpu_kernels.h) it runs on.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "cpu_kernels.h"
 
@@ -31,8 +31,8 @@ struct MapParams {
 };
 // MapParams for `activation` over rows of H heads whose state has F features; sigma / matrix empty but for the
 // random maps
-MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const torch::Tensor& sigma,
-                     const torch::Tensor& matrix);
+MapParams map_params(int64_t activation, int64_t H, int64_t F, int64_t head_dim, const at::Tensor& sigma,
+                     const at::Tensor& matrix);
 // phi of head h's row (map.width values): a pointer to the features (the row itself for kFeatures, else `buf`,
 // F floats; `scratch` holds max(D, d) floats); is_query: the positive map's per-query shift
 const float* head_features(const rfa::cpu::Kernels& kernels, const float* row, const MapParams& map, int64_t h,
@@ -43,27 +43,27 @@ const float* head_features(const rfa::cpu::Kernels& kernels, const float* row, c
 // native search's live rows written at their places' rows). state_in may be state_out itself (one buffer: the native
 // search's) where the rows come in groups of `group` (a place's beams) that read and write rows of their own group
 // only (checked): each group's states are read before any of them is written.
-void causal_layer_step(const torch::Tensor& phi_q, const torch::Tensor& phi_k, const torch::Tensor& v,
-                       const torch::Tensor& gate_logits, const torch::Tensor& key_pad, const torch::Tensor& state_in,
-                       const torch::Tensor& order, const torch::Tensor& state_out, const torch::Tensor& out, double eps,
-                       int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix,
-                       const rfa::cpu::Kernels& kernels, const torch::Tensor& state_rows = torch::Tensor(),
+void causal_layer_step(const at::Tensor& phi_q, const at::Tensor& phi_k, const at::Tensor& v,
+                       const at::Tensor& gate_logits, const at::Tensor& key_pad, const at::Tensor& state_in,
+                       const at::Tensor& order, const at::Tensor& state_out, const at::Tensor& out, double eps,
+                       int64_t activation, const at::Tensor& sigma, const at::Tensor& matrix,
+                       const rfa::cpu::Kernels& kernels, const at::Tensor& state_rows = at::Tensor(),
                        int64_t group = 0);
 // The cross-attention steps: row r reads sentence r / beam, or sentences[r / beam] where `sentences` (int64) is given
 // (the native search's rows of the places still translating).
 // RFA cross-attention of one step: phi(q) . S over the per-sentence states (N, H, F, d + 1); q (R, H * P): raw
 // per-head queries (P = d) or a learned affine map's pre-activations (P = D), the map applied here; out (R, H * d)
-void rfa_cross_step(const torch::Tensor& q, const torch::Tensor& cross_state, int64_t beam, double eps,
-                    int64_t activation, const torch::Tensor& sigma, const torch::Tensor& matrix, const torch::Tensor& out,
-                    const rfa::cpu::Kernels& kernels, const torch::Tensor& sentences = torch::Tensor());
-void softmax_cross_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                        const torch::Tensor& key_bias, int64_t beam, double scaling, const torch::Tensor& out,
-                        const torch::Tensor& weights, const rfa::cpu::Kernels& kernels,
-                        const torch::Tensor& sentences = torch::Tensor());
-void add_layer_norm(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& gamma,
-                    const torch::Tensor& beta, double eps, const torch::Tensor& out, const rfa::cpu::Kernels& kernels);
-void beam_candidates(const torch::Tensor& lprobs, const torch::Tensor& prev_scores, int64_t beam,
-                     const torch::Tensor& scores_out, const torch::Tensor& indices_out,
+void rfa_cross_step(const at::Tensor& q, const at::Tensor& cross_state, int64_t beam, double eps,
+                    int64_t activation, const at::Tensor& sigma, const at::Tensor& matrix, const at::Tensor& out,
+                    const rfa::cpu::Kernels& kernels, const at::Tensor& sentences = at::Tensor());
+void softmax_cross_step(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& key_bias, int64_t beam, double scaling, const at::Tensor& out,
+                        const at::Tensor& weights, const rfa::cpu::Kernels& kernels,
+                        const at::Tensor& sentences = at::Tensor());
+void add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& gamma,
+                    const at::Tensor& beta, double eps, const at::Tensor& out, const rfa::cpu::Kernels& kernels);
+void beam_candidates(const at::Tensor& lprobs, const at::Tensor& prev_scores, int64_t beam,
+                     const at::Tensor& scores_out, const at::Tensor& indices_out,
                      const rfa::cpu::Kernels& kernels);
 // The k best (value, index) so far, best first; among equal values the one seen first stays first.
 struct TopK {
@@ -99,7 +99,7 @@ void sentence_candidates(TopK& best, int64_t beams, int64_t V, const Value& valu
   }
 }
 // int8 linear layers' input: each row's 7-bit codes and scale (cpu_kernels.h's kInt8RowZeroPoint)
-void quantize_rows(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+void quantize_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const rfa::cpu::Kernels& kernels);
 // the same on raw rows (x: R rows of C floats, row stride ldx; codes: R x C contiguous), the caller's checks done
 void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t C, uint8_t* codes, float* scales,

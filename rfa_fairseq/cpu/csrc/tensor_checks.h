@@ -1,7 +1,7 @@
 // The checks the decoder's program and the native search make of every tensor they take a pointer of, with the GIL
 // held, before they release it: an error names the tensor (decode_program.cpp, native_search.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <string>
 #include <vector>
