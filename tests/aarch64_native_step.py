@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", metavar="PATH", help="decode with fresh weights; write them and the results to PATH")
-XX
+    mode.add_argument("--compare", metavar="PATH",
+                      help="decode with PATH's weights; compare with PATH's results (exit 1 where they differ)")
     args = parser.parse_args(argv)
     here = platform.machine()
     if args.write:
