@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     if args.write:
         state_dict, log_probs, level = native_step()
         torch.save({"state_dict": state_dict, "log_probs": log_probs, "level": level, "machine": here}, args.write)
-        print(f"aarch64_native_step: {here} {level}: {tuple(log_probs.shape)} log-probabilities written to {args.write}")
+        print(f"aarch64_native_step: {here} {level}: {tuple(log_probs.shape)} log-probabilities written to "
+              f"{args.write}")
         return 0
     reference = torch.load(args.compare, weights_only=True)
     _, got, level = native_step(reference["state_dict"])
