@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_model, random_batch
-from test_model import _decode_incrementally
+from helpers import build_model, decode_incrementally, random_batch
 
 from rfa_fairseq.gpu import triton_self_check
 from rfa_fairseq.gpu.triton_support import triton_usable
@@ -276,7 +275,7 @@ def test_the_model_option_reaches_the_sequence_calls_and_the_decoders_step(monke
             model(src, src_lengths, prev)
             model.eval()
             with torch.no_grad():
-                _decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
+                decode_incrementally(model, model.encoder(src, src_lengths=src_lengths), prev, {})
             assert asked == [checked] * len(model.decoder.layers)
             assert trust.unchecked_steps == (set() if checked else {"cpu"})
 
