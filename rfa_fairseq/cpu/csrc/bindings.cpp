@@ -1,8 +1,10 @@
 // The one C++ module: the CPU kernels' levels (cpu_kernels.h), the decoding step's kernels on tensors
 // (step_kernels.h, bound with the level they run on for the tests that compare every level with the torch step), the
 // linear layers (linear_layers.h), the decoder's and the encoder's programs. Absent tensors are None.
-#include <pybind11/stl.h>
+// The sources include ATen and torch's pybind11 casters, never torch/extension.h: the C++ frontend it adds (torch::nn,
+// optim, data) is most of a file's compile time, and nothing here uses it.
 #include <ATen/ATen.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
