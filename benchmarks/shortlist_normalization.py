@@ -12,7 +12,7 @@ also where renormalizing reordered the beams. One CSV row per (pair, split, chec
     python benchmarks/shortlist_normalization.py --pair en-de --prep outputs/multi30k \
         --checkpoint outputs/quality/hedgehog_gate_softmax_cross_d32_u1000_s1/checkpoint_best.pt --points 100:100
 
-The shortlist file is benchmarks/shortlist_quality.py's (DATA/shortlist.SRC-TGT.k100_n100.i5.npz: run that first).
+The shortlist file is shortlist_quality.py's (built with the points' largest K and N unless up to date, or --shortlist).
 """
 import argparse
 import datetime
@@ -21,15 +21,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_common import REPO, write_csv  # noqa: E402
-from shortlist_quality import checkpoint_column, checkpoint_updates, point, read_rows  # noqa: E402
+from shortlist_quality import build_shortlist, checkpoint_column, checkpoint_updates, point, read_rows  # noqa: E402
 
 RESULTS = os.path.join(REPO, "benchmarks", "results", "shortlist_normalization_multi30k.csv")
 KEY = ("pair", "split", "checkpoint", "checkpoint_updates", "k", "n", "sentences")
 SCORINGS = ("full", "renormalized", "full_normalizer")
 
 
-def decode(args, split, points):
-    """{(k, n): {scoring: identical count}} and the sentence count, for one split."""
+def key_of(row) -> tuple:
+    return tuple(str(row[name]) for name in KEY)
+
+
+def decode(args, path, split, points):
+    """{(k, n): {scoring: identical count}} and the sentence count, for one split, the shortlist file at path."""
     import torch
 
     import rfa_fairseq  # noqa: F401  (registers the model)
@@ -56,9 +60,6 @@ def decode(args, split, points):
     model.get_normalized_probs = normalized
     generator = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_a=1, max_len_b=50,
                                   len_penalty=1.0)  # shortlist_quality.py's fairseq-generate options
-    path = os.path.join(data, f"shortlist.{args.source}-{args.target}.k100_n100.i5.npz")
-    if not os.path.isfile(path):
-        sys.exit(f"shortlist_normalization: no {path} (benchmarks/shortlist_quality.py builds it)")
     shortlists = {(k, n): Shortlist.load(path, task.source_dictionary, task.target_dictionary, k, n) for k, n in points}
     count = min(args.sentences, len(dataset))
     same = {p: dict.fromkeys(SCORINGS[1:], 0) for p in points}
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--points", nargs="+", type=point, default=[(100, 100)], metavar="K:N")
     p.add_argument("--splits", nargs="+", choices=["test", "valid"], default=["test"])
     p.add_argument("--sentences", type=int, default=300, help="the split's first sentences")
+    p.add_argument("--shortlist", default=None,
+                   help="the shortlist file, built there with the points' largest K and N unless up to date "
+                        "(default: in the data-bin, as shortlist_quality.py names it)")
     p.add_argument("--csv", default=RESULTS)
     args = p.parse_args(argv)
     args.source, args.target = args.pair.split("-")
@@ -92,22 +96,23 @@ def main(argv=None) -> int:
         p.error(f"--checkpoint {args.checkpoint} does not exist")
     args.checkpoint = os.path.normpath(os.path.abspath(args.checkpoint))
     updates = checkpoint_updates(args.checkpoint)
+    path = build_shortlist(args)
     rows = read_rows(args.csv)
+    done = {key_of(r) for r in rows}
     for split in args.splits:
-        todo = [pt for pt in args.points
-                if not any(tuple(r[c] for c in KEY) == (args.pair, split, checkpoint_column(args.checkpoint),
-                                                           str(updates), str(pt[0]), str(pt[1]), str(args.sentences))
-                           for r in rows)]
+        todo = [(k, n) for k, n in args.points
+                if (args.pair, split, checkpoint_column(args.checkpoint), str(updates), str(k), str(n),
+                    str(args.sentences)) not in done]
         if not todo:
             continue
-        same, count = decode(args, split, todo)
+        same, count = decode(args, path, split, todo)
         for (k, n), counts in same.items():
             row = {"pair": args.pair, "split": split, "checkpoint": checkpoint_column(args.checkpoint),
                    "checkpoint_updates": updates, "k": k, "n": n, "sentences": count, "batch_size": 1,
                    "identical_renormalized": f"{counts['renormalized'] / count:.4f}",
                    "identical_full_normalizer": f"{counts['full_normalizer'] / count:.4f}", "threads": 1,
                    "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
-            rows = [r for r in rows if tuple(r[c] for c in KEY) != tuple(str(row[c]) for c in KEY)] + [row]
+            rows = [r for r in rows if key_of(r) != key_of(row)] + [row]
             write_csv(args.csv, rows)
             print(f"shortlist_normalization: {args.pair} {split} K={k} N={n}, first {count} sentences at batch 1: "
                   f"identical to the full vocabulary's {row['identical_renormalized']} normalized over the union, "

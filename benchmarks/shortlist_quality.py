@@ -3,15 +3,15 @@
 
 fairseq-generate of one rfa_transformer checkpoint on the test and valid splits of a Multi30k pair (beam 4, length
 penalty 1, max length source + 50, --batch-size B, SentencePiece-decoded, 1 thread), over the full vocabulary and
-with the shortlist's first k candidates per source token and n frequent tokens (--model-overrides
-"{'rfa_shortlist': PATH, 'rfa_shortlist_k': k, 'rfa_shortlist_n': n}"), scored with sacreBLEU against the raw
-references. The shortlist is built once with the grid's largest K and N (rfa-build-shortlist --output
-DATA/shortlist.SRC-TGT.kK_nN.i5.npz, the name benchmarks/shortlist_sizes.py gives it; skipped when up to date) and
-read at every smaller (k, n). One CSV row per (pair, split, checkpoint and its updates, batch size, k, n): both
-BLEUs, their difference, how many hypotheses are identical to the full vocabulary's (and why the others changed: how many of the
-full vocabulary's hypotheses lie wholly in their batch's union, how many of those stayed identical), the union's mean
-size per batch at batch sizes 1, 32 and 128 (the split cut as fairseq-generate cuts it; the size the decoder's projection has); the
-full vocabulary's row has k = n = full. The union is a batch's, so the hypotheses of a sentence depend on its batch:
+with the shortlist's first k candidates per source token and n frequent tokens (--model-overrides "{'rfa_shortlist':
+PATH, 'rfa_shortlist_k': k, 'rfa_shortlist_n': n}"), scored with sacreBLEU against the raw references. The shortlist
+is built once with the grid's largest K and N (rfa-build-shortlist --output DATA/shortlist.SRC-TGT.kK_nN.i5.npz, the
+name benchmarks/shortlist_sizes.py gives it; skipped when up to date) and read at every smaller (k, n). One CSV row
+per (pair, split, checkpoint and its updates, batch size, k, n): both BLEUs, their difference, how many hypotheses
+are identical to the full vocabulary's (and why the others changed: how many of the full vocabulary's hypotheses lie
+wholly in their batch's union, how many of those stayed identical), the union's mean size per batch at batch sizes
+1, 32 and 128 (the split cut as fairseq-generate cuts it; the size the decoder's projection has); the full
+vocabulary's row has k = n = full. The union is a batch's, so the hypotheses of a sentence depend on its batch:
 batch 1 has the smallest unions (the strictest setting), larger batches approach the full vocabulary.
 
     python benchmarks/shortlist_quality.py --pair en-de --prep outputs/multi30k \

@@ -9,14 +9,14 @@ cross-attention reads a source K/V (or an RFA state) fixed per sentence. So deco
   CPU in fp32 (and int8) it also holds the native program: the same step compiled ahead of time in C++
   (cpu/csrc/decode_program.cpp), built from the same records.
 - `DecodingState`, one batch's decoding (start, step, reorder), the one object a beam search drives, with the one
-  account of its rows (`BatchRows`: which source sentence each row reads, the beam layout, the pending beam order,
-  the state buffer the next step reads; changed only through its methods) and one cache per layer that owns its
-  buffers (`LayerCache`: the causal attention's `CausalCache`, state buffers (rows, H, F, d + 1): two used in turn,
-  or one updated in place where the native search drives the batch; the cross-attention's `SentenceCache`, K and V or the RFA state once per source sentence). Everything else
-  derives from them when they change: the native program's view of the caches (`NativeBatch`, tensors only), the
-  caches' reorders. A state kept across batches (the static beam search) reuses its buffers, so a batch of a shape
-  seen before runs on the same addresses (and CUDA graphs); fairseq's generator starts a state per batch on the
-  buffers the last batch left (`DecodingCache`).
+  account of its rows (`BatchRows`: which source sentence each row reads, the beam layout, the pending beam order, the
+  state buffer the next step reads; changed only through its methods) and one cache per layer that owns its buffers
+  (`LayerCache`: the causal attention's `CausalCache`, state buffers (rows, H, F, d + 1): two used in turn, or one
+  updated in place where the native search drives the batch; the cross-attention's `SentenceCache`, K and V or the RFA
+  state once per source sentence). Everything else derives from them when they change: the native program's view of
+  the caches (`NativeBatch`, tensors only), the caches' reorders. A state kept across batches (the static beam search)
+  reuses its buffers, so a batch of a shape seen before runs on the same addresses (and CUDA graphs); fairseq's
+  generator starts a state per batch on the buffers the last batch left (`DecodingCache`).
 
 The step is one function in two implementations: the records' `step` methods in torch (the reference, CUDA, bf16)
 and the native program (the CPU), chosen once by the kernel set. On CUDA the step is captured as a CUDA graph and
