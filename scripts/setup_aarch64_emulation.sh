@@ -19,8 +19,8 @@
 #    and no sdist), built for aarch64 by the emulated pip with the cross compiler (its Cython and C++ helpers).
 # 5. checkout: the repository's files (git ls-files) copied into the cache, where the emulated Python runs the
 #    project's own setup.py (build_ext --inplace) with the cross compiler as CXX: the C++ module for aarch64.
-# Emulated Python runs as: qemu-aarch64 -L DIR/root DIR/root/usr/bin/python3.11, PYTHONPATH=DIR/site...
-# (scripts/test_aarch64_native_step.sh, which runs this script first; the last line printed is "ready: DIR").
+# Emulated Python runs as DIR/python (qemu-aarch64 -L DIR/root DIR/root/usr/bin/python3.11, PYTHONPATH=DIR/site...;
+# scripts/test_aarch64_native_step.sh runs this script first; the last line printed is "ready: DIR").
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,8 +70,16 @@ if ((${#missing[@]})); then
         die "apt-get could not install ${missing[*]}"
     QEMU="$(command -v qemu-aarch64 || command -v qemu-aarch64-static)" || die "apt-get installed no qemu-aarch64"
 fi
-EMULATED=(env PYTHONPATH="$DIR/site-fairseq:$DIR/site:$DIR/site-torch" "$QEMU" -cpu max -L "$ROOT"
-    "$ROOT/usr/bin/python3.11")
+# the emulated Python, written once as DIR/python (what scripts/test_aarch64_native_step.sh runs too): none of the
+# host venv's Python settings, the aarch64 site directories first; -cpu max: an ARMv8 CPU with the dot-product
+# extension (the neon_dotprod level)
+EMULATED=("$DIR/python")
+cat >"$DIR/python.new" <<LAUNCHER
+#!/bin/sh
+exec env -u PYTHONHOME -u VIRTUAL_ENV PYTHONPATH="$DIR/site-fairseq:$DIR/site:$DIR/site-torch" "$QEMU" -cpu max \\
+    -L "$ROOT" "$ROOT/usr/bin/python3.11" "\$@"
+LAUNCHER
+chmod +x "$DIR/python.new" && mv "$DIR/python.new" "$DIR/python" || die "cannot write $DIR/python"
 
 # ---------------------------------------------------------------------------------------------------- 2. sysroot
 RELEASE="$(cat /etc/debian_version 2>/dev/null || echo unknown)"
