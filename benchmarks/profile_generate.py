@@ -16,16 +16,20 @@ under torch's profiler, which times the native step's parts (cpu/csrc/decode_pro
                                   own cost): the profiled pass's total less the parts
 
 `gemm_floor` times the step's linear layers alone, on the same packed weights, at the rows of every step that
-was run (each batch's rows shrink as its sentences finish): what a step could take if it were its GEMMs only.
+was run (each batch's rows shrink as its sentences finish): what a step could take if it were its GEMMs only
+(over the full vocabulary's projection, with --shortlist too).
 `ctranslate2 total` is CTranslate2 on the same sentences, same batch size, beam and threads, in a process of its
 own (benchmarks/ctranslate2_generate.py; its one translate_batch call, warm-up included; no per-part profile:
 CTranslate2's Python API has none). Writes one CSV row per (batch size, part).
 
     python benchmarks/profile_generate.py --prep outputs/multi30k --path CKPT --ct2-model CT2_DIR
     python benchmarks/profile_generate.py ... --decode-precision int8 --ct2-model CT2_INT8_DIR --csv FILE
+    python benchmarks/profile_generate.py ... --shortlist DATA/shortlist.en-de.npz --ct2-model CT2_VMAP_DIR \
+        --forced-length 16        # the vocabulary shortlist against CTranslate2's use_vmap, 16 tokens each
 
 One precision per run (--decode-precision: the rfa model's linear layers, int8's gemm_floor its quantization
-included); a run replaces its own (precision, threads, batch size) rows of the CSV and keeps the others.
+included); a run replaces its own (precision, threads, batch size, shortlist, forced length) rows of the CSV and
+keeps the others.
 """
 import argparse
 import collections
@@ -83,11 +87,16 @@ def load(args):
     from fairseq import checkpoint_utils, options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+    overrides = {"rfa_decode_precision": args.decode_precision, "rfa_cpu_isa": args.cpu_isa or "auto"}
+    if args.shortlist:
+        overrides["rfa_shortlist"] = args.shortlist
+    # forced: every hypothesis exactly L tokens (benchmark_generate.py's --forced-length); else source length + 50
+    lengths = (["--min-len", str(args.forced_length), "--max-len-a", "0", "--max-len-b", str(args.forced_length)]
+               if args.forced_length else ["--max-len-a", "1", "--max-len-b", "50"])
     parser = options.get_generation_parser()
     gen_args = options.parse_args_and_arch(parser, [
         os.path.join(args.prep, "data-bin"), "--user-dir", PLUGIN_DIR, "--path", args.path, "--gen-subset", "test",
-        "--beam", "4", "--lenpen", "1", "--max-len-a", "1", "--max-len-b", "50", "--cpu",
-        "--model-overrides", repr({"rfa_decode_precision": args.decode_precision, "rfa_cpu_isa": args.cpu_isa or "auto"})])
+        "--beam", "4", "--lenpen", "1", *lengths, "--cpu", "--model-overrides", repr(overrides)])
     cfg = convert_namespace_to_omegaconf(gen_args)
     utils.import_user_module(cfg.common)
     task = tasks.setup_task(cfg.task)
@@ -187,7 +196,8 @@ def profile_ct2(args, batch_size):
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctranslate2_generate.py"),
                "--model", args.ct2_model, "--source", os.path.join(args.prep, "test.spm.en"),
                "--output", os.path.join(tmp, "hyp.txt"), "--threads", str(args.threads), "--batch-size",
-               str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50"]
+               str(batch_size), "--beam", "4", "--lenpen", "1", "--max-len-b", "50",
+               "--forced-length", str(args.forced_length)] + (["--use-vmap"] if args.shortlist else [])
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     found = re.search(r"Translated .* in [\d.]+s \(([\d.]+) sentences/s", proc.stdout + proc.stderr)
@@ -209,7 +219,14 @@ def main():
                                                  "profile_generate_multi30k_cpu.csv"))
     p.add_argument("--cpu-isa", default="", choices=["", *ISA_CAPS],
                    help="this process and CTranslate2's capped at this instruction-set level (benchmark_common.ISA_CAPS)")
+    p.add_argument("--shortlist", default="",
+                   help="decode with this vocabulary shortlist (--rfa-shortlist); CTranslate2 then translates with "
+                        "use_vmap (--ct2-model converted with the same table as its vocabulary map)")
+    p.add_argument("--forced-length", type=int, default=0,
+                   help="every hypothesis exactly this many tokens, in both engines (0: natural lengths)")
     args = p.parse_args()
+    if args.forced_length < 0:
+        p.error(f"--forced-length must be 0 (natural lengths) or positive, got {args.forced_length}")
     if args.cpu_isa and os.environ.get("RFA_PROFILE_CAPPED") != args.cpu_isa:  # the caps are read at start: again
         env = cpu_isa_environment(args.cpu_isa, dict(os.environ, RFA_PROFILE_CAPPED=args.cpu_isa))
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
@@ -218,7 +235,8 @@ def main():
     generator.parts = 1  # one part on every thread (parts decoded at once would overlap each other's parts' times)
     timer, step_rows = instrument(model)
     out = []
-    point = {"decode_precision": args.decode_precision, "threads": args.threads}
+    point = {"decode_precision": args.decode_precision, "threads": args.threads,
+             "shortlist": os.path.basename(args.shortlist), "forced_length": args.forced_length}
     for batch_size in args.batch_sizes:
         seconds, calls, rows, total, profiled = profile_rfa(model, generator, batches_of(batch_size), timer, step_rows)
         steps = len(rows)
@@ -239,13 +257,16 @@ def main():
         for row in out:
             if row["batch_size"] == batch_size:
                 print(f"batch {batch_size:4d}  {row['part']:22s} {row['seconds']:>8s} s  {row['ms_per_step']:>8s} ms/step")
-    # the CSV keeps other precisions' and thread counts' rows (one run per precision)
+    # the CSV keeps other points' rows (one run per precision, thread count, shortlist and length)
+    def key(row):
+        return (row.get("decode_precision") or "fp32", str(row["threads"]), str(row["batch_size"]),
+                row.get("shortlist") or "", str(row.get("forced_length") or 0))
+
+    measured = {key(row) for row in out}
     kept = []
     if os.path.exists(args.csv):
         with open(args.csv, newline="") as f:
-            kept = [r for r in csv.DictReader(f)
-                    if (r.get("decode_precision") or "fp32", r["threads"], r["batch_size"]) not in
-                    {(args.decode_precision, str(args.threads), str(b)) for b in args.batch_sizes}]
+            kept = [r for r in csv.DictReader(f) if key(r) not in measured]
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     write_csv(args.csv, kept + out)
     print(f"wrote {args.csv}")

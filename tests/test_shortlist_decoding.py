@@ -442,3 +442,31 @@ def test_hub_load_and_fairseq_generate_take_the_option(trained):
         assert {target.index(w) for w in hypothesis.split()} <= set(all_sources.tolist()), hypothesis
     with pytest.raises(shortlist.ShortlistError, match=r"--rfa-shortlist .*nowhere\.npz: file not found"):
         hub.load(checkpoint, bin_dir, sentencepiece_model=None, rfa_shortlist=os.path.join(bin_dir, "nowhere.npz"))
+
+
+@pytest.mark.slow
+def test_the_profile_takes_the_shortlist_and_a_forced_length(trained, tmp_path):
+    """benchmarks/profile_generate.py --shortlist FILE --forced-length L decodes over the batches' unions with every
+    hypothesis L tokens long: each batch takes L steps and EOS's, its rows name the shortlist and the length, and a
+    second run at another length keeps the first's rows."""
+    import csv
+    import sys
+
+    _, bin_dir, checkpoint, path = trained
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    (prep / "data-bin").symlink_to(bin_dir)
+    csv_path = tmp_path / "profile.csv"
+    script = os.path.join(os.path.dirname(PLUGIN_DIR), "benchmarks", "profile_generate.py")
+    for length in (5, 7):
+        run(sys.executable, script, "--prep", prep, "--path", checkpoint, "--batch-sizes", "8", "--threads", "1",
+            "--shortlist", path, "--forced-length", str(length), "--csv", csv_path)
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    sentences = 40
+    batches = -(-sentences // 8)
+    for length in (5, 7):
+        at = {row["part"]: row for row in rows if row["forced_length"] == str(length)}
+        assert {row["shortlist"] for row in at.values()} == {os.path.basename(path)}
+        assert int(at["rfa total"]["calls"]) == batches * (length + 1), at["rfa total"]  # L tokens, then EOS
+        assert int(at["decoder: output projection"]["calls"]) > 0
