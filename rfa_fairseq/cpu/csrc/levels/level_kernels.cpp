@@ -391,9 +391,11 @@ constexpr int kManyRows = kRegisters >= 32 ? 8 : 6;
 constexpr int kManyBlocks = kRegisters >= 32 ? 3 : 2;
 #if defined(RFA_LEVEL_VNNI) || defined(__ARM_FEATURE_DOTPROD)
 constexpr int kInt8ManyRows = kManyRows;
-#else
+#elif defined(CPU_CAPABILITY_AVX512)
 // AVX-512 without VNNI: 5 rows (6 x 3 kept 6 of its 18 sums on the stack, 5 % slower)
-constexpr int kInt8ManyRows = kRegisters >= 32 ? 5 : kFewRows;
+constexpr int kInt8ManyRows = 5;
+#else
+constexpr int kInt8ManyRows = kRegisters >= 32 ? 6 : kFewRows;
 #endif
 constexpr int kTileRows = static_cast<int>(std::max<int64_t>(kFewRows, std::max(kManyRows, kInt8ManyRows)));
 constexpr int kTileBlocks = std::max(kFewBlocks, kManyBlocks);
