@@ -255,6 +255,14 @@ ISA_CAPS = {
 }
 
 
+def length_flags(forced_length: int) -> list:
+    """fairseq-generate's length flags: source + 50 tokens at most (beam search's natural lengths), or every
+    hypothesis exactly forced_length tokens (then EOS)."""
+    if forced_length > 0:
+        return ["--min-len", str(forced_length), "--max-len-a", "0", "--max-len-b", str(forced_length)]
+    return ["--max-len-a", "1", "--max-len-b", "50"]
+
+
 def cpu_isa_environment(level: str, env: dict) -> dict:
     """`env` with every library of a decoding process capped at `level` (ISA_CAPS; oneDNN's name from cpu/levels.py)."""
     from rfa_fairseq.cpu import levels

@@ -70,6 +70,7 @@ from benchmark_common import (  # noqa: E402
     cpu_isa_environment,
     detokenized_hypotheses,
     device_tag,
+    length_flags,
     pyplot,
     write_csv,
 )
@@ -291,14 +292,6 @@ def generate(args, model, batch_size, threads, hyp_path, ct2_config=(1, 1), cpu_
         hyps = detokenized_hypotheses(text)
     sentences, tokens = (int(g.replace(",", "")) for g in found.groups()[:2])
     return sentences, tokens, sentences / float(found.group(4)), usage.ru_maxrss / 1024, hyps, gemm_backend(model, text, args.device)
-
-
-def length_flags(forced_length: int) -> list:
-    """fairseq-generate's length flags: source + 50 tokens at most (beam search's natural lengths), or every
-    hypothesis exactly forced_length tokens (then EOS)."""
-    if forced_length > 0:
-        return ["--min-len", str(forced_length), "--max-len-a", "0", "--max-len-b", str(forced_length)]
-    return ["--max-len-a", "1", "--max-len-b", "50"]
 
 
 def gemm_backend(model, log_text, device="cpu") -> str:

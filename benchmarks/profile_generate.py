@@ -46,7 +46,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import ISA_CAPS, PLUGIN_DIR, cpu_isa_environment, write_csv  # noqa: E402
+from benchmark_common import ISA_CAPS, PLUGIN_DIR, cpu_isa_environment, length_flags, write_csv  # noqa: E402
 
 # the native step's parts (RECORD_FUNCTION names) -> the CSV's parts
 NATIVE_PARTS = {"rfa::linear": "decoder: linear layers", "rfa::output_projection": "decoder: output projection",
@@ -90,13 +90,11 @@ def load(args):
     overrides = {"rfa_decode_precision": args.decode_precision, "rfa_cpu_isa": args.cpu_isa or "auto"}
     if args.shortlist:
         overrides["rfa_shortlist"] = args.shortlist
-    # forced: every hypothesis exactly L tokens (benchmark_generate.py's --forced-length); else source length + 50
-    lengths = (["--min-len", str(args.forced_length), "--max-len-a", "0", "--max-len-b", str(args.forced_length)]
-               if args.forced_length else ["--max-len-a", "1", "--max-len-b", "50"])
     parser = options.get_generation_parser()
     gen_args = options.parse_args_and_arch(parser, [
         os.path.join(args.prep, "data-bin"), "--user-dir", PLUGIN_DIR, "--path", args.path, "--gen-subset", "test",
-        "--beam", "4", "--lenpen", "1", *lengths, "--cpu", "--model-overrides", repr(overrides)])
+        "--beam", "4", "--lenpen", "1", *length_flags(args.forced_length), "--cpu",
+        "--model-overrides", repr(overrides)])
     cfg = convert_namespace_to_omegaconf(gen_args)
     utils.import_user_module(cfg.common)
     task = tasks.setup_task(cfg.task)

@@ -100,15 +100,15 @@ def main(argv=None) -> int:
     rows = read_rows(args.csv)
     done = {key_of(r) for r in rows}
     for split in args.splits:
+        identity = {"pair": args.pair, "split": split, "checkpoint": checkpoint_column(args.checkpoint),
+                    "checkpoint_updates": updates}
         todo = [(k, n) for k, n in args.points
-                if (args.pair, split, checkpoint_column(args.checkpoint), str(updates), str(k), str(n),
-                    str(args.sentences)) not in done]
+                if key_of(dict(identity, k=k, n=n, sentences=args.sentences)) not in done]
         if not todo:
             continue
         same, count = decode(args, path, split, todo)
         for (k, n), counts in same.items():
-            row = {"pair": args.pair, "split": split, "checkpoint": checkpoint_column(args.checkpoint),
-                   "checkpoint_updates": updates, "k": k, "n": n, "sentences": count, "batch_size": 1,
+            row = {**identity, "k": k, "n": n, "sentences": count, "batch_size": 1,
                    "identical_renormalized": f"{counts['renormalized'] / count:.4f}",
                    "identical_full_normalizer": f"{counts['full_normalizer'] / count:.4f}", "threads": 1,
                    "measured_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
