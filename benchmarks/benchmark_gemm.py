@@ -17,6 +17,7 @@ fc2, then the vocabulary projection. Each library runs all of them at each --row
                  decoding step ran on before its weights were kept once
 
     python benchmarks/benchmark_gemm.py --size recipe --threads 1 2   # -> benchmarks/results/gemm_step_shapes_cpu_recipe.csv
+    python benchmarks/benchmark_gemm.py --size recipe --cpu-isa avx2 --csv FILE   # every library capped to AVX2
 """
 import argparse
 import os
@@ -26,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_common import machine_description, write_csv  # noqa: E402
+from benchmark_common import ISA_CAPS, cpu_isa_environment, machine_description, write_csv  # noqa: E402
 
 
 # size -> (layers, C, FFN, heads, vocabulary)
@@ -52,8 +53,9 @@ def best_ms(fn, repeats=200, warmup=10):
     return best * 1e3
 
 
-def plugin_kernels():
-    """The plugin's fp32 and int8 kernel sets (cpu/native.py), or {} where its C++ module does not load."""
+def plugin_kernels(cpu_isa="auto"):
+    """The plugin's fp32 and int8 kernel sets (cpu/native.py) at a level (--rfa-cpu-isa's values), or {} where its
+    C++ module does not load."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from rfa_fairseq.cpu.extension import load_fused_extension
     from rfa_fairseq.cpu.native import native_kernels
@@ -62,7 +64,7 @@ def plugin_kernels():
     if ext is None:
         print("benchmark_gemm: the plugin's C++ module does not load: its rows are left out")
         return {}
-    return {name: native_kernels(ext, precision, torch.float16, "auto")
+    return {name: native_kernels(ext, precision, torch.float16, cpu_isa)
             for name, precision in (("rfa", "fp32"), ("rfa_int8", "int8"))}
 
 
@@ -91,11 +93,17 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[4, 32, 128, 512])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--csv", default=None, help="default: benchmarks/results/gemm_step_shapes_cpu_<size>.csv")
+    p.add_argument("--cpu-isa", default="", choices=["", *ISA_CAPS],
+                   help="every library capped at this instruction-set level: the plugin's kernels at it, oneDNN, "
+                        "MKL and torch through their own caps (benchmark_common.ISA_CAPS); default: the CPU's own")
     args = p.parse_args()
+    if args.cpu_isa and os.environ.get("RFA_GEMM_CAPPED") != args.cpu_isa:  # the caps are read at start: again
+        env = cpu_isa_environment(args.cpu_isa, dict(os.environ, RFA_GEMM_CAPPED=args.cpu_isa))
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     args.csv = args.csv or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         f"gemm_step_shapes_cpu_{args.size}.csv")
     shapes = step_shapes(args.size)
-    plugin = plugin_kernels()
+    plugin = plugin_kernels(args.cpu_isa or "auto")
     machine = machine_description("cpu")
     out = []
     with torch.no_grad():
@@ -115,7 +123,7 @@ def main():
                     out.append({"size": args.size, "threads": threads, "rows": rows, "library": library,
                                 "step_gemm_ms": f"{ms:.3f}", "gflops": f"{flops / ms / 1e6:.1f}",
                                 "vs_addmm": f"{totals['addmm'] / ms:.2f}", "vs_onednn": vs_onednn,
-                                "machine": machine, "torch": torch.__version__})
+                                "cpu_isa": args.cpu_isa or "native", "machine": machine, "torch": torch.__version__})
                     print(f"{args.size} {threads} threads, {rows:4d} rows  {library:10s} {ms:8.3f} ms  "
                           f"{flops / ms / 1e6:6.1f} GFLOP/s  {totals['addmm'] / ms:.2f}x addmm  {vs_onednn}x oneDNN")
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
